@@ -1,0 +1,143 @@
+"""The contract every sub-agent shares: structured errors, the response envelope, and the runtime it may use.
+
+A sub-agent module defines exactly four names:
+
+    Request   pydantic model: the tool's arguments (its JSON schema is the tool schema the policy sees)
+    Response  pydantic model derived from `ToolResponse`: the payload plus the common envelope
+    Config    frozen dataclass: limits and knobs, read from the server's TOML section of the same name
+    run       `async def run(request, cfg, rt) -> Response`
+
+`run` never raises for a problem with the request or the outside world: it returns `fail(...)` with a
+`ToolError` whose `kind` says what happened. Only bugs raise. The tool server adds latency and the cache flag.
+
+Token accounting: `tokens_read` counts what the sub-agent consumed on the caller's behalf (page text it ranked,
+prompt tokens it fed its model); `tokens_returned` counts the tokens of `observation()`, the compact text the
+main policy actually reads. Their ratio is how the project shows that delegation keeps the main context small.
+
+This module imports nothing else from the project.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:  # only for type hints; importing these at run time would create a cycle
+    from subagents.backends import LLM
+    from subagents.fetch import Fetcher
+    from subagents.image_ops import ImageStore
+    from subagents.search import Corpus
+
+ErrorKind = Literal[
+    "invalid_args",  # the caller's arguments are wrong: the policy can fix them
+    "blocked_url",  # the SSRF guard refused the URL
+    "fetch_failed",  # the remote answered badly or not at all
+    "too_large",  # a body, image or video exceeded a cap
+    "timeout",  # a deadline ran out
+    "unsupported_media",  # a format we refuse to decode (EPS, broken files, no video stream ...)
+    "backend_error",  # the model behind the sub-agent failed (refused connection, 5xx, context length ...)
+    "not_found",  # an id, file or page that does not exist
+    "overloaded",  # the per-tool concurrency cap and queue deadline were hit
+]
+
+# The kinds a caller may retry unchanged: the outside world may behave differently next time.
+RETRYABLE_KINDS: frozenset[str] = frozenset({"fetch_failed", "timeout", "backend_error", "overloaded"})
+
+# Observations longer than this many characters are cut with a visible marker (roughly 300 tokens of
+# English for SmolLM2's tokenizer): the main policy's context is the scarce resource.
+MAX_OBSERVATION_CHARS = 1200
+TRUNCATION_MARKER = " …[truncated {n} chars]"
+
+
+class ToolError(BaseModel):
+    """Why a call did not produce a result, in a form the policy can read and the trainer can count."""
+
+    model_config = ConfigDict(frozen=True)
+    kind: ErrorKind
+    message: str
+    retryable: bool = False
+
+
+class ToolFailure(Exception):
+    """Raised inside a sub-agent's helpers and turned into `ToolError` at the top of its `run`."""
+
+    def __init__(self, kind: ErrorKind, message: str, *, retryable: bool | None = None) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.error = ToolError(
+            kind=kind, message=message, retryable=kind in RETRYABLE_KINDS if retryable is None else retryable
+        )
+
+
+class ToolResponse(BaseModel):
+    """The envelope every sub-agent response carries besides its payload."""
+
+    ok: bool = True
+    error: ToolError | None = None
+    latency_ms: float = 0.0
+    tokens_read: int = 0
+    tokens_returned: int = 0
+    cached: bool = False
+
+    def observation(self) -> str:
+        """The compact text the main policy reads; sub-agents override `summary()` for the success case."""
+        if self.error is not None:
+            return f"error ({self.error.kind}): {self.error.message}"
+        return truncate(self.summary(), MAX_OBSERVATION_CHARS)
+
+    def summary(self) -> str:
+        raise NotImplementedError
+
+
+R = TypeVar("R", bound=ToolResponse)
+
+
+def fail(response_type: type[R], kind: ErrorKind, message: str, *, retryable: bool | None = None) -> R:
+    """A failed response of `response_type`; payload fields keep their defaults."""
+    return response_type(ok=False, error=ToolFailure(kind, message, retryable=retryable).error)
+
+
+async def guarded(response_type: type[R], body: Callable[[], Awaitable[R]]) -> R:
+    """Run a sub-agent body, turning `ToolFailure` into a failed response. Other exceptions are bugs and raise."""
+    start = time.perf_counter()
+    try:
+        response = await body()
+    except ToolFailure as exc:
+        response = response_type(ok=False, error=exc.error)
+    response.latency_ms = (time.perf_counter() - start) * 1000
+    return response
+
+
+def truncate(text: str, limit: int) -> str:
+    """Cut `text` to at most `limit` characters plus a marker that says how much was dropped."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + TRUNCATION_MARKER.format(n=len(text) - limit)
+
+
+def approx_tokens(text: str) -> int:
+    """A tokenizer-free token estimate (4 characters per token) for places with no tokenizer at hand."""
+    return (len(text) + 3) // 4
+
+
+class TokenCounter(Protocol):
+    def __call__(self, text: str) -> int: ...
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What a sub-agent's `run` may use. The tool server builds one per sub-agent and call.
+
+    `llm` is the frozen model configured for this sub-agent (hot-swappable: the server hands each call the
+    backend current when the call started). `session` names the caller's image namespace (one episode).
+    """
+
+    llm: LLM
+    fetcher: Fetcher
+    images: ImageStore
+    corpus: Corpus | None = None
+    session: str = "default"
+    count_tokens: TokenCounter = field(default=approx_tokens)

