@@ -1,0 +1,210 @@
+"""Group baselines and turn-level credit assignment. Pure Python, no torch.
+
+A group is the G episodes sampled for one task. Episode i has a final reward R_i, and turns t = 0 .. T_i - 1,
+each with a turn reward r_{i,t} (see `rewards.turn_reward`) and an anchor key (a string such as the turn's
+`rewards.call_key`, or None when the turn has none). The result is one advantage per turn; every sampled token of
+a turn then carries that turn's advantage (`spread_to_tokens`).
+
+Outcome credit (`credit="outcome"`, GRPO):
+    A_i = R_i - mean_j R_j                  [/ (std_j R_j + eps) when normalize_std]
+    and every turn of episode i gets A_i. Turn rewards are ignored (log them, they do not train).
+
+Turn credit (`credit="turn"`):
+    return-to-go  G_{i,t} = sum_{k=t}^{T_i-1} gamma^(k-t) r_{i,k} + gamma^(T_i-1-t) R_i
+        i.e. the final reward is paid at the last turn together with that turn's reward, undiscounted there
+        (with 1-based t this is gamma^(T_i-t) R_i). Recursively G_{i,T_i-1} = r_{i,T_i-1} + R_i and
+        G_{i,t} = r_{i,t} + gamma G_{i,t+1}.
+    baseline "turn_index": b_{i,t} = mean of G_{j,t} over all episodes j of the group that have a turn t,
+        episode i included (not leave-one-out, as GRPO's mean; a turn index reached by one episode only gets A = 0).
+    baseline "anchor": b_{i,t} = mean of G over all turns of the group, any episode and any index, whose anchor
+        equals turn (i,t)'s anchor, itself included, when at least `min_anchor_group` such turns exist; otherwise
+        (or when the anchor is None) the "turn_index" baseline.
+    A_{i,t} = G_{i,t} - b_{i,t}          [/ (std of all A_{.,.} of the group + eps) when normalize_std]
+
+Degenerate sets: when all values in a baseline set are equal (all R_j, or all G in a turn-index / anchor set),
+the advantages are exactly 0.0 for that set, not a rounding residue. Standard deviations are population ones.
+
+Simplifications, on purpose: no learned value function (the group is the baseline); the baseline includes the
+episode itself, which shrinks advantages by a factor (n-1)/n relative to leave-one-out; std normalisation is one
+scale per group, not per baseline set; in turn credit an episode with no turns contributes nothing, while in
+outcome credit its R still enters the mean.
+
+Worked example (gamma = 1, turn_index baseline), two episodes:
+    episode 0: R = 1, turn rewards [0.0, 0.1]       -> G = [1.1, 1.1]
+    episode 1: R = 0, turn rewards [0.1, 0.0, 0.1]  -> G = [0.2, 0.1, 0.1]
+    baselines: t=0 mean(1.1, 0.2) = 0.65; t=1 mean(1.1, 0.1) = 0.6; t=2 only episode 1 -> 0.1
+    advantages: episode 0 [0.45, 0.5], episode 1 [-0.45, -0.5, 0.0]
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+# Added to the standard deviation before dividing: a group whose spread is tiny but non-zero
+# should not turn rounding noise into advantages of size ~1e6. GRPO implementations use 1e-4 to 1e-8.
+STD_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class CreditConfig:
+    """How advantages are assigned within a group."""
+
+    credit: Literal["outcome", "turn"] = "outcome"
+    """"outcome": one group-relative advantage per episode (GRPO); "turn": return-to-go minus a group baseline."""
+    group_size: int = 4
+    """Episodes sampled per task. At least 2: a group of one has no baseline and would learn nothing."""
+    gamma: float = 1.0
+    """Discount per turn for turn credit, in (0, 1]; 1 spreads the final reward undiminished to every turn."""
+    normalize_std: bool = False
+    """Divide advantages by the group's standard deviation (+eps). Off by default: Dr. GRPO shows it biases
+    learning towards groups that are nearly all right or all wrong."""
+    baseline: Literal["turn_index", "anchor"] = "turn_index"
+    """Turn credit only: compare a turn with the same turn index in the other episodes, or with turns that share
+    its anchor key (same call / same observation) anywhere in the group."""
+    min_anchor_group: int = 2
+    """Fewest turns that must share an anchor for the anchor baseline to be used; smaller sets fall back to the
+    turn-index baseline. At least 2, since a set of one would always give A = 0."""
+
+    def __post_init__(self) -> None:
+        if self.credit not in ("outcome", "turn"):
+            raise ValueError(f"credit must be 'outcome' or 'turn', got {self.credit!r}")
+        if self.baseline not in ("turn_index", "anchor"):
+            raise ValueError(f"baseline must be 'turn_index' or 'anchor', got {self.baseline!r}")
+        if self.group_size < 2:
+            raise ValueError(
+                f"group_size must be >= 2 (a group of one has no baseline), got {self.group_size}"
+            )
+        if not 0.0 < self.gamma <= 1.0:
+            raise ValueError(f"gamma must be in (0, 1], got {self.gamma}")
+        if self.min_anchor_group < 2:
+            raise ValueError(f"min_anchor_group must be >= 2, got {self.min_anchor_group}")
+
+
+@dataclass(frozen=True)
+class TurnCredit:
+    """The two facts about a turn that credit assignment needs."""
+
+    reward: float
+    """The turn's shaping reward r_{i,t} (`rewards.TurnRewardParts.total`)."""
+    anchor: str | None
+    """Key shared by turns in the same situation (e.g. `rewards.call_key` of the turn's call); None for none."""
+
+
+@dataclass(frozen=True)
+class EpisodeCredit:
+    """One episode of a group, reduced to its rewards."""
+
+    final_reward: float
+    """R_i, the final reward in [0, 1]."""
+    turns: tuple[TurnCredit, ...]
+    """The policy's turns in order."""
+
+
+def group_advantages(episodes: Sequence[EpisodeCredit], cfg: CreditConfig) -> list[list[float]]:
+    """One advantage per turn of every episode of a group: result[i][t] is A_{i,t} (see the module docstring).
+
+    A group may hold fewer than `cfg.group_size` episodes (invalid ones dropped) but never fewer than 2.
+    """
+    if len(episodes) < 2:
+        raise ValueError(f"a group needs at least 2 episodes to have a baseline, got {len(episodes)}")
+    if cfg.credit == "outcome":
+        return outcome_advantages(episodes, normalize_std=cfg.normalize_std)
+    return turn_advantages(episodes, cfg)
+
+
+def outcome_advantages(episodes: Sequence[EpisodeCredit], *, normalize_std: bool) -> list[list[float]]:
+    """GRPO: A_i = R_i - mean(R) (optionally / (std(R) + eps)), copied to every turn of episode i."""
+    rewards = [episode.final_reward for episode in episodes]
+    centred = [r - _mean(rewards) for r in rewards]
+    if normalize_std:
+        centred = _scale(centred)
+    return [[a] * len(episode.turns) for a, episode in zip(centred, episodes, strict=True)]
+
+
+def returns_to_go(episode: EpisodeCredit, gamma: float) -> list[float]:
+    """G_t = r_t + gamma G_{t+1}, with G_{T-1} = r_{T-1} + R: the final reward is paid at the last turn."""
+    returns = [0.0] * len(episode.turns)
+    future = episode.final_reward
+    for t in reversed(range(len(episode.turns))):
+        returns[t] = episode.turns[t].reward + future
+        future = gamma * returns[t]
+    return returns
+
+
+def turn_advantages(episodes: Sequence[EpisodeCredit], cfg: CreditConfig) -> list[list[float]]:
+    """A_{i,t} = G_{i,t} - b_{i,t} with the turn-index or anchor baseline (see the module docstring)."""
+    returns = [returns_to_go(episode, cfg.gamma) for episode in episodes]
+    by_index: defaultdict[int, list[float]] = defaultdict(list)
+    by_anchor: defaultdict[str, list[float]] = defaultdict(list)
+    for episode, episode_returns in zip(episodes, returns, strict=True):
+        for t, (turn, g) in enumerate(zip(episode.turns, episode_returns, strict=True)):
+            by_index[t].append(g)
+            if turn.anchor is not None:
+                by_anchor[turn.anchor].append(g)
+
+    def baseline(t: int, anchor: str | None) -> float:
+        if cfg.baseline == "anchor" and anchor is not None and len(by_anchor[anchor]) >= cfg.min_anchor_group:
+            return _mean(by_anchor[anchor])
+        return _mean(by_index[t])
+
+    advantages = [
+        [g - baseline(t, turn.anchor) for t, (turn, g) in enumerate(zip(episode.turns, rets, strict=True))]
+        for episode, rets in zip(episodes, returns, strict=True)
+    ]
+    if cfg.normalize_std:
+        flat = _scale([a for row in advantages for a in row])
+        sizes = [len(row) for row in advantages]
+        advantages = _unflatten(flat, sizes)
+    return advantages
+
+
+def spread_to_tokens(turn_advantages: list[float], turn_token_counts: list[int]) -> list[float]:
+    """Each turn's advantage repeated over its sampled tokens, turns in order: length sum(turn_token_counts).
+
+    Only sampled tokens are covered; `place_on_mask` lays the result onto an episode's full token sequence,
+    where prompt and observation tokens get 0 (they are masked out of the loss anyway).
+    """
+    if len(turn_advantages) != len(turn_token_counts):
+        raise ValueError(f"{len(turn_advantages)} turn advantages but {len(turn_token_counts)} token counts")
+    if any(n < 0 for n in turn_token_counts):
+        raise ValueError(f"token counts must be >= 0, got {turn_token_counts}")
+    return [a for a, n in zip(turn_advantages, turn_token_counts, strict=True) for _ in range(n)]
+
+
+def place_on_mask(token_values: list[float], loss_mask: Sequence[int | bool]) -> list[float]:
+    """Put `token_values` at the positions where `loss_mask` is set, in order, and 0.0 everywhere else."""
+    n_sampled = sum(1 for m in loss_mask if m)
+    if n_sampled != len(token_values):
+        raise ValueError(f"{len(token_values)} values for {n_sampled} masked-in positions")
+    values = iter(token_values)
+    return [next(values) if m else 0.0 for m in loss_mask]
+
+
+def _mean(values: Sequence[float]) -> float:
+    """Arithmetic mean, exactly the common value when all values are equal (so degenerate sets give A = 0.0)."""
+    if not values:
+        raise ValueError("mean of an empty set")
+    if all(v == values[0] for v in values):
+        return values[0]
+    return sum(values) / len(values)
+
+
+def _scale(values: list[float]) -> list[float]:
+    """Divide by (population std + STD_EPS); values with no spread are returned unchanged."""
+    std = statistics.pstdev(values) if values else 0.0
+    if std == 0.0:
+        return list(values)
+    return [v / (std + STD_EPS) for v in values]
+
+
+def _unflatten(flat: list[float], sizes: list[int]) -> list[list[float]]:
+    """Cut a flat list back into rows of the given sizes."""
+    rows, start = [], 0
+    for size in sizes:
+        rows.append(flat[start : start + size])
+        start += size
+    return rows

@@ -1,0 +1,151 @@
+"""The masked, clipped, token-level policy-gradient loss, and per-token log-probs of a causal LM.
+
+For every token with mask 1 (the policy's sampled tokens; prompt, observation and padding tokens have mask 0):
+
+    ratio_t   = exp(logp_t - old_logp_t)                      importance ratio to the policy that sampled it
+    pg_t      = -min(ratio_t A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) A_t)       PPO's clipped surrogate
+    kl_t      = exp(ref_t - logp_t) - (ref_t - logp_t) - 1    the k3 estimator of KL(policy || reference), >= 0
+    loss      = sum_t (pg_t + kl_coef kl_t) / N
+
+N is the number of masked-in tokens in the whole batch (or the `normalizer` given), so every token weighs the
+same whatever the length of its episode: DAPO's token-level normalisation. Plain GRPO first averages within each
+sequence, which lets long (often wrong) answers dilute their per-token penalty; Dr. GRPO divides by a constant
+instead of N, which we do not do. Clipping is asymmetric by default (DAPO's "clip-higher", eps_high 0.28 >
+eps_low 0.2): an unlikely token with positive advantage may gain more probability per step than any token may
+lose, which counters the collapse of exploration (entropy) that symmetric clipping causes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """The loss to backpropagate and what to log about it (logged values are detached scalars)."""
+
+    loss: Tensor
+    """Scalar with grad: pg_loss + kl_coef * kl."""
+    pg_loss: Tensor
+    """The clipped policy-gradient term alone."""
+    kl: Tensor
+    """Mean k3 KL to the reference policy (0 without reference log-probs)."""
+    clip_frac: Tensor
+    """Share of masked-in tokens whose gradient the clip removed (ratio beyond the bound in the advantage's direction)."""
+    ratio_mean: Tensor
+    """Mean importance ratio over masked-in tokens; far from 1 means the sampler and trainer disagree."""
+    n_tokens: int
+    """Masked-in tokens in this batch."""
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.28,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    normalizer: float | None = None,
+) -> LossOutput:
+    """Token-level clipped policy-gradient loss (see the module docstring). All tensors are [B, T].
+
+    `normalizer` replaces N, the batch's masked-in token count: pass the whole step's count when gradients are
+    accumulated over micro-batches, so that the sum of the micro-batch losses is the step's token mean.
+    An all-zero mask gives a loss of exactly 0 that still has a (zero) gradient.
+    """
+    _check_args(logprobs, old_logprobs, advantages, mask, ref_logprobs, kl_coef, clip_eps_low, clip_eps_high)
+    mask = mask.bool()
+    n_tokens = int(mask.sum())
+    denom = float(normalizer) if normalizer is not None else float(max(n_tokens, 1))
+    # [B, T]. Masked-out positions get log-ratio 0 and advantage 0 *before* any exp or product, so that an inf or
+    # NaN there (padding logits, a -inf old log-prob) can reach neither the loss nor its gradient.
+    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
+    ratio = torch.exp(log_ratio)
+    adv = torch.where(mask, advantages.to(ratio.dtype), 0.0)
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv)
+    pg_loss = -surrogate.sum() / denom
+    kl = _k3_kl(logprobs, ref_logprobs, mask).sum() / denom
+    loss = pg_loss + kl_coef * kl if kl_coef > 0.0 else pg_loss
+    clipped = mask & (
+        ((adv > 0) & (ratio > 1.0 + clip_eps_high)) | ((adv < 0) & (ratio < 1.0 - clip_eps_low))
+    )
+    count = max(n_tokens, 1)
+    return LossOutput(
+        loss=loss,
+        pg_loss=pg_loss.detach(),
+        kl=kl.detach(),
+        clip_frac=(clipped.sum() / count).detach(),
+        ratio_mean=(torch.where(mask, ratio, 0.0).sum() / count).detach(),
+        n_tokens=n_tokens,
+    )
+
+
+def _k3_kl(logprobs: Tensor, ref_logprobs: Tensor | None, mask: Tensor) -> Tensor:
+    """Per-token k3 estimate exp(d) - d - 1 with d = ref - logp, 0 where masked out or without a reference. [B, T]"""
+    if ref_logprobs is None:
+        return torch.zeros_like(logprobs)
+    d = torch.where(mask, ref_logprobs - logprobs, 0.0)
+    return torch.exp(d) - d - 1.0
+
+
+def _check_args(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    ref_logprobs: Tensor | None,
+    kl_coef: float,
+    clip_eps_low: float,
+    clip_eps_high: float,
+) -> None:
+    """Fail fast on mismatched shapes or settings that make the loss meaningless."""
+    others = [old_logprobs, advantages, mask] + ([ref_logprobs] if ref_logprobs is not None else [])
+    for other in others:
+        if other.shape != logprobs.shape:
+            raise ValueError(f"shape {tuple(other.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    if logprobs.dim() != 2:
+        raise ValueError(f"expected [B, T] tensors, got shape {tuple(logprobs.shape)}")
+    if not 0.0 < clip_eps_low < 1.0 or clip_eps_high <= 0.0:
+        raise ValueError(
+            f"need 0 < clip_eps_low < 1 and clip_eps_high > 0, got {clip_eps_low}, {clip_eps_high}"
+        )
+    if kl_coef < 0.0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    if kl_coef > 0.0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs")
+
+
+def token_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """log p(x_t | x_<t) for every position of a right-padded batch: [B, T], position 0 and padding get 0.
+
+    `model` is a causal LM returning `.logits` [B, T, V] (a transformers model). Left padding would shift the
+    positions a Llama-style model sees, so batches must be right-padded.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, T, V]
+    return logprobs_from_logits(logits, input_ids, attention_mask)
+
+
+def logprobs_from_logits(logits: Tensor, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """Log-prob of each token under the logits of the position before it: [B, T, V] x [B, T] -> [B, T].
+
+    Computed as the chosen logit minus logsumexp over the vocabulary, so no full [B, T, V] log-softmax is kept.
+    Upcast to float32 first: bf16 log-probs (8 bits of mantissa) are too coarse for importance ratios near 1.
+    """
+    pred = logits[:, :-1].float()  # [B, T-1, V]: position t-1 predicts token t
+    target = input_ids[:, 1:]  # [B, T-1]
+    chosen = pred.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # [B, T-1]
+    logp = chosen - torch.logsumexp(pred, dim=-1)  # [B, T-1]
+    logp = torch.where(attention_mask[:, 1:].bool(), logp, 0.0)
+    return F.pad(logp, (1, 0), value=0.0)  # [B, T]: the first token has no prefix
+
+
+def all_finite(*tensors: Tensor) -> bool:
+    """True when no tensor holds a NaN or an infinity (check losses and gradients before an optimizer step)."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors)

@@ -1,0 +1,162 @@
+"""Final and per-turn rewards as plain functions; every component is returned separately so it can be logged.
+
+Final rewards lie in [0, 1]: `exact_match` and `token_f1` (SQuAD-style answer normalisation) for text answers,
+`plate_match` for licence plates. Turn rewards are small shaping terms (a few hundredths per turn) for well-formed
+calls, malformed or repeated calls, and newly found evidence; `turn_reward` reports each part and their total.
+
+Nothing here catches exceptions: a reward that cannot be computed is a bug, never a silent 0.0.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = frozenset(string.punctuation)
+_NOT_PLATE = re.compile(r"[^A-Z0-9]")
+
+
+def normalize_answer(s: str) -> str:
+    """Lowercase, drop ASCII punctuation and the articles a/an/the, collapse whitespace (the SQuAD v1.1 rule)."""
+    no_punct = "".join(ch for ch in s.lower() if ch not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", no_punct).split())
+
+
+def exact_match(pred: str, gold: str) -> float:
+    """1.0 when the normalised prediction equals the normalised gold answer, else 0.0."""
+    return float(normalize_answer(pred) == normalize_answer(gold))
+
+
+def token_f1(pred: str, gold: str) -> float:
+    """SQuAD token F1 between normalised answers; when either side is empty, 1.0 only if both are."""
+    pred_tokens = normalize_answer(pred).split()
+    gold_tokens = normalize_answer(gold).split()
+    if not pred_tokens or not gold_tokens:
+        return float(pred_tokens == gold_tokens)
+    n_same = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+    if n_same == 0:
+        return 0.0
+    precision = n_same / len(pred_tokens)
+    recall = n_same / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def normalize_plate(s: str) -> str:
+    """Uppercase and keep only A-Z and 0-9. No look-alike mapping (O/0, I/1): the reader must get them right."""
+    return _NOT_PLATE.sub("", s.upper())
+
+
+def plate_match(pred: str, gold: str) -> float:
+    """1.0 when the normalised plates are equal; a gold plate that normalises to nothing is a data bug and raises."""
+    gold_plate = normalize_plate(gold)
+    if not gold_plate:
+        raise ValueError(f"gold plate {gold!r} has no letters or digits")
+    return float(normalize_plate(pred) == gold_plate)
+
+
+def _normalise_argument(value: object) -> object:
+    """Strip and lowercase strings, recursing into lists and objects; other JSON values pass unchanged."""
+    if isinstance(value, str):
+        return value.strip().lower()
+    if isinstance(value, list | tuple):
+        return [_normalise_argument(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _normalise_argument(v) for k, v in value.items()}
+    return value
+
+
+def call_key(name: str, arguments: Mapping[str, object]) -> str:
+    """A canonical string for a tool call: compact JSON with sorted keys and stripped, lowercased string values.
+
+    Two calls with the same key ask the same thing (`{"q": " Paris "}` == `{"q": "paris"}`), so it detects
+    repeated calls and serves as the anchor for turn-level credit. Non-JSON values raise `TypeError`.
+    """
+    payload = {"name": name, "arguments": _normalise_argument(arguments)}
+    return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def contains_evidence(observation: str, gold: str) -> bool:
+    """Whether the normalised gold answer occurs in the normalised observation as whole tokens.
+
+    Whole tokens so that gold "1" is not found inside "1999". A gold answer that normalises to nothing
+    (e.g. "The") is never evidence. Plates are compared with `normalize_answer`, not `normalize_plate`.
+    """
+    needle = normalize_answer(gold)
+    if not needle:
+        return False
+    return f" {needle} " in f" {normalize_answer(observation)} "
+
+
+@dataclass(frozen=True)
+class TurnRewardWeights:
+    """Per-turn shaping weights. Kept to a few hundredths so that over a handful of turns their sum stays well
+    below the final reward in [0, 1]: shaping should break ties, never replace answering correctly."""
+
+    valid_call: float = 0.05
+    """Paid once per turn that makes at least one well-formed, new call (more calls in a turn earn nothing more,
+    so splitting work into parallel calls cannot farm it)."""
+    malformed_call: float = -0.05
+    """Per call that failed to parse or whose arguments were rejected as invalid."""
+    repeated_call: float = -0.05
+    """Per call whose `call_key` equals a call made earlier in the same episode."""
+    new_evidence: float = 0.1
+    """Paid when this turn's observation contains the gold answer and no earlier observation did."""
+
+
+@dataclass(frozen=True)
+class TurnFacts:
+    """What happened in one turn. Each call of the turn counts in exactly one of the three call counts."""
+
+    n_valid_calls: int
+    """Well-formed calls whose key was not seen before in the episode."""
+    n_malformed: int
+    """Calls that failed to parse or had invalid arguments."""
+    n_repeated: int
+    """Well-formed calls whose key was already seen in the episode."""
+    new_evidence: bool
+    """The observation holds the gold answer for the first time in the episode (see `contains_evidence`)."""
+
+    def __post_init__(self) -> None:
+        counts = (self.n_valid_calls, self.n_malformed, self.n_repeated)
+        if min(counts) < 0:
+            raise ValueError(f"call counts must be >= 0, got {counts}")
+
+
+@dataclass(frozen=True)
+class TurnRewardParts:
+    """The components of one turn's reward, each logged on its own, and their total."""
+
+    valid_call: float
+    malformed_call: float
+    repeated_call: float
+    new_evidence: float
+
+    @property
+    def total(self) -> float:
+        return self.valid_call + self.malformed_call + self.repeated_call + self.new_evidence
+
+    def metrics(self, prefix: str = "turn_reward/") -> dict[str, float]:
+        """Flat name -> value mapping for the metrics log, the total included."""
+        parts = {
+            "valid_call": self.valid_call,
+            "malformed_call": self.malformed_call,
+            "repeated_call": self.repeated_call,
+            "new_evidence": self.new_evidence,
+            "total": self.total,
+        }
+        return {prefix + name: value for name, value in parts.items()}
+
+
+def turn_reward(facts: TurnFacts, w: TurnRewardWeights) -> TurnRewardParts:
+    """Score one turn: once-per-turn bonus for a valid new call, per-call penalties, bonus for new evidence."""
+    return TurnRewardParts(
+        valid_call=w.valid_call if facts.n_valid_calls > 0 else 0.0,
+        malformed_call=w.malformed_call * facts.n_malformed,
+        repeated_call=w.repeated_call * facts.n_repeated,
+        new_evidence=w.new_evidence if facts.new_evidence else 0.0,
+    )
