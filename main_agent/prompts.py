@@ -1,0 +1,199 @@
+"""The policy's side of the conversation: a short system prompt built from the tool schemas, and exact token ids.
+
+The tool list comes from the tool server's `GET /v1/tools` (OpenAI function-calling schemas), the one source of
+truth; each tool becomes one line with its argument names and types, followed by one example call. The call and
+answer format itself is described in `main_agent.parse`.
+
+SmolLM2-135M-Instruct's chat template is plain ChatML (`<|im_start|>{role}\\n{content}<|im_end|>\\n`) with no tools
+section: `apply_chat_template(..., tools=...)` renders exactly the ids it renders without `tools`
+(tests/test_prompts.py checks this on the real tokenizer). So the tool list lives in our system prompt and `tools=`
+is never passed (a template that honoured it would describe every tool twice). Tool results go back as a `user`
+message of `<tool_response>` blocks, as Qwen's template renders `tool` messages: SmolLM2 was tuned on the
+system/user/assistant roles only.
+
+Token exactness: `render_prompt` gives the first prompt's ids. After each completion the rollout appends
+`observation_ids(...)`, found by rendering through the chat template and taking the difference, so that
+prompt + completion + observation ids equal the template's rendering of the whole conversation when the completion
+ends with the end-of-turn token (and the ids the template would put there when it does not). No text is
+re-tokenised. Limit: the difference assumes the template renders earlier messages independently of later ones,
+true of ChatML templates (not of templates that rewrite earlier turns, such as Qwen3's thinking stripper).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from main_agent.parse import ANSWER_CLOSE, ANSWER_OPEN, CALL_CLOSE, CALL_OPEN
+from main_agent.types import ParseError, ToolResult
+
+# One tool as `GET /v1/tools` returns it: {"type": "function", "function": {"name", "description", "parameters"}}.
+# Raw JSON from a process boundary, read only by the helpers below.
+ToolSchema = dict[str, Any]
+Message = dict[str, str]
+
+_SHORT_TYPES = {"string": "str", "integer": "int", "number": "float", "boolean": "bool", "object": "dict"}
+_PLACEHOLDERS: dict[str, object] = {"str": "...", "int": 1, "float": 1.0, "bool": True, "dict": {}}
+# The stand-in conversation observation_ids renders around the observation; ChatML renders it the same anywhere.
+_HEAD: list[Message] = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+
+
+class ChatTokenizer(Protocol):
+    """The part of a Hugging Face tokenizer used here."""
+
+    def apply_chat_template(
+        self, conversation: list[Message], *, add_generation_prompt: bool, tokenize: bool, return_dict: bool
+    ) -> list[int]: ...
+
+
+def system_prompt(tools: Sequence[ToolSchema], *, max_calls_per_turn: int) -> str:
+    """Tools one per line, one example call, the answer tag. Short: the policy's context is small."""
+    assert tools, "system_prompt needs at least one tool"
+    lines = [f"- {_signature(tool)}" for tool in tools]
+    how_many = "one call" if max_calls_per_turn == 1 else f"up to {max_calls_per_turn} calls"
+    return "\n".join(
+        [
+            "Answer the user's question. You can use these tools:",
+            *lines,
+            f"Make {how_many} per turn, each written like this:",
+            f"{CALL_OPEN}{_example_call(tools[0])}{CALL_CLOSE}",
+            "Results come back in <tool_response> tags.",
+            f"When you know the answer, write {ANSWER_OPEN}your answer{ANSWER_CLOSE}.",
+        ]
+    )
+
+
+def _signature(tool: ToolSchema) -> str:
+    """`search(query: str, k?: int): Search the corpus.` (`?` marks an optional argument)."""
+    function = tool["function"]
+    parameters = function.get("parameters", {})
+    required = set(parameters.get("required", []))
+    args = [
+        f"{name}{'' if name in required else '?'}: {_type_name(schema)}"
+        for name, schema in parameters.get("properties", {}).items()
+    ]
+    return f"{function['name']}({', '.join(args)}): {function.get('description', '').strip()}"
+
+
+def _type_name(schema: dict[str, Any]) -> str:
+    """A compact type for one JSON-schema property: str, int, list[int], "crop"|"ocr", str|int ..."""
+    if "enum" in schema:
+        return "|".join(json.dumps(value) for value in schema["enum"])
+    if "const" in schema:
+        return json.dumps(schema["const"])
+    options = schema.get("anyOf") or schema.get("oneOf")
+    if options:
+        names = [_type_name(option) for option in options if option.get("type") != "null"]
+        return "|".join(dict.fromkeys(names))
+    if "$ref" in schema:  # a nested model
+        return "dict"
+    kind = schema.get("type", "any")
+    if isinstance(kind, list):
+        return "|".join(_SHORT_TYPES.get(str(k), str(k)) for k in kind if k != "null")
+    if kind == "array":
+        items = schema.get("items")
+        return f"list[{_type_name(items)}]" if items else "list"
+    return _SHORT_TYPES.get(str(kind), str(kind))
+
+
+def _example_call(tool: ToolSchema) -> str:
+    """A valid call of `tool` with its required arguments, valued from the schema's examples when it has them."""
+    function = tool["function"]
+    parameters = function.get("parameters", {})
+    properties = parameters.get("properties", {})
+    arguments = {name: _example_value(properties.get(name, {})) for name in parameters.get("required", [])}
+    return json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)
+
+
+def _example_value(schema: dict[str, Any]) -> object:
+    if schema.get("examples"):
+        return schema["examples"][0]
+    if "default" in schema:
+        return schema["default"]
+    if schema.get("enum"):
+        return schema["enum"][0]
+    first_type = _type_name(schema).split("|")[0]
+    if first_type.startswith("list"):
+        return []
+    return _PLACEHOLDERS.get(first_type, "...")
+
+
+def prompt_messages(
+    question: str, tools: Sequence[ToolSchema], *, max_calls_per_turn: int, extra_context: str = ""
+) -> list[Message]:
+    """The first two messages of every episode: system prompt and question (plus context, e.g. image ids)."""
+    user = f"{question}\n\n{extra_context}" if extra_context else question
+    return [
+        {"role": "system", "content": system_prompt(tools, max_calls_per_turn=max_calls_per_turn)},
+        {"role": "user", "content": user},
+    ]
+
+
+def render_prompt(
+    tokenizer: ChatTokenizer,
+    question: str,
+    tools: Sequence[ToolSchema],
+    *,
+    max_calls_per_turn: int,
+    extra_context: str = "",
+) -> list[int]:
+    """The first prompt's ids, ending with the assistant header the policy continues from."""
+    messages = prompt_messages(
+        question, tools, max_calls_per_turn=max_calls_per_turn, extra_context=extra_context
+    )
+    return _render(tokenizer, messages, add_generation_prompt=True)
+
+
+def render_observation(results: Sequence[ToolResult], *, parse_errors: Sequence[ParseError] = ()) -> str:
+    """One `<tool_response>` line per call result (in call order), then one per parse error."""
+    lines = [f"<tool_response>{r.name}: {r.observation}</tool_response>" for r in results]
+    lines += [f"<tool_response>error ({e.kind}): {e.message}</tool_response>" for e in parse_errors]
+    return "\n".join(lines)
+
+
+def end_of_turn_id(tokenizer: ChatTokenizer) -> int:
+    """The id the template closes an assistant message with (`<|im_end|>` for SmolLM2): the policy's stop id."""
+    return _closing_ids(tokenizer)[0]
+
+
+def observation_ids(
+    tokenizer: ChatTokenizer,
+    results: Sequence[ToolResult],
+    *,
+    completion_ids: Sequence[int],
+    parse_errors: Sequence[ParseError] = (),
+) -> list[int]:
+    """The exact ids to append after `completion_ids`: the rest of the assistant message's closing (all of it if
+    the completion stopped before the end-of-turn id), the observation message, and the next assistant header."""
+    closing = _closing_ids(tokenizer)
+    if completion_ids and completion_ids[-1] == closing[0]:
+        closing = closing[1:]
+    answered = [*_HEAD, {"role": "assistant", "content": ""}]
+    observation = {"role": "user", "content": render_observation(results, parse_errors=parse_errors)}
+    before = _render(tokenizer, answered, add_generation_prompt=False)
+    after = _render(tokenizer, [*answered, observation], add_generation_prompt=True)
+    return closing + _suffix(before, after)
+
+
+def _closing_ids(tokenizer: ChatTokenizer) -> list[int]:
+    """What the template writes after an (empty) assistant message's content: end-of-turn id first."""
+    opened = _render(tokenizer, _HEAD, add_generation_prompt=True)
+    closed = _render(tokenizer, [*_HEAD, {"role": "assistant", "content": ""}], add_generation_prompt=False)
+    closing = _suffix(opened, closed)
+    assert closing, f"the chat template closes an assistant message with no tokens: {closed}"
+    return closing
+
+
+def _suffix(prefix: list[int], full: list[int]) -> list[int]:
+    assert full[: len(prefix)] == prefix, (
+        f"chat template is not append-only: {prefix} is not a prefix of {full}"
+    )
+    return full[len(prefix) :]
+
+
+def _render(tokenizer: ChatTokenizer, messages: list[Message], *, add_generation_prompt: bool) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+    )
+    return list(ids)
