@@ -1,0 +1,383 @@
+"""The SSRF-safe fetcher: validate, resolve once, check, pin the address, redirect by hand, cap the body.
+
+URLs come from the policy, so they are untrusted input that must not reach the machine's own network. Per hop:
+1. `validate_url`: http/https only (file:// only under configured roots), no `user@host`, and numeric hosts
+   read as the OS reads them (`2130706433`, `0x7f000001`, `127.1`, `0` are IPv4 literals, not names).
+2. One lookup; `check_address` refuses the hop if ANY address is not global (loopback, private, link-local,
+   CGNAT, multicast, reserved, IPv6 prefixes carrying IPv4) or is a cloud metadata endpoint.
+   `allow_private_cidrs` opens listed networks, never metadata addresses.
+3. The socket goes to the checked IP (URL rewritten; Host header, TLS SNI and certificate check keep the
+   name), so DNS rebinding has no second lookup to win. Redirects are followed by hand, each hop re-checked.
+4. The body is decoded here with a hard cap on decoded bytes, so a gzip bomb stops at `max_bytes`.
+
+Failures raise `ToolFailure` (blocked_url, invalid_args, fetch_failed, too_large, timeout, not_found).
+Limits: only the first address is tried; brotli is not accepted (its decoder cannot bound one call's
+output); a symlink swapped in between a file:// path check and the read is not caught.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import mimetypes
+import re
+import socket
+import zlib
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from subagents.common import ToolFailure
+
+log = logging.getLogger(__name__)
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+"""`(host, port) -> addresses as strings`; injected in tests to script DNS answers."""
+
+# Instance metadata services hand out cloud credentials; refused even when their network is allowed: AWS/GCP/
+# Azure IMDS, AWS IMDS over IPv6, AWS ECS credentials, Alibaba, Azure WireServer (public range: only this list
+# catches it), Oracle Cloud.
+_METADATA_IPS = "169.254.169.254 fd00:ec2::254 169.254.170.2 100.100.100.200 168.63.129.16 192.0.0.192"
+_METADATA = frozenset(map(ipaddress.ip_address, _METADATA_IPS.split()))
+# IPv6 prefixes that carry an IPv4 address to a gateway we cannot see; refused outright. The second group
+# keeps the IPv4 address in the low 32 bits (IPv4-compatible, NAT64 well-known and local-use).
+_EMBEDS_LOW_V4 = tuple(map(ipaddress.IPv6Network, ("::/96", "64:ff9b::/96", "64:ff9b:1::/48")))
+_MAPPED_TEREDO = ("::ffff:0:0/96", "2001::/32")
+_TRANSITION_V6 = (*map(ipaddress.IPv6Network, _MAPPED_TEREDO), *_EMBEDS_LOW_V4)
+_SIX_TO_FOUR = ipaddress.IPv6Network("2002::/16")  # reaches the embedded IPv4 address: judged by that address
+_LOOPBACK_V4 = ipaddress.IPv4Address("127.0.0.1")
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+_WEB_SCHEMES = ("http", "https")
+# zlib window bits per Content-Encoding we can decode with a hard output cap; we advertise exactly these.
+_DECODERS = {"gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
+_HOSTNAME = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*")
+_NUMERIC_LABEL = re.compile(r"[0-9]+|0x[0-9a-f]*")  # WHATWG URL: a host ending in a number is IPv4
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    """Limits and exceptions for `Fetcher`."""
+
+    allow_private_cidrs: tuple[str, ...] = ()
+    """Networks reachable despite not being global, e.g. ("127.0.0.0/8",) for a loopback test server."""
+    allow_file_roots: tuple[str, ...] = ()
+    """Directories whose files file:// URLs may read (offline corpora). Empty: file:// is refused."""
+    max_bytes: int = 5_000_000
+    """Cap on decoded body bytes: 5 MB holds any article page; more is a media file or an attack."""
+    max_redirects: int = 5
+    """Redirect hops per call: real sites need 1-3 (http->https, www, trailing slash); loops are cut early."""
+    connect_timeout_s: float = 5.0
+    """TCP+TLS connect budget: a healthy server answers in well under a second; a silent one is gone."""
+    read_timeout_s: float = 10.0
+    """Longest wait for the next bytes of a response; slow dynamic pages take a few seconds."""
+    total_timeout_s: float = 20.0
+    """Deadline for the whole call, all hops included; httpx timeouts are per phase, so a trickling server
+    could otherwise hold a call for redirects x reads x read_timeout_s."""
+    user_agent: str = "conductor-fetch/0.1"
+    """Sent with every request so site operators can identify the traffic."""
+
+
+@dataclass(frozen=True)
+class FetchedPage:
+    """A 2xx response: `url` as requested, `final_url` after redirects (normalised), the status (200 for
+    file://), the Content-Type header ('' when absent; guessed from the name for file://) and the decoded
+    body, at most `FetchConfig.max_bytes` bytes."""
+
+    url: str
+    final_url: str
+    status: int
+    content_type: str
+    body: bytes
+
+
+@dataclass(frozen=True)
+class ParsedTarget:
+    """A syntactically valid URL, not yet resolved. `url` is normalised (lower-case host, no trailing dot,
+    IPv4 literals as dotted quads); `host` is its ASCII (IDNA) host and `port` the explicit or default port
+    ('' and 0 for file://); `ip` is the address when the host is an IP literal in any spelling."""
+
+    url: httpx.URL
+    host: str
+    port: int
+    ip: IPAddress | None
+
+
+def validate_url(url: str) -> ParsedTarget:
+    """Syntax checks: scheme, no `user@` part, a well-formed host. Raises ToolFailure."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise ToolFailure("invalid_args", f"malformed URL {url!r}: {exc}") from exc
+    if not parsed.scheme:
+        raise ToolFailure("invalid_args", f"not an absolute URL: {url!r}")
+    if parsed.scheme not in (*_WEB_SCHEMES, "file"):
+        raise ToolFailure("blocked_url", f"scheme {parsed.scheme!r} is not allowed (http and https only)")
+    if parsed.userinfo:
+        raise ToolFailure("blocked_url", "URLs with a user@ part are refused: they disguise the real host")
+    if parsed.scheme == "file":
+        if parsed.raw_host not in (b"", b"localhost") or "\x00" in parsed.path:
+            raise ToolFailure("invalid_args", f"file URLs must be file:///absolute/path, got {url!r}")
+        return ParsedTarget(url=parsed, host="", port=0, ip=None)
+    host, ip = _parse_host(parsed.raw_host.decode("ascii"))
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    return ParsedTarget(url=parsed.copy_with(host=host), host=host, port=port, ip=ip)
+
+
+def _parse_host(raw: str) -> tuple[str, IPAddress | None]:
+    """Normalise a URL host; decode IP literals, including legacy IPv4 forms the OS accepts (inet_aton)."""
+    host = raw.lower().removesuffix(".")
+    if ":" in host:  # httpx has stripped the brackets of an IPv6 literal
+        try:
+            ip6 = ipaddress.IPv6Address(host)
+        except ValueError as exc:
+            raise ToolFailure("invalid_args", f"bad IPv6 literal {raw!r}") from exc
+        return str(ip6), ip6
+    if len(host) > 253 or not _HOSTNAME.fullmatch(host):
+        raise ToolFailure("invalid_args", f"bad host name {raw!r}")
+    if not _NUMERIC_LABEL.fullmatch(host.rsplit(".", 1)[-1]):
+        return host, None
+    try:  # decimal, octal, hex and short forms, exactly as getaddrinfo would read them
+        ip4 = ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError as exc:
+        raise ToolFailure("invalid_args", f"host {raw!r} looks like an IPv4 address but is not one") from exc
+    return str(ip4), ip4
+
+
+def check_address(ip: IPAddress, allow: Sequence[Network]) -> None:
+    """Raise ToolFailure('blocked_url') unless `ip` is globally routable or in `allow` (metadata never is)."""
+    if ip in _METADATA or _embedded_ipv4(ip) in _METADATA:
+        raise ToolFailure("blocked_url", f"{ip} is a cloud metadata address")
+    if any(ip.version == net.version and ip in net for net in allow):
+        return
+    if isinstance(ip, ipaddress.IPv6Address):
+        if any(ip in net for net in _TRANSITION_V6):
+            raise ToolFailure("blocked_url", f"{ip} embeds an IPv4 address behind a translation prefix")
+        if ip in _SIX_TO_FOUR:
+            ip = _embedded_ipv4(ip) or ip
+    if not _is_public(ip):
+        raise ToolFailure("blocked_url", f"{ip} is not a public address")
+
+
+def _embedded_ipv4(ip: IPAddress) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 transition address carries (mapped, 6to4, NAT64, compatible), if any."""
+    if isinstance(ip, ipaddress.IPv4Address):
+        return None
+    if ip.ipv4_mapped or ip.sixtofour:
+        return ip.ipv4_mapped or ip.sixtofour
+    if any(ip in net for net in _EMBEDS_LOW_V4):
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
+def _is_public(ip: IPAddress) -> bool:
+    # `is_global` alone admits multicast and (before Python 3.12.4) several special-purpose ranges.
+    special = ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast
+    special = special or ip.is_reserved or ip.is_unspecified
+    if isinstance(ip, ipaddress.IPv6Address):
+        special = special or ip.is_site_local
+    return ip.is_global and not special
+
+
+async def resolve_host(host: str, port: int) -> list[str]:
+    """The default resolver: the system's getaddrinfo through the event loop."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [str(info[4][0]) for info in infos]
+
+
+class _CappedDecoder:
+    """Decodes a Content-Encoding chunk by chunk, never producing more than `cap` bytes in total."""
+
+    def __init__(self, encoding: str, cap: int) -> None:
+        encoding = encoding.strip().lower()
+        if encoding not in ("", "identity", *_DECODERS):
+            raise ToolFailure("fetch_failed", f"unsupported Content-Encoding {encoding!r}", retryable=False)
+        self._zlib = zlib.decompressobj(_DECODERS[encoding]) if encoding in _DECODERS else None
+        self._cap = cap
+        self._total = 0
+
+    def feed(self, chunk: bytes) -> bytes:
+        # max_length = room + 1: reaching it proves the cap is exceeded without inflating further.
+        out = self._zlib.decompress(chunk, self._cap - self._total + 1) if self._zlib else chunk
+        return self._count(out)
+
+    def flush(self) -> bytes:
+        return self._count(self._zlib.flush()) if self._zlib else b""
+
+    def _count(self, out: bytes) -> bytes:
+        self._total += len(out)
+        if self._total > self._cap:
+            raise ToolFailure("too_large", f"body exceeds {self._cap} bytes after decoding")
+        return out
+
+
+@contextlib.contextmanager
+def _transport_errors(url: httpx.URL) -> Iterator[None]:
+    """Turn httpx's network errors into ToolFailure."""
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise ToolFailure("timeout", f"{url}: {type(exc).__name__}") from exc
+    except httpx.TransportError as exc:
+        raise ToolFailure("fetch_failed", f"{url}: {type(exc).__name__}: {exc}") from exc
+    except zlib.error as exc:
+        raise ToolFailure("fetch_failed", f"{url}: corrupt compressed body: {exc}", retryable=False) from exc
+
+
+def _check_status(response: httpx.Response, url: httpx.URL) -> None:
+    status = response.status_code
+    if status in (404, 410):
+        raise ToolFailure("not_found", f"{url}: HTTP {status}")
+    if status >= 300:  # a 3xx here has no Location: nothing to follow
+        retryable = status >= 500 or status == 429
+        raise ToolFailure("fetch_failed", f"{url}: HTTP {status}", retryable=retryable)
+
+
+def _default_transport() -> httpx.AsyncHTTPTransport:
+    # No keep-alive: connections are pooled by (scheme, IP, port), so a pooled TLS connection opened with
+    # one host's SNI would otherwise carry requests for another host on the same IP.
+    limits = httpx.Limits(max_keepalive_connections=0)
+    return httpx.AsyncHTTPTransport(limits=limits, trust_env=False, retries=0)
+
+
+class Fetcher:
+    """Fetches http(s) pages (and file:// under allowed roots) under the checks in the module docstring."""
+
+    def __init__(
+        self,
+        cfg: FetchConfig,
+        *,
+        resolver: Resolver | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self._resolver = resolver or resolve_host
+        self._allow = tuple(ipaddress.ip_network(c) for c in cfg.allow_private_cidrs)
+        self._roots = tuple(Path(r).resolve() for r in cfg.allow_file_roots)
+        timeout = httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s)
+        # Redirects stay manual (httpx's default). trust_env=False: no proxy from the environment (it would
+        # resolve names itself) and no .netrc credentials.
+        transport = transport or _default_transport()
+        self._client = httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False)
+
+    async def fetch(self, url: str) -> FetchedPage:
+        """GET `url` within `total_timeout_s`; raises ToolFailure on any failure, including HTTP >= 400."""
+        try:
+            async with asyncio.timeout(self.cfg.total_timeout_s):
+                return await self._fetch(url)
+        except TimeoutError as exc:
+            raise ToolFailure("timeout", f"{url}: no result within {self.cfg.total_timeout_s} s") from exc
+        except ToolFailure as exc:
+            if exc.error.kind == "blocked_url":
+                log.warning("blocked %s: %s", url, exc.error.message)
+            raise
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def _fetch(self, url: str) -> FetchedPage:
+        target = validate_url(url)
+        if target.url.scheme == "file":
+            return await self._fetch_file(url, target)
+        for _ in range(self.cfg.max_redirects + 1):
+            ip = await self._pin(target)
+            with _transport_errors(target.url):
+                response = await self._send(target, ip)
+                try:
+                    location = response.headers.get("location")
+                    if response.status_code not in _REDIRECTS or location is None:
+                        return await self._page(url, target, response)
+                finally:
+                    await response.aclose()
+            target = _redirect_target(target, location)
+        raise ToolFailure("fetch_failed", f"{url}: over {self.cfg.max_redirects} redirects", retryable=False)
+
+    async def _pin(self, target: ParsedTarget) -> IPAddress:
+        """Resolve once and check every address; the first one is where the request will go."""
+        if target.ip is not None:
+            addresses: list[IPAddress] = [target.ip]
+        elif target.host == "localhost" or target.host.endswith(".localhost"):
+            addresses = [_LOOPBACK_V4]  # RFC 6761: these names are loopback whatever DNS says
+        else:
+            try:
+                found = await self._resolver(target.host, target.port)
+            except socket.gaierror as exc:
+                raise ToolFailure("fetch_failed", f"cannot resolve {target.host}: {exc.strerror}") from exc
+            addresses = [ipaddress.ip_address(a) for a in found]
+        if not addresses:
+            raise ToolFailure("fetch_failed", f"{target.host} has no addresses")
+        for address in addresses:
+            check_address(address, self._allow)
+        return addresses[0]
+
+    async def _send(self, target: ParsedTarget, ip: IPAddress) -> httpx.Response:
+        headers = {
+            "Host": target.url.netloc.decode("ascii"),
+            "User-Agent": self.cfg.user_agent,
+            "Accept-Encoding": ", ".join(_DECODERS),
+        }
+        # SNI and certificate verification use the name; the socket goes to the checked address.
+        sni = {"sni_hostname": target.host} if target.ip is None and target.url.scheme == "https" else {}
+        pinned = target.url.copy_with(host=str(ip))
+        request = self._client.build_request("GET", pinned, headers=headers, extensions=sni)
+        log.debug("GET %s via %s", target.url, ip)
+        return await self._client.send(request, stream=True)
+
+    async def _page(self, url: str, target: ParsedTarget, response: httpx.Response) -> FetchedPage:
+        _check_status(response, target.url)
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.cfg.max_bytes:
+            raise ToolFailure("too_large", f"Content-Length {declared} exceeds {self.cfg.max_bytes} bytes")
+        if response.is_stream_consumed:  # built in memory (a test's MockTransport): httpx already decoded it
+            body = _CappedDecoder("identity", self.cfg.max_bytes).feed(response.content)
+        else:
+            decoder = _CappedDecoder(response.headers.get("content-encoding", ""), self.cfg.max_bytes)
+            chunks = [decoder.feed(chunk) async for chunk in response.aiter_raw()]
+            body = b"".join(chunks) + decoder.flush()
+        return FetchedPage(
+            url=url,
+            final_url=str(target.url),
+            status=response.status_code,
+            content_type=response.headers.get("content-type", ""),
+            body=body,
+        )
+
+    async def _fetch_file(self, url: str, target: ParsedTarget) -> FetchedPage:
+        if not self._roots:
+            raise ToolFailure("blocked_url", "file:// is disabled (FetchConfig.allow_file_roots is empty)")
+        path = Path(target.url.path).resolve()  # follows symlinks, so a link out of a root lands outside it
+        if not any(path.is_relative_to(root) for root in self._roots):
+            raise ToolFailure("blocked_url", f"{path} is outside the allowed file roots")
+        body = await asyncio.to_thread(_read_file, path, self.cfg.max_bytes)
+        content_type = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+        return FetchedPage(url=url, final_url=path.as_uri(), status=200, content_type=content_type, body=body)
+
+
+def _redirect_target(current: ParsedTarget, location: str) -> ParsedTarget:
+    """The next hop: re-validated, and never a non-web scheme (a remote server must not open local files)."""
+    try:
+        joined = current.url.join(location)
+    except httpx.InvalidURL as exc:
+        raise ToolFailure("fetch_failed", f"bad redirect Location {location!r}", retryable=False) from exc
+    target = validate_url(str(joined))
+    if target.url.scheme not in _WEB_SCHEMES:
+        raise ToolFailure("blocked_url", f"redirect to {target.url.scheme}:// refused")
+    return target
+
+
+def _read_file(path: Path, cap: int) -> bytes:
+    try:
+        with path.open("rb") as handle:
+            body = handle.read(cap + 1)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+        raise ToolFailure("not_found", f"no such file: {path}") from exc
+    except OSError as exc:
+        raise ToolFailure("fetch_failed", f"cannot read {path}: {exc.strerror}", retryable=False) from exc
+    if len(body) > cap:
+        raise ToolFailure("too_large", f"{path} exceeds {cap} bytes")
+    return body
