@@ -185,7 +185,7 @@ class TransformersLLM:
         prompt = self.render(messages)
         if len(prompt) > self.context - max_new_tokens:  # checked here so it never reaches a batch
             raise _context_error(len(prompt), max_new_tokens=max_new_tokens, context=self.context)
-        ids = await self.batcher.submit(prompt, max_new_tokens)
+        ids = (await self.batcher.submit(prompt, max_new_tokens))[:max_new_tokens]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         assert isinstance(text, str), f"decode of one sequence returned {type(text)}"
         return Generation(text=text.strip(), prompt_tokens=len(prompt), completion_tokens=len(ids))
@@ -195,12 +195,10 @@ class TransformersLLM:
         import torch
         from transformers import GenerationConfig
 
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [batch, width]
-        attention_mask = torch.zeros_like(input_ids)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            attention_mask[row, width - len(prompt) :] = 1
+        from subagents.batching import left_pad
+
+        input_ids, attention_mask = left_pad(prompts, pad_id=self.pad_id)  # [batch, width]
+        width = input_ids.shape[1]
         # An explicit config: the checkpoint's own generation_config may ask for sampling.
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,

@@ -4,10 +4,12 @@ A 135M model on CPU spends most of a decoding step on overhead that does not gro
 requests decoded together cost little more than one. `MicroBatcher` queues requests; a single worker task
 takes the first waiting request, waits at most `wait_ms` for up to `max_batch - 1` more, and hands the
 batch's prompts to a blocking `generate_batch(prompts, max_new_tokens)` run in a worker thread (one batch at
-a time: torch already uses every core for one). Each request gets its own output cut at its own limit.
+a time: torch already uses every core for one). The batch runs to the largest limit among its requests; each
+caller cuts its own output to its own limit (a prefix, for greedy decoding and for sampling alike).
 
-The batcher knows nothing about models: `generate_batch` takes token id lists and returns each prompt's
-generated ids (ending at EOS or at `max_new_tokens`), so unit tests drive it with a plain function.
+The batcher knows nothing about models: `generate_batch` takes token id lists and returns one output per
+prompt (generated ids for the frozen backends, ids with log-probs for the policy), so unit tests drive it
+with a plain function.
 
 Failure isolation: if a batch of several requests raises, each request is run alone once, so one bad
 request fails only itself. Callers that give up (cancelled `submit`) are skipped before their batch runs.
@@ -23,13 +25,16 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from subagents.backends import BackendError  # backends imports this module lazily: no cycle
 
 logger = logging.getLogger(__name__)
 
-GenerateBatch = Callable[[list[list[int]], int], list[list[int]]]
-"""Blocking: prompts (token ids, unpadded) and a shared limit -> each prompt's generated ids."""
+T = TypeVar("T")
+
+GenerateBatch = Callable[[list[list[int]], int], list[T]]
+"""Blocking: prompts (token ids, unpadded) and a shared limit -> one output per prompt."""
 
 # What a failing `generate_batch` may raise: torch reports bad shapes, out-of-memory and device faults as
 # RuntimeError, tokenizer/generation-config misuse as ValueError. Anything else is a bug and propagates.
@@ -37,16 +42,16 @@ GENERATION_ERRORS = (RuntimeError, ValueError)
 
 
 @dataclass
-class _Request:
+class _Request(Generic[T]):
     prompt: list[int]
     max_new_tokens: int
-    future: asyncio.Future[list[int]]
+    future: asyncio.Future[T]
 
 
-class MicroBatcher:
+class MicroBatcher(Generic[T]):
     """Queue of generation requests served in batches by one worker task."""
 
-    def __init__(self, generate_batch: GenerateBatch, *, max_batch: int, wait_ms: float) -> None:
+    def __init__(self, generate_batch: GenerateBatch[T], *, max_batch: int, wait_ms: float) -> None:
         assert max_batch >= 1, f"max_batch must be >= 1, got {max_batch}"
         self._generate_batch = generate_batch
         self._max_batch = max_batch
@@ -64,8 +69,8 @@ class MicroBatcher:
         """Requests waiting for a batch (not counting the batch now running)."""
         return 0 if self._queue is None else self._queue.qsize()
 
-    async def submit(self, prompt: list[int], max_new_tokens: int) -> list[int]:
-        """Generated ids for `prompt`, at most `max_new_tokens` of them. Raises BackendError."""
+    async def submit(self, prompt: list[int], max_new_tokens: int) -> T:
+        """The output for `prompt`, generated with a limit of at least `max_new_tokens`. Raises BackendError."""
         if self._closed:
             raise BackendError("backend is closed", retryable=True)
         queue = self._ensure_worker()
@@ -143,14 +148,27 @@ class MicroBatcher:
             return
         for request, output in zip(live, outputs, strict=True):
             if not request.future.done():
-                request.future.set_result(output[: request.max_new_tokens])
+                request.future.set_result(output)
 
-    async def _generate(self, batch: list[_Request]) -> list[list[int]]:
+    async def _generate(self, batch: list[_Request]) -> list[T]:
         prompts = [r.prompt for r in batch]
-        limit = max(r.max_new_tokens for r in batch)  # greedy: a shorter limit is a prefix of a longer one
+        limit = max(r.max_new_tokens for r in batch)  # a shorter limit's output is a prefix of a longer one
         return await asyncio.to_thread(self._generate_batch, prompts, limit)
 
 
 def _fail(request: _Request, error: BackendError) -> None:
     if not request.future.done():
         request.future.set_exception(error)
+
+
+def left_pad(prompts: list[list[int]], *, pad_id: int):
+    """Left-pad prompts into [batch, width] ids and attention-mask tensors (decoder-only generation)."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [batch, width]
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[row, width - len(prompt) :] = 1
+    return input_ids, attention_mask

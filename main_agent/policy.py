@@ -1,0 +1,218 @@
+"""The main policy: what samples the orchestrator's turns.
+
+    Policy.sample(prompt_ids, max_new_tokens=...) -> Sample(ids, logprobs, text, finish_reason)
+
+Prompts and completions are token ids, never text: the rollout appends exactly what was sampled and exactly
+what the observation rendered to, so the training sequence is the one the policy saw.
+
+Two implementations:
+- `TransformersPolicy`: in-process and trainable (the trainer updates its `model` and bumps `version`).
+  Concurrent `sample` calls from many episodes are micro-batched into one `generate`.
+- `OpenAIPolicy`: any OpenAI-compatible completions endpoint (vLLM `serve` for GPU rollouts). It sends the
+  prompt as token ids and reads back sampled ids and log-probs when the server returns them (vLLM:
+  `return_token_ids`, `logprobs`); otherwise it re-tokenises the text and marks the sample `exact=False`,
+  which the trainer refuses to learn from.
+
+Sampler log-probs are log-softmax(logits / temperature) of the sampled token: the distribution actually
+sampled from. Training uses temperature 1 so they match what the trainer recomputes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+import httpx
+
+from subagents.batching import MicroBatcher, left_pad
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sample:
+    ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: Literal["stop", "length"]
+    exact: bool = True  # False when ids were re-tokenised from text (an endpoint that returns no ids)
+
+
+class Policy(Protocol):
+    version: int
+    eos_token_id: int
+
+    async def sample(self, prompt_ids: list[int], *, max_new_tokens: int) -> Sample: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 1.0
+    """1.0 while training (sampler and trainer log-probs then agree); lower for `ask` and eval."""
+    top_p: float = 1.0
+    """Nucleus sampling; keep 1.0 while training for the same reason as temperature."""
+    max_batch: int = 16
+    """Most episodes sampled in one generate call; bounded by memory (KV cache) on CPU."""
+    batch_wait_ms: float = 20.0
+    """Wait for more concurrent requests after the first; small next to a multi-second generate."""
+    seed: int = 0
+    """Seed for torch's sampler so runs repeat."""
+
+
+class TransformersPolicy:
+    """The trainable in-process policy. `model` is a plain HF causal LM (optionally a peft model)."""
+
+    def __init__(self, model, tokenizer, *, cfg: SamplingConfig = SamplingConfig(), version: int = 0) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.version = version
+        self.eos_token_id = int(tokenizer.eos_token_id)
+        self._batcher = MicroBatcher(self._sample_batch, max_batch=cfg.max_batch, wait_ms=cfg.batch_wait_ms)
+
+    @classmethod
+    def load(cls, ref: str, *, cfg: SamplingConfig = SamplingConfig()) -> TransformersPolicy:
+        """Load a built-in model name, a local checkpoint dir, or a LoRA adapter dir."""
+        from subagents.models import resolve_model
+
+        path = resolve_model(ref)
+        model, tokenizer = load_model_and_tokenizer(path)
+        return cls(model, tokenizer, cfg=cfg)
+
+    async def sample(self, prompt_ids: list[int], *, max_new_tokens: int) -> Sample:
+        ids, logprobs = await self._batcher.submit(list(prompt_ids), max_new_tokens)
+        return self._cut(ids, logprobs, max_new_tokens)
+
+    async def aclose(self) -> None:
+        await self._batcher.aclose()
+
+    def _sample_batch(self, prompts: list[list[int]], max_new: int) -> list[tuple[list[int], list[float]]]:
+        """One padded generate for several episodes' prompts (runs in a worker thread): ids and log-probs."""
+        import torch
+
+        input_ids, attention = left_pad(prompts, pad_id=self.eos_token_id)
+        was_training = self.model.training
+        self.model.eval()
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                do_sample=self.cfg.temperature > 0,
+                temperature=max(self.cfg.temperature, 1e-5),
+                top_p=self.cfg.top_p,
+                top_k=0,
+                max_new_tokens=max_new,
+                pad_token_id=self.eos_token_id,
+                eos_token_id=self.eos_token_id,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        self.model.train(was_training)
+        # out.sequences: [B, P + N]; out.logits: N tensors of [B, V] (raw, before temperature)
+        new = out.sequences[:, input_ids.shape[1] :]
+        logits = torch.stack(out.logits, dim=1).float() / max(self.cfg.temperature, 1e-5)  # [B, N, V]
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [B, N]
+        return [(new[i].tolist(), logp[i].tolist()) for i in range(len(prompts))]
+
+    def _cut(self, ids: list[int], logprobs: list[float], limit: int) -> Sample:
+        """Keep tokens up to and including the first EOS, at most `limit` of them."""
+        end = ids.index(self.eos_token_id) + 1 if self.eos_token_id in ids else len(ids)
+        end = min(end, limit)
+        ids, logprobs = ids[:end], logprobs[:end]
+        finish = "stop" if ids and ids[-1] == self.eos_token_id else "length"
+        return Sample(ids, logprobs, self.tokenizer.decode(ids, skip_special_tokens=True), finish)
+
+
+def load_model_and_tokenizer(path: Path):
+    """A dense checkpoint, or a LoRA adapter on top of the base model its adapter_config names."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (path / "adapter_config.json").is_file():
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(path, is_trainable=True, local_files_only=True)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model, tokenizer
+
+
+class OpenAIPolicy:
+    """Sample through an OpenAI-compatible `/v1/completions` endpoint with token-id prompts."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        tokenizer,
+        *,
+        cfg: SamplingConfig = SamplingConfig(),
+        api_key: str = "EMPTY",
+    ) -> None:
+        # Generation on a remote GPU is seconds; 120 s covers a long completion on a loaded server.
+        timeout = httpx.Timeout(connect=5.0, read=120.0, write=30.0, pool=30.0)
+        self._http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"), timeout=timeout, headers={"Authorization": f"Bearer {api_key}"}
+        )
+        self.model_name = model
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.version = 0  # bumped by the trainer after it pushes new weights to the server
+        self.eos_token_id = int(tokenizer.eos_token_id)
+
+    async def sample(self, prompt_ids: list[int], *, max_new_tokens: int) -> Sample:
+        body = {
+            "model": self.model_name,
+            "prompt": prompt_ids,
+            "max_tokens": max_new_tokens,
+            "temperature": self.cfg.temperature,
+            "top_p": self.cfg.top_p,
+            "logprobs": 0,  # the sampled token's log-prob only
+            "return_token_ids": True,  # vLLM: the sampled ids, so nothing is re-tokenised
+            "skip_special_tokens": False,
+            "seed": self.cfg.seed,
+        }
+        try:
+            response = await self._http.post("/completions", json=body)
+        except httpx.HTTPError as exc:
+            raise PolicyError(f"policy endpoint unreachable: {exc!r}") from exc
+        if response.status_code != 200:
+            raise PolicyError(f"policy endpoint answered {response.status_code}: {response.text[:300]}")
+        return self._to_sample(response.json())
+
+    def _to_sample(self, data: dict) -> Sample:
+        try:
+            choice = data["choices"][0]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise PolicyError(f"completion response without choices: {str(data)[:300]}") from exc
+        text = choice.get("text") or ""
+        ids = choice.get("token_ids")
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        exact = isinstance(ids, list)
+        if not exact:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not isinstance(logprobs, list) or len(logprobs) != len(ids):
+            logprobs, exact = [0.0] * len(ids), False
+        finish = "stop" if choice.get("finish_reason") == "stop" else "length"
+        if finish == "stop" and (not ids or ids[-1] != self.eos_token_id):
+            # The server dropped the stop token: append it so the turn ends as the chat template expects; its
+            # log-prob is unknown, so the sample is not exact.
+            ids, logprobs, exact = [*ids, self.eos_token_id], [*logprobs, 0.0], False
+        return Sample(ids, [float(x) for x in logprobs], text, finish, exact)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+class PolicyError(Exception):
+    """The policy endpoint failed (an infrastructure failure for the rollout, not a policy mistake)."""
+
+
+async def gather_samples(policy: Policy, prompts: list[list[int]], *, max_new_tokens: int) -> list[Sample]:
+    """Sample several prompts concurrently (the in-process policy batches them into one generate)."""
+    return list(await asyncio.gather(*(policy.sample(p, max_new_tokens=max_new_tokens) for p in prompts)))

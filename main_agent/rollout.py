@@ -1,0 +1,232 @@
+"""One episode of the orchestrator: generate → parse → run the turn's calls concurrently → append → repeat.
+
+The token stream is built from ids only: the prompt's ids, then per turn the ids the policy sampled and the
+ids of the rendered observation (tool results or the parser's complaint, plus the next assistant header).
+Nothing is re-tokenised, so the trainer sees exactly what the policy saw.
+
+Policy mistakes (malformed calls, unknown tools, bad arguments, tool errors) become observations and the
+episode goes on. Infrastructure failures (the tool server or the policy endpoint failing) end the episode
+with `stop_reason="infra_failed"` and the reason; the trainer excludes such episodes instead of scoring them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from main_agent.parse import parse_completion
+from main_agent.policy import Policy, PolicyError, Sample
+from main_agent.prompts import observation_ids, render_observation, render_prompt
+from main_agent.types import Episode, ParseError, ToolCall, ToolResult, Turn
+from tool_server.client import CallResult, ToolClient, ToolServerError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    max_turns: int = 8
+    """Policy turns per episode; each may issue several calls."""
+    max_calls_per_turn: int = 4
+    """Calls beyond this in one turn are dropped with a note to the policy (they would run concurrently)."""
+    max_new_tokens: int = 160
+    """Tokens per policy turn: a few compact calls or an answer."""
+    max_context_tokens: int = 4096
+    """The main context budget; the episode stops when the next turn would not fit."""
+    observation_tokens: int = 256
+    """Each tool result is cut to this many tokens with a visible marker."""
+    wall_clock_s: float = 900.0
+    """Whole-episode budget: a 135M policy on CPU plus sub-agent calls of 10-20 s each."""
+
+
+@dataclass(frozen=True)
+class RolloutTask:
+    """What a rollout needs from a task: the question, the tools it may use and any attachment hints."""
+
+    task_id: str
+    question: str
+    tools: Sequence[dict[str, object]]
+    context: str = ""
+
+
+ProgressHook = Callable[[Turn], None]
+
+
+async def rollout(
+    task: RolloutTask,
+    policy: Policy,
+    tools: ToolClient,
+    tokenizer,
+    cfg: RolloutConfig = RolloutConfig(),
+    *,
+    on_turn: ProgressHook | None = None,
+) -> Episode:
+    """Play one episode to an answer or a budget, top to bottom."""
+    start = time.monotonic()
+    session = f"{task.task_id}-{uuid.uuid4().hex[:8]}"  # this episode's image namespace on the server
+    names = [str(t["function"]["name"]) for t in task.tools]  # type: ignore[index]
+    prompt_ids = render_prompt(
+        tokenizer,
+        task.question,
+        task.tools,
+        max_calls_per_turn=cfg.max_calls_per_turn,
+        extra_context=task.context,
+    )
+    episode = Episode(
+        task_id=task.task_id,
+        question=task.question,
+        prompt_ids=prompt_ids,
+        turns=[],
+        answer=None,
+        stop_reason="max_turns",
+        policy_version=policy.version,
+        wall_s=0.0,
+        policy_s=0.0,
+        tools_s=0.0,
+    )
+    ids = list(prompt_ids)
+    for _ in range(cfg.max_turns):
+        room = cfg.max_context_tokens - len(ids)
+        if room < 16:  # not even a short answer fits
+            episode.stop_reason = "max_context"
+            break
+        if time.monotonic() - start > cfg.wall_clock_s:
+            episode.stop_reason = "deadline"
+            break
+        t0 = time.monotonic()
+        try:
+            sample = await policy.sample(ids, max_new_tokens=min(cfg.max_new_tokens, room))
+        except PolicyError as exc:
+            _mark_infra(episode, f"policy: {exc}")
+            break
+        policy_s = time.monotonic() - t0
+        parsed = parse_completion(sample.text, tool_names=names)
+        calls = parsed.calls[: cfg.max_calls_per_turn]
+        t1 = time.monotonic()
+        try:
+            results = await run_calls(
+                tools, calls, session=session, tokenizer=tokenizer, budget=cfg.observation_tokens
+            )
+        except ToolServerError as exc:
+            _mark_infra(episode, f"tools: {exc}")
+            episode.turns.append(
+                _turn(
+                    sample,
+                    parsed.errors,
+                    calls=[],
+                    results=[],
+                    obs_ids=[],
+                    obs_text="",
+                    version=policy.version,
+                    policy_s=policy_s,
+                    tools_s=0.0,
+                )
+            )
+            break
+        tools_s = time.monotonic() - t1
+        done = parsed.answer is not None and not calls
+        errors = list(parsed.errors) + _dropped_note(len(parsed.calls) - len(calls))
+        text = "" if done else render_observation(results, parse_errors=errors)
+        obs_ids = (
+            []
+            if done
+            else observation_ids(tokenizer, results, completion_ids=sample.ids, parse_errors=errors)
+        )
+        turn = _turn(
+            sample,
+            errors,
+            calls=calls,
+            results=results,
+            obs_ids=obs_ids,
+            obs_text=text,
+            version=policy.version,
+            policy_s=policy_s,
+            tools_s=tools_s,
+        )
+        episode.turns.append(turn)
+        ids += turn.completion_ids + turn.observation_ids
+        if on_turn is not None:
+            on_turn(turn)
+        if done:
+            episode.answer, episode.stop_reason = parsed.answer, "answer"
+            break
+    _finish(episode, start)
+    return episode
+
+
+async def run_calls(
+    tools: ToolClient, calls: list[ToolCall], *, session: str, tokenizer, budget: int
+) -> list[ToolResult]:
+    """All calls of a turn at once; tool errors come back as results, infra failures raise."""
+    done = await asyncio.gather(*(tools.call(c.name, c.arguments, session=session) for c in calls))
+    return [to_tool_result(r, cap_tokens(tokenizer, r.observation, budget)) for r in done]
+
+
+def cap_tokens(tokenizer, text: str, budget: int) -> str:
+    """Cut `text` to `budget` tokens with a visible marker saying how many were dropped."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) <= budget:
+        return text
+    return tokenizer.decode(ids[:budget]) + f" …[truncated {len(ids) - budget} tokens]"
+
+
+def _dropped_note(n: int) -> list[ParseError]:
+    if n <= 0:
+        return []
+    return [ParseError("too_many_calls", f"only the first calls ran; {n} more were dropped", "")]
+
+
+def to_tool_result(r: CallResult, observation: str) -> ToolResult:
+    return ToolResult(
+        name=r.name,
+        ok=r.ok,
+        observation=observation,
+        error_kind=r.error.kind if r.error else None,
+        latency_ms=r.latency_ms,
+        tokens_read=r.tokens_read,
+        tokens_returned=r.tokens_returned,
+        cached=r.cached,
+        payload=dict(r.payload),
+    )
+
+
+def _turn(
+    sample: Sample,
+    errors: list[ParseError],
+    *,
+    calls: list[ToolCall],
+    results: list[ToolResult],
+    obs_ids: list[int],
+    obs_text: str,
+    version: int,
+    policy_s: float,
+    tools_s: float,
+) -> Turn:
+    return Turn(
+        completion_ids=list(sample.ids),
+        completion_logprobs=list(sample.logprobs),
+        observation_ids=obs_ids,
+        completion_text=sample.text,
+        observation_text=obs_text,
+        calls=calls,
+        results=results,
+        parse_errors=list(errors),
+        policy_version=version,
+        policy_s=policy_s,
+        tools_s=tools_s,
+    )
+
+
+def _mark_infra(episode: Episode, reason: str) -> None:
+    logger.warning("episode %s infra failure: %s", episode.task_id, reason)
+    episode.stop_reason, episode.infra_error = "infra_failed", reason
+
+
+def _finish(episode: Episode, start: float) -> None:
+    episode.wall_s = time.monotonic() - start
+    episode.policy_s = sum(t.policy_s for t in episode.turns)
+    episode.tools_s = sum(t.tools_s for t in episode.turns)
