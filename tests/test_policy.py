@@ -1,0 +1,130 @@
+"""The policies: sampled ids and log-probs are what training needs, in-process and over the completions protocol."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+from main_agent.policy import OpenAIPolicy, PolicyError, SamplingConfig, TransformersPolicy, load_model_and_tokenizer
+from tests.fake_openai_server import serve, unused_port
+from tests.fakes import ByteChatTokenizer
+
+
+class _CompletionRequest(BaseModel):
+    model: str
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    logprobs: int | None = None
+    return_token_ids: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+
+
+def completions_app(policy: TransformersPolicy, *, token_ids: bool = True) -> FastAPI:
+    """A small server speaking vLLM's completions protocol (token-id prompts, `return_token_ids`)."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def complete(body: _CompletionRequest) -> dict[str, object]:
+        sample = await policy.sample(body.prompt, max_new_tokens=body.max_tokens)
+        ids = sample.ids[:-1] if sample.finish_reason == "stop" else sample.ids  # servers drop the stop token
+        choice: dict[str, object] = {"index": 0, "text": sample.text, "finish_reason": sample.finish_reason}
+        if token_ids and body.return_token_ids:
+            choice["token_ids"] = sample.ids
+            choice["logprobs"] = {"token_logprobs": sample.logprobs}
+        else:
+            choice["logprobs"] = {"token_logprobs": sample.logprobs[: len(ids)]}
+        return {"id": "cmpl-1", "object": "text_completion", "model": body.model, "choices": [choice]}
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    return load_model_and_tokenizer(smollm2_path)
+
+
+def prompt_ids(tokenizer, question: str) -> list[int]:
+    messages = [{"role": "user", "content": question}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+@pytest.mark.slow
+async def test_sampler_logprobs_match_a_recompute(smollm2):
+    """The log-probs the policy reports are the model's log-probs of the sampled ids (the ratio starts at 1)."""
+    import torch
+
+    from training.loss import token_logprobs
+
+    model, tokenizer = smollm2
+    policy = TransformersPolicy(model, tokenizer, cfg=SamplingConfig(temperature=1.0))
+    prompt = prompt_ids(tokenizer, "Name a colour.")
+    sample = await policy.sample(prompt, max_new_tokens=12)
+    await policy.aclose()
+    ids = torch.tensor([prompt + sample.ids])
+    recomputed = token_logprobs(model, ids, torch.ones_like(ids))[0, len(prompt) :]
+    assert torch.allclose(recomputed, torch.tensor(sample.logprobs), atol=2e-3), (recomputed, sample.logprobs)
+
+
+@pytest.mark.slow
+async def test_concurrent_samples_share_one_generate(smollm2):
+    """Samples requested together by several episodes are batched, each cut at its own EOS and limit."""
+    model, tokenizer = smollm2
+    policy = TransformersPolicy(model, tokenizer, cfg=SamplingConfig(temperature=0.0))
+    prompts = [prompt_ids(tokenizer, q) for q in ("Say hi.", "Count to three.", "What is 2+2?")]
+    samples = await asyncio.gather(*(policy.sample(p, max_new_tokens=n) for p, n in zip(prompts, (4, 16, 16))))
+    await policy.aclose()
+    assert policy._batcher.batch_sizes == [3]
+    assert len(samples[0].ids) <= 4
+    for sample in samples:
+        assert len(sample.ids) == len(sample.logprobs)
+        assert sample.finish_reason == "length" or sample.ids[-1] == tokenizer.eos_token_id
+
+
+@pytest.mark.slow
+async def test_openai_policy_reads_token_ids_from_a_completions_server(smollm2):
+    """Against a loopback server speaking vLLM's protocol, the endpoint policy gets exact ids and log-probs."""
+    model, tokenizer = smollm2
+    local = TransformersPolicy(model, tokenizer, cfg=SamplingConfig(temperature=0.0))
+    prompt = prompt_ids(tokenizer, "What is the capital of France?")
+    with serve(completions_app(local)) as url:
+        remote = OpenAIPolicy(url, "smollm2", tokenizer, cfg=SamplingConfig(temperature=0.0))
+        sample = await remote.sample(prompt, max_new_tokens=16)
+        await remote.aclose()
+    expected = await local.sample(prompt, max_new_tokens=16)
+    await local.aclose()
+    assert sample.exact and sample.ids == expected.ids
+    assert sample.logprobs == pytest.approx(expected.logprobs)
+
+
+async def test_openai_policy_without_token_ids_marks_samples_inexact():
+    """A server that returns only text is usable for `ask`, but its samples are flagged as not trainable."""
+
+    class Echo:
+        version, eos_token_id = 0, ByteChatTokenizer.eos_token_id
+
+        async def sample(self, prompt_ids, *, max_new_tokens):
+            from main_agent.policy import Sample
+
+            return Sample([104, 105, 257], [-0.1, -0.2, -0.3], "hi", "stop")
+
+    tokenizer = ByteChatTokenizer()
+    with serve(completions_app(Echo(), token_ids=False)) as url:  # type: ignore[arg-type]
+        policy = OpenAIPolicy(url, "m", tokenizer)
+        sample = await policy.sample([1, 2, 3], max_new_tokens=8)
+        await policy.aclose()
+    assert not sample.exact
+    assert sample.ids == [104, 105, 257] and sample.text == "hi"
+
+
+async def test_unreachable_policy_endpoint_raises_policy_error():
+    """A dead endpoint is an infrastructure failure (PolicyError), not an empty completion."""
+    policy = OpenAIPolicy(f"http://127.0.0.1:{unused_port()}/v1", "m", ByteChatTokenizer())
+    with pytest.raises(PolicyError, match="unreachable"):
+        await policy.sample([1, 2], max_new_tokens=4)
+    await policy.aclose()
