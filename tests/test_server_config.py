@@ -1,0 +1,80 @@
+"""Loading the tool server's TOML config: sections, defaults, and errors that name the bad key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from subagents import SUBAGENTS
+from subagents.backends import BackendConfig
+from tool_server.config import ConfigError, ServerConfig, ToolLimits, load_config, parse_config
+
+
+def test_no_file_means_defaults() -> None:
+    """Without a file every sub-agent gets the built-in SmolLM2 and the server binds loopback."""
+    cfg = load_config(None)
+    assert cfg == ServerConfig()
+    assert cfg.host == "127.0.0.1"
+    assert {cfg.tools.settings(n).model.model for n in SUBAGENTS} == {"smollm2-135m-instruct"}
+
+
+def test_toml_sections_fill_typed_fields(tmp_path: Path) -> None:
+    """[server], [fetch], [cache] and per-tool sections land in their dataclasses; arrays become tuples."""
+    path = tmp_path / "server.toml"
+    path.write_text(
+        '[server]\nport = 9000\nallowed_hosts = ["box:9000"]\n'
+        '[fetch]\nallow_private_cidrs = ["127.0.0.0/8"]\n'
+        '[cache]\ndirectory = "cache-dir"\nmax_entries = 5\n'
+        '[page_qa.model]\nbackend = "openai"\nmodel = "served"\nbase_url = "http://127.0.0.1:8000/v1"\n'
+        "[page_qa.limits]\nmax_concurrency = 2\nqueue_timeout_s = 5\n"
+        '[search]\ncorpus_dir = "docs"\n'
+    )
+    cfg = load_config(path)
+    assert (cfg.port, cfg.allowed_hosts) == (9000, ("box:9000",))
+    assert cfg.fetch.allow_private_cidrs == ("127.0.0.0/8",)
+    assert (cfg.cache.directory, cfg.cache.max_entries) == (Path("cache-dir"), 5)
+    assert (cfg.tools.page_qa.model.backend, cfg.tools.page_qa.model.model) == ("openai", "served")
+    assert cfg.tools.page_qa.limits == ToolLimits(max_concurrency=2, queue_timeout_s=5.0)
+    assert cfg.tools.search.config.corpus_dir == "docs"
+    assert cfg.tools.image_ops.model == BackendConfig()
+
+
+@pytest.mark.parametrize(
+    ("data", "named"),
+    [
+        ({"server": {"prot": 1}}, "'prot' in [server]; valid keys: host, port"),
+        ({"page_qa": {"model": {"modle": "x"}}}, "'modle' in [page_qa.model]"),
+        ({"page_qa": {"limits": {"max_conc": 1}}}, "'max_conc' in [page_qa.limits]"),
+        ({"pageqa": {}}, "'pageqa' in the top level; valid keys: server, fetch, cache, page_qa"),
+        ({"search": {"top_k": 3}}, "'top_k' in [search]"),
+    ],
+)
+def test_unknown_keys_are_named_with_the_valid_ones(data: dict[str, Any], named: str) -> None:
+    """A typo is an error naming the key and what is valid, never a silent default."""
+    with pytest.raises(ConfigError, match="unknown key") as info:
+        parse_config(data)
+    assert named in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"server": {"port": "8700"}},
+        {"page_qa": {"model": {"backend": "llamacpp"}}},
+        {"fetch": {"allow_private_cidrs": "127.0.0.0/8"}},
+        {"cache": {"enabled": 1}},
+    ],
+)
+def test_wrong_value_types_are_refused(data: dict[str, Any]) -> None:
+    """A value of the wrong type or outside a Literal fails at load time, naming the field."""
+    with pytest.raises(ConfigError):
+        parse_config(data)
+
+
+def test_example_config_loads() -> None:
+    """examples/server.toml is a valid, complete example."""
+    path = Path(__file__).resolve().parent.parent / "examples" / "server.toml"
+    cfg = load_config(path)
+    assert cfg.host == "127.0.0.1"

@@ -1,0 +1,239 @@
+"""The tool server: `create_app(cfg) -> FastAPI`, and `serve(cfg)` to run it with uvicorn.
+
+Routes (bodies are JSON):
+    GET  /v1/tools               OpenAI function schemas of the hosted sub-agents (`tool_schema`)
+    POST /v1/tools/{name}        body = the tool's Request; answer = its Response + "observation"
+    POST /v1/batch               {"calls": [{"name", "arguments"}, ...]} -> {"results": [...]}, in order
+    GET  /v1/images/{id}         PNG thumbnail from the caller's image session, or 404
+    GET  /health, GET /metrics   liveness; per-tool counts, errors, latency p50/p95, cache, queue depth
+    POST /admin/backends/{tool}  body = BackendConfig: hot-swap the model behind one tool (token required)
+    /mcp                         the same tools over MCP (mcp_server.py)
+
+Outcome policy. A policy's mistake is an observation, not an HTTP error: arguments that fail validation
+give 200 with `{"ok": false, "error": {"kind": "invalid_args", ...}}`, as do the sub-agents' own
+structured errors. HTTP errors are for the caller's program or the infrastructure: 404 unknown tool,
+401/403 auth, 413 body too large, 429 + Retry-After when a tool's queue deadline passes (in a batch or over
+MCP that call's result is an `overloaded` error instead), and 500 `{"error": {"kind": "internal"}}`
+(no traceback; logged) when a bug escapes a sub-agent. Header `X-Conductor-Session` names the caller's
+image session (default "default"); the rollout sends one per episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+from starlette.routing import Route
+
+from subagents import SUBAGENTS
+from subagents.backends import LLM, BackendConfig, BackendError, build_llm
+from subagents.common import ToolResponse, fail
+from tool_server.config import TOOL_NAMES, ServerConfig, build
+from tool_server.host import SESSION_HEADER, SubAgent, ToolHost, tool_schema
+from tool_server.limits import (
+    AuthMiddleware,
+    BodyLimitMiddleware,
+    Overloaded,
+    load_token,
+    require_token_off_loopback,
+)
+from tool_server.mcp_server import build_mcp
+
+logger = logging.getLogger(__name__)
+
+LLMFactory = Callable[[BackendConfig], LLM]
+router = APIRouter()
+
+
+class BatchCall(BaseModel):
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class BatchRequest(BaseModel):
+    calls: list[BatchCall]
+
+
+def create_app(
+    cfg: ServerConfig, *, subagents: Mapping[str, SubAgent] = SUBAGENTS, llm_factory: LLMFactory = build_llm
+) -> FastAPI:
+    """The ASGI app. Backends, fetcher, image store and corpus are built in its lifespan, not here.
+
+    `subagents` and `llm_factory` are injected by tests (fake sub-agents, fake models); their names must
+    be among config.TOOL_NAMES, whose settings they use.
+    """
+    _check_subagents(subagents)
+    token = load_token(cfg)
+    require_token_off_loopback(cfg, token)
+    mcp = build_mcp(cfg, subagents=subagents, get_host=lambda: host_of(app))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.host = await ToolHost.start(cfg, subagents=subagents, llm_factory=llm_factory)
+        try:
+            async with mcp.manager.run():
+                yield
+        finally:
+            await app.state.host.aclose()
+
+    app = FastAPI(title="Conductor tool server", lifespan=lifespan)
+    app.include_router(router)
+    app.router.routes.append(Route("/mcp", endpoint=mcp.app, include_in_schema=False))  # an ASGI app
+    app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
+    app.add_middleware(AuthMiddleware, token=token)  # added last = outermost: no body read before auth
+    app.add_exception_handler(Exception, _internal_error)
+    return app
+
+
+def _check_subagents(subagents: Mapping[str, SubAgent]) -> None:
+    unknown = sorted(set(subagents) - set(TOOL_NAMES))
+    if unknown:
+        raise ValueError(f"no settings for sub-agents {unknown}; configurable: {', '.join(TOOL_NAMES)}")
+    misnamed = [(key, module.NAME) for key, module in subagents.items() if key != module.NAME]
+    assert not misnamed, f"each sub-agent must be listed under its NAME: {misnamed}"
+
+
+def host_of(app: FastAPI) -> ToolHost:
+    """The app's ToolHost (set by the lifespan); app.state holds nothing else of ours."""
+    host: ToolHost = app.state.host
+    return host
+
+
+def _host(request: Request) -> ToolHost:
+    return host_of(request.app)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """A bug escaped: 500 with a kind and no traceback (Starlette re-raises after this, so the server logs
+    the traceback)."""
+    logger.error("internal error on %s %s: %r", request.method, request.url.path, exc)
+    message = "internal error in the tool server (logged server-side)"
+    return JSONResponse({"error": {"kind": "internal", "message": message}}, status_code=500)
+
+
+def _dump(response: ToolResponse) -> dict[str, Any]:
+    return {**response.model_dump(mode="json"), "observation": response.observation()}
+
+
+def _overloaded_json(exc: Overloaded) -> JSONResponse:
+    error = {"kind": "overloaded", "message": str(exc), "retryable": True}
+    body = {"ok": False, "error": error, "observation": f"error (overloaded): {exc}"}
+    return JSONResponse(body, status_code=429, headers={"Retry-After": str(exc.retry_after_s)})
+
+
+@router.get("/v1/tools")
+async def list_tools(request: Request) -> list[dict[str, Any]]:
+    return [tool_schema(module) for module in _host(request).subagents.values()]
+
+
+@router.post("/v1/tools/{name}")
+async def call_tool(name: str, request: Request) -> Response:
+    host = _host(request)
+    if name not in host.subagents:
+        raise HTTPException(404, f"unknown tool {name!r}; tools: {', '.join(host.subagents)}")
+    session = request.headers.get(SESSION_HEADER, "default")
+    try:
+        response = await host.call(name, await request.body(), session=session)
+    except Overloaded as exc:
+        return _overloaded_json(exc)
+    return JSONResponse(_dump(response))
+
+
+@router.post("/v1/batch")
+async def call_batch(batch: BatchRequest, request: Request) -> dict[str, list[dict[str, Any]]]:
+    host = _host(request)
+    if len(batch.calls) > host.cfg.max_batch_calls:
+        raise HTTPException(422, f"{len(batch.calls)} calls in one batch; at most {host.cfg.max_batch_calls}")
+    session = request.headers.get(SESSION_HEADER, "default")
+    async with asyncio.TaskGroup() as group:  # a bug in one call cancels the rest and answers 500
+        tasks = [group.create_task(_batch_item(host, call, session)) for call in batch.calls]
+    return {"results": [_dump(task.result()) for task in tasks]}
+
+
+async def _batch_item(host: ToolHost, call: BatchCall, session: str) -> ToolResponse:
+    module = host.subagents.get(call.name)
+    if module is None:
+        message = f"unknown tool {call.name!r}; tools: {', '.join(host.subagents)}"
+        return fail(ToolResponse, "invalid_args", message)
+    return await host.call_as_result(module.NAME, call.arguments, session=session)
+
+
+@router.get("/v1/images/{image_id}")
+async def image_thumbnail(image_id: str, request: Request) -> Response:
+    """Ids are unique across sessions, so a trace viewer may fetch one without the session header;
+    with the header, only that session's images are found."""
+    session = request.headers.get(SESSION_HEADER)
+    png = await asyncio.to_thread(_host(request).images.thumbnail_png, image_id, session=session)
+    if png is None:
+        raise HTTPException(404, f"no image {image_id!r}")
+    return Response(png, media_type="image/png")
+
+
+@router.get("/health")
+async def health(request: Request) -> dict[str, Any]:
+    host = _host(request)
+    return {"status": "ok", "tools": list(host.subagents), "models": host.model_ids()}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> dict[str, Any]:
+    return _host(request).metrics_snapshot()
+
+
+@router.post("/admin/backends/{tool}")
+async def swap_backend(tool: str, request: Request) -> Response:
+    """Build the model the BackendConfig body names (in a thread) and make it answer `tool`'s new calls."""
+    host = _host(request)
+    if tool not in host.subagents:
+        raise HTTPException(404, f"unknown tool {tool!r}; tools: {', '.join(host.subagents)}")
+    try:
+        backend_cfg = _backend_config(await request.body())
+    except ValueError as exc:  # not JSON, not an object, an unknown key or a wrong type
+        return JSONResponse({"error": {"kind": "invalid_args", "message": str(exc)}}, status_code=422)
+    try:
+        model_id = await host.swap_backend(tool, backend_cfg)
+    except (BackendError, OSError) as exc:  # what building a model raises for a bad name, path or device
+        return JSONResponse({"error": {"kind": "backend_error", "message": str(exc)}}, status_code=422)
+    return JSONResponse({"tool": tool, "model_id": model_id})
+
+
+def _backend_config(body: bytes) -> BackendConfig:
+    """A BackendConfig from JSON, checked like the TOML file: unknown keys and wrong types are errors."""
+    data = json.loads(body)
+    if not isinstance(data, dict):
+        raise ValueError("the body must be a JSON object of BackendConfig fields")
+    return build(BackendConfig, data, "the BackendConfig body")
+
+
+# Uvicorn limits. Keep-alive: the rollout client reuses connections between turns a few seconds apart.
+# Concurrency: beyond this many open connections uvicorn answers 503 at once rather than queueing
+# (per-tool gates already bound the work; this bounds sockets and memory).
+TIMEOUT_KEEP_ALIVE_S = 30
+LIMIT_CONCURRENCY = 512
+GRACEFUL_SHUTDOWN_S = 30  # in-flight model calls get this long to finish on Ctrl-C
+
+
+def uvicorn_config(cfg: ServerConfig, app: FastAPI) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S,
+        limit_concurrency=LIMIT_CONCURRENCY,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        log_level="info",
+    )
+
+
+def serve(cfg: ServerConfig) -> None:
+    """Run the server until interrupted (blocking)."""
+    logger.info("tool server on http://%s:%d (MCP at /mcp)", cfg.host, cfg.port)
+    uvicorn.Server(uvicorn_config(cfg, create_app(cfg))).run()

@@ -1,0 +1,291 @@
+"""What the server holds while it runs (`ToolHost`), how one tool call goes through it, and the tool schemas.
+
+A call: validate the arguments (invalid -> an `invalid_args` result), take a lease on the tool's current
+backend (so a hot swap mid-call does not pull the model away), look in the cache (cacheable tools only),
+wait for a concurrency slot (bounded by the queue deadline), run the sub-agent under the call deadline,
+record metrics. `Runtime` is built per call, so the call keeps the LLM it started with.
+
+Hot swap: a `Backend` counts its holders (tool slots pointing at it plus calls running on it) and closes
+its LLM when the last one lets go, so a replaced model finishes its in-flight calls and is then closed.
+Tools whose BackendConfigs are equal share one backend at start-up (one SmolLM2 in memory, one micro-batcher
+for all four sub-agents).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ValidationError
+
+from subagents.backends import LLM, BackendConfig, TransformersLLM
+from subagents.common import Runtime, ToolResponse, fail
+from subagents.fetch import Fetcher
+from subagents.image_ops import ImageStore
+from subagents.search import Corpus
+from tool_server.cache import ResultCache, cache_key
+from tool_server.config import ServerConfig
+from tool_server.limits import Overloaded, ToolGate, ToolMetrics
+
+logger = logging.getLogger(__name__)
+
+SESSION_HEADER = "X-Conductor-Session"
+
+# Tools whose results are served from the cache. image_ops is left out on purpose: its calls write into
+# the caller's per-session image store (a load creates an image id, a zoom a new one), so a stored answer
+# would name images that do not exist in the caller's session.
+CACHEABLE = frozenset({"page_qa", "video_summary", "search"})
+
+
+class SubAgent(Protocol):
+    """The shape of a sub-agent module (see subagents/common.py)."""
+
+    NAME: str
+    DESCRIPTION: str
+    Request: type[BaseModel]
+    Response: type[ToolResponse]
+    Config: type
+
+    def run(self, request: Any, cfg: Any, rt: Runtime) -> Awaitable[ToolResponse]: ...
+
+
+def compact_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with `$ref`s inlined and `$defs`/`title` dropped: shorter prompts for a small policy."""
+    defs = schema.get("$defs", {})
+    cleaned: dict[str, Any] = _clean(schema, defs, seen=())
+    return cleaned
+
+
+def _clean(node: Any, defs: dict[str, Any], *, seen: tuple[str, ...]) -> Any:
+    if isinstance(node, list):
+        return [_clean(item, defs, seen=seen) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        name = node["$ref"].rsplit("/", 1)[-1]
+        if name in seen:
+            raise ValueError(f"recursive schema through {name!r} cannot be inlined")
+        merged = {**defs[name], **{k: v for k, v in node.items() if k != "$ref"}}
+        return _clean(merged, defs, seen=(*seen, name))
+    out = {}
+    for key, value in node.items():
+        if key in ("title", "$defs"):
+            continue
+        if key == "properties":  # property names are data, not keywords: a field may be called "title"
+            out[key] = {prop: _clean(sub, defs, seen=seen) for prop, sub in value.items()}
+        else:
+            out[key] = _clean(value, defs, seen=seen)
+    return out
+
+
+def tool_schema(module: SubAgent) -> dict[str, Any]:
+    """The OpenAI function schema of a sub-agent, generated from its Request model."""
+    parameters = compact_schema(module.Request.model_json_schema())
+    return {
+        "type": "function",
+        "function": {"name": module.NAME, "description": module.DESCRIPTION, "parameters": parameters},
+    }
+
+
+def invalid_args_message(exc: ValidationError) -> str:
+    """Pydantic errors as one readable line: `question: Field required; k: Input should be ...`."""
+    parts = []
+    for error in exc.errors(include_url=False):
+        where = ".".join(str(part) for part in error["loc"]) or "arguments"
+        parts.append(f"{where}: {error['msg']}")
+    return "; ".join(parts)
+
+
+class Backend:
+    """One built LLM and its holders: the tool slots pointing at it plus the calls running on it."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self.holders = 0
+
+    def hold(self) -> None:
+        self.holders += 1
+
+    async def release(self) -> None:
+        self.holders -= 1
+        if self.holders == 0:
+            logger.info("closing backend %s: no tool or call holds it", self.llm.model_id)
+            await self.llm.aclose()
+
+
+class BackendSlot:
+    """The backend currently answering one tool; `swap` replaces it without disturbing running calls."""
+
+    def __init__(self, backend: Backend) -> None:
+        backend.hold()
+        self.backend = backend
+
+    @asynccontextmanager
+    async def lease(self) -> AsyncIterator[LLM]:
+        backend = self.backend
+        backend.hold()
+        try:
+            yield backend.llm
+        finally:
+            await backend.release()
+
+    async def swap(self, new: Backend) -> None:
+        new.hold()
+        old, self.backend = self.backend, new
+        await old.release()
+
+    async def close(self) -> None:
+        await self.backend.release()
+
+
+async def build_backends(
+    cfg: ServerConfig, names: list[str], llm_factory: Callable[[BackendConfig], LLM]
+) -> dict[str, BackendSlot]:
+    """One slot per tool; equal BackendConfigs share one LLM. Models load in a thread (seconds each)."""
+    shared: dict[BackendConfig, Backend] = {}
+    for name in names:
+        model = cfg.tools.settings(name).model
+        if model not in shared:
+            shared[model] = Backend(await asyncio.to_thread(llm_factory, model))
+    return {name: BackendSlot(shared[cfg.tools.settings(name).model]) for name in names}
+
+
+@dataclass
+class ToolHost:
+    """Everything the running server holds; built by `start` in the app's lifespan, closed by `aclose`."""
+
+    cfg: ServerConfig
+    subagents: Mapping[str, SubAgent]
+    llm_factory: Callable[[BackendConfig], LLM]
+    fetcher: Fetcher
+    images: ImageStore
+    corpus: Corpus | None
+    cache: ResultCache
+    slots: dict[str, BackendSlot]
+    gates: dict[str, ToolGate]
+    metrics: dict[str, ToolMetrics]
+
+    @classmethod
+    async def start(
+        cls,
+        cfg: ServerConfig,
+        *,
+        subagents: Mapping[str, SubAgent],
+        llm_factory: Callable[[BackendConfig], LLM],
+    ) -> ToolHost:
+        names = list(subagents)
+        search_cfg = cfg.tools.search.config
+        corpus = None
+        fetch_cfg = cfg.fetch
+        if search_cfg.corpus_dir is not None:
+            folder = Path(search_cfg.corpus_dir)
+            corpus = await asyncio.to_thread(
+                Corpus.build, folder, max_docs=search_cfg.max_docs, base_url=search_cfg.base_url
+            )
+            # search hands out file:// URLs under the corpus folder; page_qa must be able to open them.
+            fetch_cfg = replace(fetch_cfg, allow_file_roots=(*fetch_cfg.allow_file_roots, str(folder)))
+        return cls(
+            cfg=cfg,
+            subagents=subagents,
+            llm_factory=llm_factory,
+            fetcher=Fetcher(fetch_cfg),
+            images=ImageStore(cfg.tools.image_ops.config),
+            corpus=corpus,
+            cache=ResultCache(cfg.cache),
+            slots=await build_backends(cfg, names, llm_factory),
+            gates={name: ToolGate(name, cfg.tools.settings(name).limits) for name in names},
+            metrics={name: ToolMetrics() for name in names},
+        )
+
+    async def aclose(self) -> None:
+        for slot in self.slots.values():
+            await slot.close()
+        await self.fetcher.aclose()
+
+    async def call(self, name: str, arguments: bytes | Mapping[str, Any], *, session: str) -> ToolResponse:
+        """Run tool `name` on raw JSON or parsed arguments. Raises Overloaded past the queue deadline."""
+        module = self.subagents[name]
+        start = time.perf_counter()
+        error: str | None = "internal"  # what is recorded if a bug escapes
+        try:
+            response = await self._call(module, arguments, session=session)
+            error = response.error.kind if response.error is not None else None
+        except Overloaded:
+            error = "overloaded"
+            raise
+        except asyncio.CancelledError:  # the caller went away (client disconnect, batch sibling failed)
+            error = "cancelled"
+            raise
+        finally:
+            self.metrics[name].record(seconds=time.perf_counter() - start, error=error)
+        response.latency_ms = (time.perf_counter() - start) * 1000
+        return response
+
+    async def call_as_result(self, name: str, arguments: Mapping[str, Any], *, session: str) -> ToolResponse:
+        """Like `call`, but an overload refusal is an `overloaded` result (batch items, MCP) not an exception."""
+        try:
+            return await self.call(name, arguments, session=session)
+        except Overloaded as exc:
+            return fail(self.subagents[name].Response, "overloaded", str(exc))
+
+    async def _call(
+        self, module: SubAgent, arguments: bytes | Mapping[str, Any], *, session: str
+    ) -> ToolResponse:
+        try:
+            if isinstance(arguments, bytes):
+                request = module.Request.model_validate_json(arguments)
+            else:
+                request = module.Request.model_validate(arguments)
+        except ValidationError as exc:
+            return fail(module.Response, "invalid_args", invalid_args_message(exc))
+        async with self.slots[module.NAME].lease() as llm:
+            rt = Runtime(
+                llm=llm, fetcher=self.fetcher, images=self.images, corpus=self.corpus,
+                session=session, count_tokens=llm.count_tokens,
+            )  # fmt: skip
+            compute = lambda: self._run(module, request, rt)  # noqa: E731
+            if module.NAME not in CACHEABLE or not self.cfg.cache.enabled:
+                return await compute()
+            settings = repr(self.cfg.tools.settings(module.NAME).config)
+            key = cache_key(module.NAME, llm.model_id, request, settings=settings)
+            return await self.cache.get_or_compute(module.NAME, key, module.Response, compute)
+
+    async def _run(self, module: SubAgent, request: BaseModel, rt: Runtime) -> ToolResponse:
+        settings = self.cfg.tools.settings(module.NAME)
+        deadline = settings.limits.call_timeout_s
+        async with self.gates[module.NAME].slot():
+            try:
+                async with asyncio.timeout(deadline):
+                    return await module.run(request, settings.config, rt)
+            except TimeoutError:
+                return fail(module.Response, "timeout", f"{module.NAME} gave no result within {deadline:g} s")
+
+    async def swap_backend(self, name: str, model: BackendConfig) -> str:
+        """Build `model` in a thread and make it answer `name`'s new calls; returns its model id."""
+        backend = Backend(await asyncio.to_thread(self.llm_factory, model))
+        await self.slots[name].swap(backend)
+        logger.info("%s now answered by %s", name, backend.llm.model_id)
+        return backend.llm.model_id
+
+    def model_ids(self) -> dict[str, str]:
+        return {name: slot.backend.llm.model_id for name, slot in self.slots.items()}
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        return {"tools": {name: self._tool_metrics(name) for name in self.subagents}}
+
+    def _tool_metrics(self, name: str) -> dict[str, Any]:
+        gate, stats, llm = self.gates[name], self.cache.stats[name], self.slots[name].backend.llm
+        return {
+            **self.metrics[name].snapshot(),
+            "cache": {"hits": stats.hits, "misses": stats.misses, "hit_rate": stats.hit_rate},
+            "queue_depth": gate.waiting,
+            "in_flight": gate.running,
+            "backend_queue_depth": llm.queue_depth if isinstance(llm, TransformersLLM) else None,
+            "model": llm.model_id,
+        }

@@ -1,0 +1,231 @@
+"""What protects the tool server: bearer-token auth, a body-size cap, per-tool concurrency gates, metrics.
+
+Auth rules (AuthMiddleware):
+- A token comes from `$<token_env>` or the first line of `token_file`. Binding anything but loopback
+  without one is refused at startup (`require_token_off_loopback`).
+- Once a token is configured it guards every route except GET /health (liveness probes carry no secret).
+  Missing or wrong: 401 with `WWW-Authenticate: Bearer`. Compared with `hmac.compare_digest`.
+- /admin/* always needs the token, loopback or not; with no token configured admin is disabled (403).
+
+Overload rule (ToolGate): each tool runs at most `max_concurrency` calls; a call waits at most
+`queue_timeout_s` for a slot, then `Overloaded` (HTTP 429 + Retry-After). Nothing waits unboundedly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import math
+import os
+from collections import Counter, deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tool_server.config import ServerConfig, ToolLimits
+
+# Latencies kept per tool for p50/p95: a thousand recent calls give stable percentiles in bounded memory.
+LATENCY_WINDOW = 1000
+OPEN_PATHS = frozenset({"/health"})
+
+
+class Overloaded(Exception):
+    """A tool's concurrency cap was full for its whole queue deadline."""
+
+    def __init__(self, tool: str, *, waited_s: float, retry_after_s: int) -> None:
+        super().__init__(
+            f"{tool} is at capacity: no slot within {waited_s:g} s; retry after {retry_after_s} s"
+        )
+        self.retry_after_s = retry_after_s
+
+
+def load_token(cfg: ServerConfig) -> str | None:
+    """The bearer token: `$<token_env>` if set and non-empty, else the first line of `token_file`, else None."""
+    token = os.environ.get(cfg.token_env, "").strip()
+    if not token and cfg.token_file is not None:
+        lines = cfg.token_file.read_text(encoding="utf-8").splitlines()
+        token = lines[0].strip() if lines else ""
+    return token or None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost: may resolve anywhere
+        return False
+
+
+def require_token_off_loopback(cfg: ServerConfig, token: str | None) -> None:
+    """Refuse to serve beyond this machine without a token: the tools fetch URLs and run models."""
+    if token is None and not is_loopback(cfg.host):
+        raise RuntimeError(
+            f"refusing to bind {cfg.host}: not loopback and no token; set ${cfg.token_env} or token_file"
+        )
+
+
+async def _send_json(send: Send, status: int, body: dict[str, object], headers: dict[str, str]) -> None:
+    raw = json.dumps(body).encode()
+    pairs = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    pairs += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": pairs})
+    await send({"type": "http.response.body", "body": raw})
+
+
+def _error(kind: str, message: str) -> dict[str, object]:
+    return {"error": {"kind": kind, "message": message}}
+
+
+class AuthMiddleware:
+    """Bearer-token check in front of every route (see the module docstring for the rules)."""
+
+    def __init__(self, app: ASGIApp, *, token: str | None) -> None:
+        self.app = app
+        self._token = token.encode() if token is not None else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self._token is None and scope["path"].startswith("/admin"):
+            message = "admin endpoints are disabled: the server has no token configured"
+            await _send_json(send, 403, _error("forbidden", message), {})
+        elif self._token is not None and not self._authorised(Headers(scope=scope)):
+            message = "missing or wrong bearer token"
+            await _send_json(send, 401, _error("unauthorized", message), {"WWW-Authenticate": "Bearer"})
+        else:
+            await self.app(scope, receive, send)
+
+    def _authorised(self, headers: Headers) -> bool:
+        assert self._token is not None
+        scheme, _, given = headers.get("authorization", "").partition(" ")
+        # compare_digest: the time taken does not reveal how many leading bytes matched.
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._token)
+
+
+class BodyLimitMiddleware:
+    """HTTP 413 for bodies over `max_bytes`: Content-Length is checked first, then streamed bytes are
+    counted (a chunked body has no Content-Length). The body is buffered (it is at most `max_bytes`) and
+    replayed to the app, so the app never sees a partial body it has started acting on."""
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send)
+            return
+        messages = await self._read_body(receive)
+        if messages is None:
+            await self._refuse(send)
+            return
+
+        async def replay() -> Message:
+            return messages.popleft() if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _read_body(self, receive: Receive) -> deque[Message] | None:
+        """The request's messages up to the end of the body; None once more than `max_bytes` arrived."""
+        messages: deque[Message] = deque()
+        size = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                return messages
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return None
+            if not message.get("more_body", False):
+                return messages
+
+    async def _refuse(self, send: Send) -> None:
+        message = f"request body over the {self.max_bytes}-byte limit"
+        await _send_json(send, 413, _error("too_large", message), {"Connection": "close"})
+
+
+class ToolGate:
+    """At most `max_concurrency` calls of one tool at once; a slot is awaited at most `queue_timeout_s`."""
+
+    def __init__(self, tool: str, limits: ToolLimits) -> None:
+        self.tool = tool
+        self.limits = limits
+        self._slots = asyncio.Semaphore(limits.max_concurrency)
+        self.waiting = 0
+        self.running = 0
+
+    @property
+    def retry_after_s(self) -> int:
+        """What 429 answers suggest: one queue deadline, by when a full queue has turned over once."""
+        return max(1, math.ceil(self.limits.queue_timeout_s))
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """Hold one of the tool's slots; raises Overloaded when none frees up within the queue deadline."""
+        self.waiting += 1
+        try:
+            async with asyncio.timeout(self.limits.queue_timeout_s):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise Overloaded(
+                self.tool, waited_s=self.limits.queue_timeout_s, retry_after_s=self.retry_after_s
+            ) from None
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
+            self._slots.release()
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+@dataclass
+class ToolMetrics:
+    """Counts and recent latencies of one tool. An error is any call that did not return ok, including
+    invalid arguments, overload refusals and internal failures (`errors_by_kind` separates them)."""
+
+    calls: int = 0
+    errors: int = 0
+    errors_by_kind: Counter[str] = field(default_factory=Counter)
+    latencies_ms: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
+
+    def record(self, *, seconds: float, error: str | None) -> None:
+        self.calls += 1
+        self.latencies_ms.append(seconds * 1000)
+        if error is not None:
+            self.errors += 1
+            self.errors_by_kind[error] += 1
+
+    def snapshot(self) -> dict[str, object]:
+        window = list(self.latencies_ms)
+        return {
+            "calls": self.calls,
+            "errors": self.errors,
+            "errors_by_kind": dict(self.errors_by_kind),
+            "latency_ms": {
+                "p50": percentile(window, 0.5),
+                "p95": percentile(window, 0.95),
+                "window": len(window),
+            },
+        }
