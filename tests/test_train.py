@@ -1,0 +1,406 @@
+"""The RL trainers: scoring, filtering, the optimizer step, and whole sync/async runs with exact resume.
+
+Unit tests use the byte tokenizer and a tiny random Llama (vocab 258). Loop tests train a tiny random Llama with the
+real SmolLM2 tokenizer against the fake tool server. A random policy never answers, so every real final reward is 0
+and all advantages vanish; the loop tests that must see weights move swap `score` for `parity_score`, a stub
+reward the random policy varies on (the share of even token ids it sampled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from main_agent.rollout import RolloutConfig, RolloutTask, rollout
+from main_agent.tokens import TrainSequence
+from main_agent.types import Episode
+from tests.fakes import TOOLS, ByteChatTokenizer, ScriptedPolicy, call_text, fake_tool_server, ok_result
+from tool_server.client import ToolClient
+from training import tasks as task_data
+from training import train as train_module
+from training.checkpoint import CheckpointError, TrainState
+from training.config import ConfigError, TrainConfig, config_hash, load_train_config
+from training.metrics import read_metrics, step_line
+from training.run import embedded_config, next_tasks
+from training.tasks import Task, TaskMeta
+from training.train import (
+    InfraFailure,
+    filter_groups,
+    group_to_sequences,
+    score,
+    sync_weights,
+    train,
+    update,
+)
+from training.train_async import drop_stale, train_async
+
+TASK = Task("t1", "stub", "Who wrote the first program?", ("search", "page_qa"), "Ada Lovelace")
+STUB_TASKS = [Task(f"stub-{i}", "stub", f"What is {i} plus one?", ("search",), str(i + 1)) for i in range(5)]
+
+
+def tiny_llama(vocab: int, **config):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, **shape, num_key_value_heads=4, **config))
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------- score, credit, filter
+
+
+async def play(replies: list[str], handler) -> Episode:
+    policy = ScriptedPolicy(lambda history, turn: replies[turn])
+    task = RolloutTask(TASK.task_id, TASK.question, TOOLS)
+    async with ToolClient("http://tools", transport=fake_tool_server(handler)) as tools:
+        return await rollout(task, policy, tools, policy.tokenizer, RolloutConfig())
+
+
+async def page_knows_ada(name: str, arguments: dict[str, object]) -> dict[str, object]:
+    return ok_result("The first program was written by Ada Lovelace." if name == "page_qa" else "no hits")
+
+
+async def test_score_fills_final_reward_and_each_turn_component() -> None:
+    """Turn 0: two new calls, the page holds the answer (valid + evidence); turn 1: a repeated call and bad JSON
+    (repeated + malformed); turn 2: the right answer (final reward 1, no turn reward)."""
+    replies = [
+        call_text("search", query="first program") + call_text("page_qa", url="http://a", question="who?"),
+        call_text("search", query=" First Program ") + "<tool_call>{'name': 'search',</tool_call>",
+        "<answer>Ada Lovelace</answer>",
+    ]
+    episode = await play(replies, page_knows_ada)
+    parts = score(episode, TASK, TrainConfig().turn_rewards)
+    assert episode.reward == 1.0
+    expected = [
+        {"valid_call": 0.05, "malformed_call": 0.0, "repeated_call": 0.0, "new_evidence": 0.1, "total": 0.15},
+        {
+            "valid_call": 0.0,
+            "malformed_call": -0.05,
+            "repeated_call": -0.05,
+            "new_evidence": 0.0,
+            "total": -0.1,
+        },
+        {"valid_call": 0.0, "malformed_call": 0.0, "repeated_call": 0.0, "new_evidence": 0.0, "total": 0.0},
+    ]
+    assert [p.metrics(prefix="") for p in parts] == [pytest.approx(e) for e in expected]
+    assert episode.turn_rewards == pytest.approx([0.15, -0.1, 0.0])
+
+
+async def test_group_advantages_land_on_sampled_tokens_only() -> None:
+    """Outcome credit: rewards 1 and 0 give +0.5 and -0.5 on every sampled token, 0 on prompt and observations."""
+    right = await play([call_text("search", query="x"), "<answer>Ada Lovelace</answer>"], page_knows_ada)
+    wrong = await play(["<answer>Charles Babbage</answer>"], page_knows_ada)
+    for e in (right, wrong):
+        score(e, TASK, TrainConfig().turn_rewards)
+    sequences = group_to_sequences([right, wrong], TrainConfig())
+    for seq, advantage in zip(sequences, (0.5, -0.5), strict=True):
+        assert {a for a, m in zip(seq.advantages, seq.loss_mask, strict=True) if m} == {advantage}
+        assert {a for a, m in zip(seq.advantages, seq.loss_mask, strict=True) if not m} == {0.0}
+
+
+def fake_episode(task_id: str, *, failed: bool = False) -> Episode:
+    stop = "infra_failed" if failed else "max_turns"
+    return Episode(task_id, "q", [1, 2], [], None, stop, 0, 0.0, 0.0, 0.0, "tools: down" if failed else None)
+
+
+def test_filter_groups_drops_groups_with_infra_failures() -> None:
+    """A group with one infra-failed episode goes entirely; clean groups stay, in order."""
+    groups = [[fake_episode("a"), fake_episode("a")], [fake_episode("b"), fake_episode("b", failed=True)]]
+    groups += [[fake_episode("c"), fake_episode("c")], [fake_episode("d"), fake_episode("d")]]
+    kept = filter_groups(groups, TrainConfig(max_infra_failure_frac=0.25))
+    assert [g[0].task_id for g in kept] == ["a", "c", "d"]
+
+
+def test_filter_groups_fails_the_step_above_the_failure_limit() -> None:
+    """2 of 4 failed episodes is above a 25% limit: the step raises, naming the count and the reason."""
+    groups = [
+        [fake_episode("a", failed=True), fake_episode("a")],
+        [fake_episode("b", failed=True), fake_episode("b")],
+    ]
+    with pytest.raises(InfraFailure, match=r"2 of 4 episodes.*tools: down"):
+        filter_groups(groups, TrainConfig(max_infra_failure_frac=0.25))
+
+
+def test_drop_stale_counts_the_episodes_of_stale_groups() -> None:
+    """At version 3 with max_staleness 1, a group sampled by version 1 is dropped and its 2 episodes counted."""
+    old, new = [fake_episode("a"), fake_episode("a")], [fake_episode("b"), fake_episode("b")]
+    for e in new:
+        e.policy_version = 2
+    fresh, dropped = drop_stale([old, new], version=3, max_staleness=1)
+    assert fresh == [new] and dropped == 2
+
+
+# ---------------------------------------------------------------- the optimizer step
+
+
+def byte_sequences(model, n: int = 4, length: int = 24) -> list[TrainSequence]:
+    """Random byte sequences whose last 16 tokens are 'sampled', with the model's own log-probs as old ones."""
+    from training.loss import token_logprobs
+
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (n, length))
+    with torch.no_grad():
+        logprobs = token_logprobs(model, ids, torch.ones_like(ids))
+    sequences = []
+    for i in range(n):
+        mask = [0] * (length - 16) + [1] * 16
+        adv = [0.0] * (length - 16) + [1.0 if i % 2 else -1.0] * 16
+        old = [lp if m else 0.0 for lp, m in zip(logprobs[i].tolist(), mask, strict=True)]
+        sequences.append(TrainSequence(ids[i].tolist(), mask, old, adv))
+    return sequences
+
+
+def test_update_moves_the_weights_with_a_finite_loss() -> None:
+    """One step over two micro-batches: finite loss and gradient norm, ratio 1 on-policy, weights changed."""
+    model = tiny_llama(258)
+    before = params(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    stats = update(model, optimizer, byte_sequences(model), TrainConfig(micro_batch_tokens=48))
+    assert stats.skipped is None and stats.n_tokens == 64
+    assert math.isfinite(stats.pg_loss) and math.isfinite(stats.grad_norm) and stats.grad_norm > 0
+    assert stats.ratio_mean == pytest.approx(1.0, abs=1e-5)
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("field", ["advantages", "old_logprobs"])
+def test_a_non_finite_batch_skips_the_step(field: str) -> None:
+    """A NaN advantage or sampler log-prob skips the whole step: weights and optimizer state untouched."""
+    model = tiny_llama(258)
+    sequences = byte_sequences(model)
+    poisoned = getattr(sequences[0], field)
+    poisoned[-1] = math.nan
+    before = params(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    stats = update(model, optimizer, sequences, TrainConfig())
+    assert stats.skipped is not None
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not optimizer.state and all(p.grad is None for p in model.parameters())
+
+
+def test_sync_weights_copies_into_the_samplers_own_model() -> None:
+    """After a sync the sampler's weights equal the trained ones but are separate tensors; the version goes up."""
+    from main_agent.policy import TransformersPolicy
+
+    trained, sampler = tiny_llama(258), tiny_llama(258)
+    with torch.no_grad():
+        trained.model.embed_tokens.weight.add_(1.0)
+    policy = TransformersPolicy(sampler, ByteChatTokenizer(), version=3)
+    sync_weights(trained, policy)
+    assert policy.version == 4
+    assert torch.equal(sampler.model.embed_tokens.weight, trained.model.embed_tokens.weight)
+    assert sampler.model.embed_tokens.weight.data_ptr() != trained.model.embed_tokens.weight.data_ptr()
+
+
+# ---------------------------------------------------------------- config, data order, step line
+
+
+def test_config_reads_toml_and_overrides_and_names_unknown_keys(tmp_path: Path) -> None:
+    """TOML then key=value overrides (TOML values, bare words as strings); a typo is an error naming the key."""
+    path = tmp_path / "train.toml"
+    path.write_text('group_size = 8\ntask = "plate_reading"\n[turn_rewards]\nvalid_call = 0.0\n')
+    cfg = load_train_config(path, ["lr=3e-5", "run_dir=runs/x", "turn_rewards.new_evidence=0.2"])
+    assert (cfg.group_size, cfg.task, cfg.lr, cfg.run_dir) == (8, "plate_reading", 3e-5, Path("runs/x"))
+    assert (cfg.turn_rewards.valid_call, cfg.turn_rewards.new_evidence) == (0.0, 0.2)
+    assert config_hash(cfg) != config_hash(TrainConfig())
+    with pytest.raises(ConfigError, match="grop_size"):
+        load_train_config(None, ["grop_size=2"])
+    with pytest.raises(ValueError, match="group_size"):
+        load_train_config(None, ["group_size=1"])
+
+
+def test_task_order_visits_every_task_once_per_epoch_and_repeats() -> None:
+    """Batches of 2 from 5 tasks: each epoch is a permutation; the same seed and cursor give the same tasks."""
+    cfg, state, seen = TrainConfig(batch_tasks=2), TrainState(), []
+    for _ in range(5):
+        batch, state = next_tasks(STUB_TASKS, state, cfg)
+        seen += [t.task_id for t in batch]
+    assert sorted(seen[:5]) == sorted(seen[5:]) == sorted(t.task_id for t in STUB_TASKS)
+    assert (state.epoch, state.position) == (2, 0)
+    again, _ = next_tasks(STUB_TASKS, TrainState(epoch=1, position=1), cfg)
+    assert [t.task_id for t in again] == seen[6:8]
+
+
+def test_embedded_server_may_read_the_tasks_media_and_loopback_pages() -> None:
+    """The in-process tool server opens loopback (the page server) and exactly the folders of the tasks' media."""
+    photo = Task(
+        "p", "plate_reading", "q", ("image_ops",), "AB12", meta=TaskMeta(image_path="/data/plates/a.jpg")
+    )
+    clip = Task("v", "video_qa", "q", ("video_summary",), "x", meta=TaskMeta(video_path="/data/grid/b.mpg"))
+    cfg = embedded_config([photo, clip])
+    assert cfg.fetch.allow_private_cidrs == ("127.0.0.0/8",)
+    assert cfg.tools.image_ops.config.allowed_roots == ("/data/grid", "/data/plates")
+    assert cfg.tools.video_summary.config.allowed_roots == ("/data/grid", "/data/plates")
+
+
+def test_step_line_has_a_fixed_shape() -> None:
+    """Two very different rows print lines of the same length with the fields in the same place."""
+    small = {"step": 1, "reward/final": 0.0, "loss/pg": 0.0, "time/rollout": 1.0, "time/train": 1.0}
+    large = {
+        "step": 120,
+        "reward/final": 0.75,
+        "loss/pg": -0.01234,
+        "episodes/infra_failed": 3,
+        "context/main_tokens": 1812.0,
+        "time/rollout": 412.5,
+        "time/train": 88.1,
+    }
+    lines = [step_line(small), step_line(large)]
+    assert len(lines[0]) == len(lines[1]) and lines[0].index("| pg") == lines[1].index("| pg")
+
+
+# ---------------------------------------------------------------- whole runs
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    """A tiny random Llama saved with the real SmolLM2 tokenizer, loadable as `TrainConfig.policy`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path, local_files_only=True)
+    model = tiny_llama(len(tokenizer), tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
+    path = tmp_path_factory.mktemp("tiny-policy")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def stub_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        task_data, "load_family", lambda name, split, *, data_dir=None, limit=None: STUB_TASKS
+    )
+
+
+def parity_score(episode: Episode, task: Task, weights) -> list:
+    """Stub reward: the share of even ids among the sampled tokens (the random policy varies on it)."""
+    ids = [i for t in episode.turns for i in t.completion_ids]
+    episode.reward = sum(i % 2 == 0 for i in ids) / max(len(ids), 1)
+    episode.turn_rewards = [0.0] * len(episode.turns)
+    return []
+
+
+def tiny_config(run_dir: Path, policy: Path, **changes) -> TrainConfig:
+    cfg = TrainConfig(
+        policy=str(policy),
+        task="stub",
+        steps=2,
+        batch_tasks=2,
+        group_size=2,
+        lr=1e-3,
+        max_turns=2,
+        max_new_tokens=8,
+        max_context_tokens=1024,
+        observation_tokens=32,
+        max_concurrent_episodes=1,
+        run_dir=run_dir,
+        save_every=1,
+        keep_last=1,
+    )
+    return dataclasses.replace(cfg, **changes)
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / (run_dir / "latest").read_text().strip() / "model" / "model.safetensors")
+
+
+def sampled_task_ids(run_dir: Path, step: int) -> list[str]:
+    lines = (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()
+    return [json.loads(line)["task_id"] for line in lines]
+
+
+def check_run_trained(run_dir: Path, policy: Path, steps: int) -> list[dict[str, float]]:
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(math.isfinite(r["loss/pg"]) and r["update/skipped"] == 0.0 for r in rows)
+    assert all(r["episodes/collected"] == 4 for r in rows)
+    before = load_file(policy / "model.safetensors")
+    after = final_weights(run_dir)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    return rows
+
+
+@pytest.mark.slow
+def test_two_sync_steps_train(tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch) -> None:
+    """Two steps of the sync loop with a KL reference: finite losses, weights moved (so the second step's KL is
+    positive), rollouts and a checkpoint written."""
+    monkeypatch.setattr(train_module, "score", parity_score)
+    run_dir = train(tiny_config(tmp_path / "run", tiny_policy, kl_coef=0.1), transport=fake_tool_server())
+    rows = check_run_trained(run_dir, tiny_policy, 2)
+    assert [r["policy_version"] for r in rows] == [1, 2]
+    assert rows[0]["loss/kl"] == 0.0 and rows[1]["loss/kl"] > 0.0
+    assert len(sampled_task_ids(run_dir, 2)) == 4 and (run_dir / "step_2" / "MANIFEST.json").is_file()
+
+
+@pytest.mark.slow
+def test_two_async_steps_train(tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch) -> None:
+    """Two steps of the async loop: the prefetched batch (one version behind) trains, losses finite."""
+    monkeypatch.setattr(train_module, "score", parity_score)
+    run_dir = train_async(tiny_config(tmp_path / "run", tiny_policy), transport=fake_tool_server())
+    rows = check_run_trained(run_dir, tiny_policy, 2)
+    assert [r["episodes/stale_dropped"] for r in rows] == [0, 0]
+    second = [
+        Episode.from_json(line) for line in (run_dir / "rollouts" / "step_2.jsonl").read_text().splitlines()
+    ]
+    assert {e.policy_version for e in second} == {0}  # sampled while step 1 trained
+
+
+@pytest.mark.slow
+def test_async_drops_stale_episodes(tiny_policy: Path, tmp_path: Path, stub_tasks) -> None:
+    """With max_staleness 0 the batch prefetched during step 1 is one version old: all 4 episodes dropped."""
+    run_dir = train_async(
+        tiny_config(tmp_path / "run", tiny_policy, max_staleness=0), transport=fake_tool_server()
+    )
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["episodes/stale_dropped"] for r in rows] == [0, 4]
+    assert rows[1]["update/skipped"] == 1.0 and math.isnan(rows[1]["reward/final"])
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch) -> None:
+    """4 steps straight == 2 steps, a fresh process-like resume, 2 more: same tasks, losses and final weights.
+    A changed group_size is refused on resume unless forced."""
+    monkeypatch.setattr(train_module, "score", parity_score)
+    cfg = tiny_config(tmp_path / "a", tiny_policy, steps=4, warmup_steps=4)  # the schedule must resume too
+    straight = train(cfg, transport=fake_tool_server())
+    split = train(dataclasses.replace(cfg, run_dir=tmp_path / "b", steps=2), transport=fake_tool_server())
+    with pytest.raises(CheckpointError, match="group_size: 2 -> 3"):
+        train(dataclasses.replace(cfg, group_size=3), resume=split)
+    train(cfg, resume=split, transport=fake_tool_server())
+    a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(split / "metrics.jsonl")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for key in ("loss/pg", "reward/final", "grad_norm", "context/main_tokens"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    assert all(sampled_task_ids(straight, s) == sampled_task_ids(split, s) for s in range(1, 5))
+    wa, wb = final_weights(straight), final_weights(split)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    forced = train(
+        dataclasses.replace(cfg, group_size=3), resume=split, force=True, transport=fake_tool_server()
+    )
+    assert (
+        len(read_metrics(forced / "metrics.jsonl")) == 4
+    )  # nothing left to run, but the resume was accepted
+
+
+@pytest.mark.slow
+def test_lora_run_trains_and_resumes_the_adapter(
+    tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch
+) -> None:
+    """lora_rank 4: the checkpoint is an adapter whose B matrices moved off their zero start; resuming loads it."""
+    monkeypatch.setattr(train_module, "score", parity_score)
+    cfg = tiny_config(tmp_path / "run", tiny_policy, steps=1, lora_rank=4)
+    run_dir = train(cfg, transport=fake_tool_server())
+    adapter = load_file(run_dir / "step_1" / "model" / "adapter_model.safetensors")
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in adapter.items())
+    train(dataclasses.replace(cfg, steps=2), resume=run_dir, transport=fake_tool_server())
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2]

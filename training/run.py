@@ -1,0 +1,242 @@
+"""A training run's plumbing, shared by the sync and async loops: start or resume, tools, data order, bookkeeping.
+
+    run = start_run(cfg, resume=None, force=False)        # policy, sampler copy, optimizer, tasks, state
+    async with tool_session(cfg, run.tasks) as (tools, tasks):
+        batch, state = next_tasks(tasks, run.state, cfg)   # seeded shuffle per epoch; the cursor is in `state`
+        ...                                                # collect, score, update, sync (train.py)
+        finish_step(run, step, row, state=state, episodes=..., stepped=...)   # log, rollouts, checkpoint
+
+Run directory: `metrics.jsonl`, `rollouts/step_N.jsonl`, `step_N/` checkpoints (training/checkpoint.py),
+`pages/` (multihop pages served over loopback) and `videos/` (subtitled GRID clips).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import logging
+import random
+import sys
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from main_agent.policy import SamplingConfig, TransformersPolicy, load_model_and_tokenizer
+from main_agent.types import Episode
+from tool_server.client import ToolClient
+from tool_server.config import ServerConfig, ToolSettings
+from training import checkpoint as ckpt
+from training import tasks as task_data
+from training.checkpoint import CheckpointError, TrainState
+from training.config import RESUME_KEYS, TrainConfig, config_hash, config_to_dict
+from training.metrics import MetricsLog, save_rollouts, step_line, trim_metrics
+from training.tasks import Task
+
+if TYPE_CHECKING:
+    from training.checkpoint import Model
+
+logger = logging.getLogger(__name__)
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def next_tasks(tasks: Sequence[Task], state: TrainState, cfg: TrainConfig) -> tuple[list[Task], TrainState]:
+    """The next `batch_tasks` tasks of a seeded per-epoch shuffle, and the state with the cursor moved past them."""
+    picked: list[Task] = []
+    epoch, position = state.epoch, state.position
+    while len(picked) < cfg.batch_tasks:
+        order = list(range(len(tasks)))
+        random.Random(cfg.seed * 1_000_003 + epoch).shuffle(order)
+        take = order[position : position + cfg.batch_tasks - len(picked)]
+        picked += [tasks[i] for i in take]
+        position += len(take)
+        if position == len(tasks):
+            epoch, position = epoch + 1, 0
+    return picked, dataclasses.replace(state, epoch=epoch, position=position)
+
+
+def seed_step(cfg: TrainConfig, step: int) -> None:
+    """Sampling draws from torch's global RNG; reseeding per step makes each step's draws a function of
+    (seed, step) alone, so a resumed run repeats them without saving RNG state."""
+    torch.manual_seed(cfg.seed * 1_000_003 + step)
+
+
+@dataclass
+class Run:
+    """Everything a training loop holds. Mutable: `state` advances every step."""
+
+    cfg: TrainConfig
+    model: Model
+    tokenizer: object
+    policy: TransformersPolicy
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ref_model: nn.Module | None
+    tasks: list[Task]
+    state: TrainState
+    log: MetricsLog
+
+
+def start_run(cfg: TrainConfig, *, resume: Path | None, force: bool) -> Run:
+    """Load the policy (and its checkpoint when resuming), the optimizer, the sampler's copy and the tasks."""
+    if resume is not None:
+        cfg = dataclasses.replace(cfg, run_dir=resume)
+    latest = ckpt.find_latest(cfg.run_dir)
+    if resume is None and latest is not None:
+        raise CheckpointError(f"{cfg.run_dir} already holds checkpoints: resume it or choose another run_dir")
+    if resume is not None and latest is None:
+        raise CheckpointError(f"no checkpoint to resume in {resume}")
+    torch.manual_seed(cfg.seed)  # LoRA initialisation draws from it
+    model, tokenizer = load_policy(cfg)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+    params = [p for p in model.parameters() if p.requires_grad]
+    # No weight decay: with all advantages 0 a step must leave the weights where they are.
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / (cfg.warmup_steps + 1))
+    )
+    state = TrainState(seed=cfg.seed)
+    if latest is not None:
+        ckpt.check_resume_compatible(
+            ckpt.saved_config(latest), config_to_dict(cfg), force=force, keys=RESUME_KEYS
+        )
+        state = ckpt.load_checkpoint(latest, model=model, optimizer=optimizer, scheduler=scheduler)
+        logger.info("resuming %s at step %d", latest, state.step)
+    sampler = copy.deepcopy(model).eval().requires_grad_(False)
+    sampling = SamplingConfig(
+        temperature=cfg.temperature, max_batch=cfg.max_concurrent_episodes, seed=cfg.seed
+    )
+    policy = TransformersPolicy(sampler, tokenizer, cfg=sampling, version=state.policy_version)
+    tasks = task_data.load_family(cfg.task, cfg.split, data_dir=cfg.data_dir, limit=cfg.limit)
+    if not tasks:
+        raise ValueError(f"no tasks in {cfg.task}/{cfg.split}")
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    trim_metrics(cfg.run_dir / "metrics.jsonl", after_step=state.step)  # steps redone after a kill
+    log = MetricsLog(cfg.run_dir / "metrics.jsonl")
+    return Run(cfg, model, tokenizer, policy, optimizer, scheduler, ref_model, tasks, state, log)
+
+
+def load_policy(cfg: TrainConfig) -> tuple[Model, object]:
+    """The trainable model (with fresh LoRA adapters when `lora_rank` > 0) and its tokenizer."""
+    from subagents.models import resolve_model
+
+    path = resolve_model(cfg.policy)
+    model, tokenizer = load_model_and_tokenizer(path)
+    if cfg.lora_rank and not (path / "adapter_config.json").is_file():
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank, target_modules=list(LORA_TARGETS))
+        model = get_peft_model(model, lora)
+    return model, tokenizer
+
+
+@contextlib.asynccontextmanager
+async def tool_session(
+    cfg: TrainConfig, tasks: list[Task], *, transport: httpx.AsyncBaseTransport | None = None
+) -> AsyncIterator[tuple[ToolClient, list[Task]]]:
+    """A tool client and the tasks ready to play: multihop pages served over loopback, GRID clips subtitled.
+
+    `transport` (tests) replaces the server; else `tools_url`, else a tool server in this process. The page
+    server binds 127.0.0.1, so with `tools_url` multihop tasks need that server on this machine.
+    """
+    async with contextlib.AsyncExitStack() as stack:
+        if any(t.family == "multihop_pages" for t in tasks):
+            pages = cfg.run_dir / "pages"
+            task_data.write_pages(tasks, pages, data_dir=cfg.data_dir)
+            server = stack.enter_context(task_data.PageServer(pages))
+            tasks = [task_data.with_base_url(t, server.base_url) for t in tasks]
+        if any(t.meta.subtitle for t in tasks):
+            tasks = task_data.prepare_videos(tasks, cfg.run_dir / "videos")
+        limit = cfg.max_inflight_tool_calls
+        if transport is None and cfg.tools_url is None:
+            from tool_server.app import create_app
+
+            app = create_app(embedded_config(tasks))
+            await stack.enter_async_context(app.router.lifespan_context(app))
+            transport = httpx.ASGITransport(app=app)
+        client = ToolClient(cfg.tools_url or "http://embedded", transport=transport, max_concurrency=limit)
+        yield await stack.enter_async_context(client), tasks
+
+
+def embedded_config(tasks: Sequence[Task]) -> ServerConfig:
+    """Default tool-server settings, plus loopback fetches (the page server) and the tasks' media folders.
+
+    Limit: opening 127.0.0.0/8 lets the policy's page_qa reach any loopback service of this machine.
+    """
+    base = ServerConfig()
+    media = [t.meta.image_path or t.meta.video_path for t in tasks]
+    roots = tuple(sorted({str(Path(p).parent) for p in media if p}))
+
+    def with_roots(settings: ToolSettings) -> ToolSettings:
+        return dataclasses.replace(settings, config=dataclasses.replace(settings.config, allowed_roots=roots))
+
+    tools = dataclasses.replace(
+        base.tools,
+        image_ops=with_roots(base.tools.image_ops),
+        video_summary=with_roots(base.tools.video_summary),
+    )
+    return dataclasses.replace(
+        base, fetch=dataclasses.replace(base.fetch, allow_private_cidrs=("127.0.0.0/8",)), tools=tools
+    )
+
+
+def finish_step(
+    run: Run,
+    step: int,
+    row: Mapping[str, float],
+    *,
+    state: TrainState,
+    episodes: Sequence[Episode],
+    stepped: bool,
+) -> None:
+    """Advance the state past `step`, log the row, save the rollouts, print the step line, checkpoint when due.
+
+    `state` carries the data cursor after this step's tasks; `stepped` says whether the optimizer stepped (the
+    learning-rate schedule counts optimizer steps).
+    """
+    cfg = run.cfg
+    if stepped:
+        run.scheduler.step()
+    run.state = dataclasses.replace(
+        state,
+        step=step,
+        policy_version=run.policy.version,
+        episodes=state.episodes + len(episodes),
+        invalid_episodes=state.invalid_episodes + sum(e.stop_reason == "infra_failed" for e in episodes),
+        elapsed_s=state.elapsed_s + row["time/rollout"] + row["time/train"],
+    )
+    save_rollouts(cfg.run_dir / "rollouts" / f"step_{step}.jsonl", episodes)
+    run.log.write(row)
+    tqdm.write(step_line(row))
+    if step % cfg.save_every == 0 or step == cfg.steps:
+        ckpt.save_checkpoint(
+            cfg.run_dir,
+            step,
+            model=run.model,
+            optimizer=run.optimizer,
+            scheduler=run.scheduler,
+            state=run.state,
+            config_json=json.dumps(config_to_dict(cfg), sort_keys=True),
+            keep_last=cfg.keep_last,
+        )
+
+
+def progress(run: Run) -> tqdm:
+    """The steps still to run, as a progress bar that counts the ones a resumed run already did."""
+    start = run.state.step
+    return tqdm(
+        range(start + 1, run.cfg.steps + 1),
+        initial=start,
+        total=run.cfg.steps,
+        unit="step",
+        desc=f"train {config_hash(run.cfg)}",
+        file=sys.stderr,
+    )

@@ -1,0 +1,384 @@
+"""The synchronous RL loop for the main policy, top to bottom. `python -m training.train [config.toml] [key=value ...]`
+
+Per step s = 1 .. steps:
+    1. pick B tasks from a seeded shuffle (the cursor is part of the checkpoint) and reseed torch from (seed, s)
+    2. collect: G episodes per task, all concurrent, so the policy batches their turns into one generate
+    3. filter_groups: drop groups with an infrastructure failure (fail the step when too many failed)
+    4. score: final reward from the task, turn rewards from what each turn did
+    5. group_to_sequences: group advantages (outcome or turn credit) laid onto each episode's tokens
+    6. update: one optimizer step of the clipped token-level loss, accumulated over micro-batches
+    7. sync_weights: copy the trained weights into the sampler's own model (on GPU this is the vLLM weight push)
+    8. log a metrics row and a printed line, save the rollouts, checkpoint every `save_every` steps and at the end
+
+Exact resume: model, optimizer, scheduler, cursor and step come back from the checkpoint, and torch is reseeded
+from (seed, step) before each step's sampling, so a resumed run samples and learns exactly what an uninterrupted
+one would have (given the same episode concurrency; batched generation pads differently when batches differ).
+train_async.py is the same loop with step s+1's rollouts running while step s trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+from torch import nn
+
+from main_agent.policy import TransformersPolicy
+from main_agent.rollout import RolloutTask, rollout
+from main_agent.tokens import Batch, TrainSequence, collate, micro_batches, to_sequence
+from main_agent.types import Episode, Turn
+from tool_server.client import ToolClient
+from training import tasks as task_data
+from training.advantages import EpisodeCredit, TurnCredit, group_advantages
+from training.config import TrainConfig, load_train_config
+from training.loss import LossOutput, policy_loss, token_logprobs
+from training.metrics import reward_metrics, rollout_metrics
+from training.rewards import (
+    TurnFacts,
+    TurnRewardParts,
+    TurnRewardWeights,
+    call_key,
+    contains_evidence,
+    turn_reward,
+)
+from training.run import Run, finish_step, next_tasks, progress, seed_step, start_run, tool_session
+from training.tasks import Task
+
+logger = logging.getLogger(__name__)
+
+# Parse errors that are not a malformed call: an answer dropped beside valid calls, calls past the per-turn cap.
+# Every other parse error (no action, bad JSON, unknown tool, ...) counts as one malformed call.
+NOT_MALFORMED = frozenset({"answer_ignored", "too_many_calls"})
+
+
+class InfraFailure(RuntimeError):
+    """Too many episodes of a step failed for infrastructure reasons to train on the rest."""
+
+
+# ---------------------------------------------------------------- scoring and credit
+
+
+def score(episode: Episode, task: Task, weights: TurnRewardWeights) -> list[TurnRewardParts]:
+    """Fill `episode.reward` (the task's final reward) and `episode.turn_rewards`; return each turn's parts."""
+    parts = [turn_reward(facts, weights) for facts in turn_facts(episode, task.reference)]
+    episode.reward = task_data.reward_for(task, episode.answer)
+    episode.turn_rewards = [p.total for p in parts]
+    return parts
+
+
+def turn_facts(episode: Episode, reference: str) -> list[TurnFacts]:
+    """Per turn: new valid calls, malformed ones (parse errors, rejected arguments), repeats, first evidence."""
+    seen: set[str] = set()
+    found = False
+    facts = []
+    for turn in episode.turns:
+        valid = repeated = 0
+        malformed = sum(e.kind not in NOT_MALFORMED for e in turn.parse_errors)
+        for call, result in zip(turn.calls, turn.results, strict=True):
+            key = call_key(call.name, call.arguments)
+            if result.error_kind == "invalid_args":
+                malformed += 1
+            elif key in seen:
+                repeated += 1
+            else:
+                valid += 1
+            seen.add(key)
+        evidence = not found and any(
+            r.ok and contains_evidence(r.observation, reference) for r in turn.results
+        )
+        found = found or evidence
+        facts.append(TurnFacts(valid, malformed, repeated, evidence))
+    return facts
+
+
+def anchor(turn: Turn) -> str | None:
+    """Turn credit's anchor: the key of the turn's first call (turns asking the same thing share a baseline)."""
+    return call_key(turn.calls[0].name, turn.calls[0].arguments) if turn.calls else None
+
+
+def group_to_sequences(episodes: Sequence[Episode], cfg: TrainConfig) -> list[TrainSequence]:
+    """One group's advantages laid onto its episodes' tokens; episodes without turns have nothing to train."""
+    credits = []
+    for e in episodes:
+        assert e.reward is not None, f"episode of {e.task_id} is not scored"
+        turns = tuple(TurnCredit(r, anchor(t)) for r, t in zip(e.turn_rewards, e.turns, strict=True))
+        credits.append(EpisodeCredit(e.reward, turns))
+    advantages = group_advantages(credits, cfg.credit_config)
+    return [to_sequence(e, a) for e, a in zip(episodes, advantages, strict=True) if e.turns]
+
+
+def filter_groups(groups: Sequence[list[Episode]], cfg: TrainConfig) -> list[list[Episode]]:
+    """Groups without infrastructure failures; raise InfraFailure when the failed share exceeds the limit."""
+    episodes = [e for g in groups for e in g]
+    failed = [e for e in episodes if e.stop_reason == "infra_failed"]
+    if episodes and len(failed) / len(episodes) > cfg.max_infra_failure_frac:
+        reasons = "; ".join(sorted({str(e.infra_error) for e in failed})[:3])
+        raise InfraFailure(
+            f"{len(failed)} of {len(episodes)} episodes failed for infrastructure reasons "
+            f"(limit {cfg.max_infra_failure_frac:.0%}): {reasons}"
+        )
+    return [list(g) for g in groups if not any(e.stop_reason == "infra_failed" for e in g)]
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A step's valid groups after scoring, and what they train on."""
+
+    groups: list[list[Episode]]
+    sequences: list[TrainSequence]
+    successes: list[bool]
+    turn_parts: list[TurnRewardParts]
+
+
+def score_groups(groups: Sequence[list[Episode]], tasks: Sequence[Task], cfg: TrainConfig) -> Scored:
+    """filter_groups, then score every episode and build the training sequences."""
+    by_id = {t.task_id: t for t in tasks}
+    kept = filter_groups(groups, cfg)
+    parts: list[TurnRewardParts] = []
+    for e in (e for g in kept for e in g):
+        parts += score(e, by_id[e.task_id], cfg.turn_rewards)
+    successes = [task_data.success(by_id[e.task_id], e.answer) for g in kept for e in g]
+    sequences = [s for g in kept for s in group_to_sequences(g, cfg)]
+    return Scored(kept, sequences, successes, parts)
+
+
+# ---------------------------------------------------------------- the optimizer step
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """What one optimizer step did; `skipped` says why it did nothing (None when it stepped)."""
+
+    pg_loss: float = math.nan
+    kl: float = math.nan
+    clip_frac: float = math.nan
+    ratio_mean: float = math.nan
+    grad_norm: float = math.nan
+    n_tokens: int = 0
+    skipped: str | None = None
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "loss/pg": self.pg_loss,
+            "loss/kl": self.kl,
+            "clip_frac": self.clip_frac,
+            "ratio_mean": self.ratio_mean,
+            "grad_norm": self.grad_norm,
+            "update/tokens": self.n_tokens,
+            "update/skipped": float(self.skipped is not None),
+        }
+
+
+def update(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sequences: Sequence[TrainSequence],
+    cfg: TrainConfig,
+    *,
+    ref_model: nn.Module | None = None,
+) -> UpdateStats:
+    """One optimizer step on all sequences; gradients accumulate over micro-batches of `micro_batch_tokens`.
+
+    The loss is normalised by the step's total masked-in tokens, so the sum over micro-batches is the step's token
+    mean. Any non-finite advantage, loss or gradient skips the whole step (logged, weights untouched).
+    """
+    n_tokens = sum(sum(s.loss_mask) for s in sequences)
+    if n_tokens == 0:
+        return _skip("no sampled tokens to train on")
+    if not all(math.isfinite(a) for s in sequences for a in s.advantages):
+        return _skip("non-finite advantage")
+    model.train()
+    sums = {"pg": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0}
+    for chunk in micro_batches(sequences, max_tokens=cfg.micro_batch_tokens):
+        out = micro_batch_loss(model, collate(chunk, pad_id=0), cfg, n_tokens=n_tokens, ref_model=ref_model)
+        if not math.isfinite(out.loss.item()):
+            optimizer.zero_grad(set_to_none=True)
+            return _skip("non-finite loss")
+        out.loss.backward()
+        share = out.n_tokens / n_tokens
+        sums["pg"] += out.pg_loss.item()
+        sums["kl"] += out.kl.item()
+        sums["clip"] += out.clip_frac.item() * share
+        sums["ratio"] += out.ratio_mean.item() * share
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return _skip("non-finite gradient")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return UpdateStats(sums["pg"], sums["kl"], sums["clip"], sums["ratio"], grad_norm, n_tokens)
+
+
+def micro_batch_loss(
+    model: nn.Module, batch: Batch, cfg: TrainConfig, *, n_tokens: int, ref_model: nn.Module | None
+) -> LossOutput:
+    """The loss of one micro-batch ([B, T] tensors) as its share of the step's token mean (`n_tokens`)."""
+    logprobs = token_logprobs(model, batch.input_ids, batch.attention_mask)  # [B, T]
+    ref = None
+    if ref_model is not None and cfg.kl_coef > 0:
+        with torch.no_grad():
+            ref = token_logprobs(ref_model, batch.input_ids, batch.attention_mask)  # [B, T]
+    return policy_loss(
+        logprobs,
+        batch.old_logprobs,
+        batch.advantages,
+        batch.loss_mask,
+        clip_eps_low=cfg.clip_eps_low,
+        clip_eps_high=cfg.clip_eps_high,
+        ref_logprobs=ref,
+        kl_coef=cfg.kl_coef,
+        normalizer=n_tokens,
+    )
+
+
+def _skip(reason: str) -> UpdateStats:
+    logger.warning("optimizer step skipped: %s", reason)
+    return UpdateStats(skipped=reason)
+
+
+def sync_weights(train_model: nn.Module, policy: TransformersPolicy) -> None:
+    """Copy the trained weights into the sampler's own model and bump its version.
+
+    The sampler holds a separate copy, as a vLLM server would on GPU, so rollouts never read half-updated
+    weights; on CPU the push is a `load_state_dict`.
+    """
+    policy.model.load_state_dict(train_model.state_dict())
+    policy.version += 1
+
+
+# ---------------------------------------------------------------- rollouts
+
+
+async def collect(
+    tasks: Sequence[Task], policy: TransformersPolicy, tools: ToolClient, tokenizer, cfg: TrainConfig
+) -> list[list[Episode]]:
+    """G episodes of each task, all in flight together (at most `max_concurrent_episodes`): one group per task."""
+    schemas = await tools.tools()
+    slots = asyncio.Semaphore(cfg.max_concurrent_episodes)
+
+    async def play(task: Task) -> Episode:
+        async with slots:
+            return await rollout(rollout_task(task, schemas), policy, tools, tokenizer, cfg.rollout_config)
+
+    episodes = await asyncio.gather(*(play(t) for t in tasks for _ in range(cfg.group_size)))
+    g = cfg.group_size
+    return [list(episodes[i * g : (i + 1) * g]) for i in range(len(tasks))]
+
+
+def rollout_task(task: Task, schemas: Sequence[dict[str, object]]) -> RolloutTask:
+    """The rollout's view of a task: only the tools it names, in the server's order."""
+    mine = [s for s in schemas if s["function"]["name"] in task.tools]  # type: ignore[index]
+    missing = set(task.tools) - {s["function"]["name"] for s in mine}  # type: ignore[index]
+    if missing:
+        raise ValueError(f"task {task.task_id} needs tools {sorted(missing)} the tool server does not offer")
+    return RolloutTask(task.task_id, task.question, mine, context=task.context)
+
+
+def step_row(
+    step: int,
+    version: int,
+    collected: Sequence[list[Episode]],
+    scored: Scored,
+    stats: UpdateStats,
+    *,
+    seconds: tuple[float, float],
+    stale_dropped: int = 0,
+) -> dict[str, float]:
+    """The metrics row of one step (keys listed in training/metrics.py); `seconds` is (rollout, train) time."""
+    return {
+        "step": step,
+        "policy_version": version,
+        **reward_metrics(
+            [e for g in scored.groups for e in g], successes=scored.successes, turn_parts=scored.turn_parts
+        ),
+        **rollout_metrics([e for g in collected for e in g], seconds=seconds[0]),
+        **stats.metrics(),
+        "episodes/stale_dropped": stale_dropped,
+        "time/train": seconds[1],
+    }
+
+
+# ---------------------------------------------------------------- the loop
+
+
+async def train_loop(run: Run, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    """Steps state.step+1 .. steps, one after the other: collect, learn, sync."""
+    cfg = run.cfg
+    async with tool_session(cfg, run.tasks, transport=transport) as (tools, tasks):
+        for step in progress(run):
+            batch, state = next_tasks(tasks, run.state, cfg)
+            seed_step(cfg, step)
+            t0 = time.monotonic()
+            groups = await collect(batch, run.policy, tools, run.tokenizer, cfg)
+            t1 = time.monotonic()
+            scored = score_groups(groups, batch, cfg)
+            stats = update(run.model, run.optimizer, scored.sequences, cfg, ref_model=run.ref_model)
+            if stats.skipped is None:
+                sync_weights(run.model, run.policy)
+            seconds = (t1 - t0, time.monotonic() - t1)
+            row = step_row(step, run.policy.version, groups, scored, stats, seconds=seconds)
+            episodes = [e for g in groups for e in g]
+            finish_step(run, step, row, state=state, episodes=episodes, stepped=stats.skipped is None)
+
+
+def train(
+    cfg: TrainConfig,
+    *,
+    resume: Path | None = None,
+    force: bool = False,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> Path:
+    """Train (or resume the run in `resume`) up to `cfg.steps`; returns the run directory.
+
+    `transport` replaces the tool server (tests pass an `httpx.MockTransport`).
+    """
+    return asyncio.run(drive(train_loop, cfg, resume=resume, force=force, transport=transport))
+
+
+async def drive(
+    loop: Callable[..., Awaitable[None]],
+    cfg: TrainConfig,
+    *,
+    resume: Path | None,
+    force: bool,
+    transport: httpx.AsyncBaseTransport | None,
+) -> Path:
+    """Start (or resume) a run, drive `loop` over it, release the sampler and the log whatever happens."""
+    run = start_run(cfg, resume=resume, force=force)
+    try:
+        await loop(run, transport=transport)
+    finally:
+        await run.policy.aclose()
+        run.log.close()
+    return run.cfg.run_dir
+
+
+USAGE = """usage: python -m training.train[_async] [config.toml] [key=value ...] [--resume RUN_DIR] [--force]
+keys: the fields of training.config.TrainConfig, turn_rewards.<field> for the [turn_rewards] table"""
+
+
+def parse_cli(argv: Sequence[str]) -> tuple[Path | None, list[str], Path | None, bool]:
+    """`[config.toml] [key=value ...] [--resume RUN_DIR] [--force]` -> (config path, overrides, resume, force)."""
+    args = list(argv)
+    if {"-h", "--help"} & set(args):
+        raise SystemExit(USAGE)
+    resume = Path(args.pop(args.index("--resume") + 1)) if "--resume" in args else None
+    force = "--force" in args
+    args = [a for a in args if a not in ("--resume", "--force")]
+    path = Path(args.pop(0)) if args and "=" not in args[0] else None
+    return path, args, resume, force
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    path, overrides, resume, force = parse_cli(sys.argv[1:])
+    print(train(load_train_config(path, overrides), resume=resume, force=force))
