@@ -1,0 +1,287 @@
+"""page_qa: read one web page and answer a question about it, with a quote that occurs verbatim on the page.
+
+    fetch (rt.fetcher, SSRF-safe) -> main text (trafilatura) -> paragraph-aware chunks
+    -> BM25 over the chunks (bm25s, one tiny index per page) -> the frozen model answers from the top chunks
+    -> the quote: the sentence of those chunks sharing most words with answer and question, cut from the page
+
+The quote is chosen here, never by the model: a 135M model paraphrases and invents, and a quote is only worth
+something to the caller if it can be found on the page word for word.
+
+Limits: no JavaScript (pages rendered client-side extract as empty), text in images or iframes is not seen,
+text beyond `max_page_chars` is dropped, and the answer is only as good as the small model behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import bm25s
+import numpy as np
+import trafilatura
+from bm25s.stopwords import STOPWORDS_EN_PLUS
+from pydantic import BaseModel, ConfigDict, Field
+from trafilatura.settings import Document as Extracted
+
+from subagents.backends import BackendError, Message
+from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, truncate
+
+logger = logging.getLogger(__name__)
+
+NAME = "page_qa"
+DESCRIPTION = (
+    "Read one web page and answer a question about it: a short answer plus a verbatim supporting quote."
+)
+
+HTML_TYPES = frozenset({"text/html", "application/xhtml+xml"})
+MAX_TITLE_CHARS = 200  # page titles past this are boilerplate-stuffed; the policy needs only a label
+SYSTEM_PROMPT = (
+    "Answer the question using only the page text. Reply with a short answer of a few words. "
+    "If the page text does not say, reply: not in the page."
+)
+# Whitespace after . ! ? possibly followed by a closing quote or bracket, or a citation mark such as [12].
+_SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')\]”’])|(?<=[.!?]\[\d\])|(?<=[.!?]\[\d\d\]))\s+")
+# NLTK's English list (bm25s "en_plus"; its "en" list of 33 words keeps "what", "when", "who" ...), plus
+# question words it lacks: questions are the queries here.
+STOPWORDS = [*STOPWORDS_EN_PLUS, "whose", "many", "much"]
+_ANSWER_PREFIX = re.compile(r"^((the\s+)?(short\s+)?answer(\s+is)?\s*:\s*)+", re.IGNORECASE)
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(min_length=1, max_length=2048, description="http(s) URL of the page to read")
+    question: str = Field(min_length=2, max_length=400, description="what to find out from the page")
+
+
+class Response(ToolResponse):
+    answer: str = ""
+    quote: str = ""
+    url: str = ""
+    title: str = ""
+    chunks: list[str] = Field(
+        default_factory=list, description="the page chunks the model saw (trace viewer)"
+    )
+
+    def summary(self) -> str:
+        source = f"{self.title} ({self.url})" if self.title else self.url
+        return f'answer: {self.answer} | quote: "{self.quote}" | source: {source}'
+
+
+@dataclass(frozen=True)
+class Config:
+    chunk_chars: int = 600
+    """Target chunk size (~150 tokens): `top_k` chunks plus the question keep the prompt under 400 tokens."""
+    top_k: int = 2
+    """Chunks shown to the model, best BM25 match first. SmolLM2-135M answered 7 of 11 test questions with 2
+    chunks, 4 with 1 (the answer was often in the second) and 3 with 3 (more text distracts it)."""
+    max_page_chars: int = 100_000
+    """Extracted text beyond this is dropped; a long article is ~30k characters. Bounds ranking work per call."""
+    max_new_tokens: int = 64
+    """The answer is a few words; 64 tokens allow a sentence but stop a small model from rambling."""
+    max_answer_chars: int = 300
+    """Answers are cut (with a visible marker) past this: the policy's context is the scarce resource."""
+    max_quote_chars: int = 300
+    """Longer supporting sentences are cut at a word boundary; the cut quote is still verbatim."""
+
+
+@dataclass(frozen=True)
+class PageText:
+    """The readable part of a page: its title ("" when unknown) and main text (never empty)."""
+
+    title: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A page ready for the model: title, text and its best chunks (each a list of verbatim pieces)."""
+
+    title: str
+    text: str
+    top: list[list[str]]
+
+
+async def run(request: Request, cfg: Config, rt: Runtime) -> Response:
+    return await guarded(Response, lambda: _answer(request, cfg, rt))
+
+
+async def _answer(request: Request, cfg: Config, rt: Runtime) -> Response:
+    page = await rt.fetcher.fetch(request.url)
+    # Extraction and ranking are CPU-bound (tens of ms on a large page): keep them off the event loop.
+    prep = await asyncio.to_thread(prepare, page.body, page.content_type, question=request.question, cfg=cfg)
+    chunks = ["\n".join(chunk) for chunk in prep.top]
+    try:
+        generation = await rt.llm.generate(
+            build_prompt(chunks, request.question), max_new_tokens=cfg.max_new_tokens
+        )
+    except BackendError as exc:
+        raise ToolFailure("backend_error", str(exc), retryable=exc.retryable) from exc
+    answer = clean_answer(generation.text, cfg.max_answer_chars)
+    quote = pick_quote(prep.top, answer, question=request.question, max_chars=cfg.max_quote_chars)
+    response = Response(answer=answer, quote=quote, url=page.final_url, title=prep.title, chunks=chunks)
+    response.tokens_read = rt.count_tokens(prep.text) + generation.prompt_tokens
+    response.tokens_returned = rt.count_tokens(response.summary())
+    return response
+
+
+def prepare(body: bytes, content_type: str, *, question: str, cfg: Config) -> Prepared:
+    """Extract, chunk and rank a fetched page (blocking)."""
+    page = extract_page(body, content_type)
+    text = page.text[: cfg.max_page_chars]
+    chunks = split_chunks(text, cfg.chunk_chars)
+    order = rank_chunks(["\n".join(chunk) for chunk in chunks], question, top_k=cfg.top_k)
+    logger.debug("page %r: %d chars, %d chunks, showing %s", page.title, len(text), len(chunks), order)
+    return Prepared(title=page.title, text=text, top=[chunks[i] for i in order])
+
+
+def extract_page(body: bytes, content_type: str) -> PageText:
+    """Title and main text of a fetched body: HTML through trafilatura, text/* as it is.
+
+    Raises ToolFailure(unsupported_media) for other media types and for pages with no readable text.
+    """
+    media, charset = parse_content_type(content_type)
+    looks_html = not media and body.lstrip()[:1] == b"<"  # servers that send no type: sniff the first byte
+    if media in HTML_TYPES or looks_html:
+        page = _extract_html(body, charset)
+    elif media.startswith("text/") or not media:
+        page = PageText(title="", text=_decode(body, charset).strip())
+    else:
+        raise ToolFailure("unsupported_media", f"page_qa reads HTML and plain text pages, not {media}")
+    if not page.text:
+        raise ToolFailure(
+            "unsupported_media", "no readable text on this page (empty, or it needs JavaScript to render)"
+        )
+    return page
+
+
+def parse_content_type(content_type: str) -> tuple[str, str | None]:
+    """`text/html; charset=UTF-8` -> ("text/html", "UTF-8")."""
+    media, _, params = content_type.partition(";")
+    match = re.search(r"charset\s*=\s*[\"']?([\w.:-]+)", params, re.IGNORECASE)
+    return media.strip().lower(), match.group(1) if match else None
+
+
+def _decode(body: bytes, charset: str | None) -> str:
+    try:
+        return body.decode(charset or "utf-8", errors="replace")
+    except LookupError:  # an unknown charset name in the header: UTF-8 is the web's majority encoding
+        return body.decode("utf-8", errors="replace")
+
+
+def _extract_html(body: bytes, charset: str | None) -> PageText:
+    # One parse gives text and metadata; the text equals trafilatura.extract(output_format="txt").
+    # Without a declared charset trafilatura detects the encoding of the raw bytes itself.
+    html: bytes | str = _decode(body, charset) if charset else body
+    doc = trafilatura.bare_extraction(
+        html, output_format="python", include_comments=False, with_metadata=True
+    )
+    if doc is None:
+        return PageText(title="", text="")
+    assert isinstance(doc, Extracted), type(doc)  # as_dict=False returns the Document object
+    return PageText(title=(doc.title or "")[:MAX_TITLE_CHARS], text=(doc.text or "").strip())
+
+
+def split_chunks(text: str, chunk_chars: int) -> list[list[str]]:
+    """Consecutive pieces of `text` packed into chunks of at most ~`chunk_chars` characters.
+
+    A piece is a paragraph (one line of the extracted text), or a sentence of a paragraph longer than
+    `chunk_chars`, or a word-boundary cut of a sentence longer still. Every piece occurs verbatim in `text`.
+    """
+    chunks: list[list[str]] = []
+    current: list[str] = []
+    size = 0
+    for piece in _pieces(text, chunk_chars):
+        if current and size + len(piece) > chunk_chars:
+            chunks.append(current)
+            current, size = [], 0
+        current.append(piece)
+        size += len(piece) + 1
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _pieces(text: str, limit: int) -> Iterator[str]:
+    for line in text.splitlines():
+        paragraph = line.strip()
+        if not paragraph:
+            continue
+        if len(paragraph) <= limit:
+            yield paragraph
+            continue
+        for sentence in sentences(paragraph):
+            yield from _cut_words(sentence, limit)
+
+
+def sentences(paragraph: str) -> list[str]:
+    """Sentences of one paragraph, split after . ! ? followed by whitespace; each is a substring of it."""
+    return [s.strip() for s in _SENTENCE_END.split(paragraph) if s.strip()]
+
+
+def _cut_words(text: str, limit: int) -> Iterator[str]:
+    while len(text) > limit:
+        cut = text.rfind(" ", 0, limit + 1)
+        cut = cut if cut > limit // 2 else limit  # no space in reach: cut inside the word
+        yield text[:cut].rstrip()
+        text = text[cut:].lstrip()
+    if text:
+        yield text
+
+
+def terms(texts: list[str]) -> list[list[str]]:
+    """BM25 terms of each text: lower-cased words of 2+ characters, English stopwords removed."""
+    return bm25s.tokenize(texts, stopwords=STOPWORDS, return_ids=False, show_progress=False)
+
+
+def rank_chunks(chunks: list[str], question: str, *, top_k: int) -> list[int]:
+    """Indices of the `top_k` chunks that best match `question` by BM25, best first; ties keep page order.
+
+    With no question term on the page the first chunks are returned: an article's lead is the best guess.
+    """
+    chunk_terms = terms(chunks)
+    vocabulary = {term for doc in chunk_terms for term in doc}
+    query = [term for term in terms([question])[0] if term in vocabulary]
+    if len(chunks) <= 1 or not query:
+        return list(range(min(top_k, len(chunks))))
+    retriever = bm25s.BM25()
+    retriever.index(chunk_terms, show_progress=False)
+    scores = retriever.get_scores(query)
+    return [int(i) for i in np.argsort(-scores, kind="stable")[:top_k]]
+
+
+def build_prompt(chunks: list[str], question: str) -> list[Message]:
+    """A short, strict prompt a 135M instruction model can follow."""
+    context = "\n\n".join(chunks)
+    user = f"Page text:\n{context}\n\nQuestion: {question}\nShort answer:"
+    return [Message(role="system", content=SYSTEM_PROMPT), Message(role="user", content=user)]
+
+
+def clean_answer(text: str, limit: int) -> str:
+    """The first non-empty line of the model's reply, without an echoed "Answer:" label, cut to `limit`."""
+    for line in text.splitlines():
+        answer = _ANSWER_PREFIX.sub("", line.strip()).strip()
+        if answer:
+            return truncate(answer, limit)
+    return "(the model gave no answer)"
+
+
+def pick_quote(chunks: list[list[str]], answer: str, *, question: str, max_chars: int) -> str:
+    """The sentence of `chunks` that shares most terms with the answer (double weight) and the question.
+
+    Ties go to the earlier sentence of the better-ranked chunk. The result is a substring of the page text
+    (pieces are verbatim, sentences are substrings of pieces, the cut keeps a prefix); "" when `chunks` is empty.
+    """
+    candidates = [s for chunk in chunks for piece in chunk for s in sentences(piece)]
+    if not candidates:
+        return ""
+    answer_terms = set(terms([answer])[0])
+    question_terms = set(terms([question])[0])
+    scores = [
+        2 * len(answer_terms.intersection(words)) + len(question_terms.intersection(words))
+        for words in terms(candidates)
+    ]
+    best = candidates[scores.index(max(scores))]
+    return next(_cut_words(best, max_chars))

@@ -1,0 +1,382 @@
+"""page_qa: extraction, chunking, ranking, the verbatim quote, error mapping; then real pages over loopback.
+
+Unit tests use a scripted LLM and a dictionary fetcher. Integration tests serve real saved pages
+(../shared/data/pages) from a loopback HTTP server to the real SSRF-safe Fetcher, and one runs SmolLM2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import threading
+from collections.abc import Iterator
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import lxml.html
+import pydantic
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from subagents import page_qa
+from subagents.backends import BackendError, Generation, Message
+from subagents.common import Runtime, ToolFailure, approx_tokens
+from subagents.fetch import FetchConfig, FetchedPage, Fetcher
+
+FILLER = [
+    "The museum opens at nine in the morning and closes at six in the evening.",
+    "Tickets can be bought online or at the entrance, and children under twelve enter for free.",
+    "The gardens behind the building were redesigned by a local architect last spring.",
+    "Guided tours in several languages leave from the main hall every hour.",
+    "A small cafe on the ground floor serves coffee, sandwiches and cakes.",
+]
+ANSWER_PARAGRAPH = "The Eiffel Tower is 330 metres tall and was completed in 1889 for the World's Fair."
+HTML = f"""<!DOCTYPE html><html><head><meta charset="utf-8"><title>Visiting Paris</title></head>
+<body><nav><a href="/">Home</a> <a href="/about">About</a></nav><article><h1>Visiting Paris</h1>
+{"".join(f"<p>{p} {p}</p>" for p in FILLER)}<p>{ANSWER_PARAGRAPH}</p>
+{"".join(f"<p>{p}</p>" for p in reversed(FILLER))}</article><footer>Copyright 2024</footer></body></html>"""
+
+
+class ScriptedLLM:
+    """An LLM that replies with a fixed text (or raises) and records the prompts it was given."""
+
+    model_id = "scripted"
+    multimodal = False
+
+    def __init__(self, reply: str | BackendError) -> None:
+        self.reply = reply
+        self.calls: list[list[Message]] = []
+
+    async def generate(self, messages: list[Message], *, max_new_tokens: int) -> Generation:
+        self.calls.append(messages)
+        if isinstance(self.reply, BackendError):
+            raise self.reply
+        prompt_tokens = sum(approx_tokens(m.content) for m in messages)
+        return Generation(
+            text=self.reply, prompt_tokens=prompt_tokens, completion_tokens=approx_tokens(self.reply)
+        )
+
+    def count_tokens(self, text: str) -> int:
+        return approx_tokens(text)
+
+    async def aclose(self) -> None:
+        return None
+
+
+class DictFetcher:
+    """A fetcher that serves pages (or raises failures) from a dictionary keyed by URL."""
+
+    def __init__(self, pages: dict[str, FetchedPage | ToolFailure]) -> None:
+        self.pages = pages
+
+    async def fetch(self, url: str) -> FetchedPage:
+        outcome = self.pages[url]
+        if isinstance(outcome, ToolFailure):
+            raise outcome
+        return outcome
+
+
+def page(
+    body: bytes | str, content_type: str = "text/html; charset=utf-8", url: str = "http://a.test/p"
+) -> FetchedPage:
+    data = body.encode() if isinstance(body, str) else body
+    return FetchedPage(url=url, final_url=url + "?final", status=200, content_type=content_type, body=data)
+
+
+def runtime(llm: ScriptedLLM, pages: dict[str, FetchedPage | ToolFailure]) -> Runtime:
+    return Runtime(llm=llm, fetcher=DictFetcher(pages), images=None)  # type: ignore[arg-type]
+
+
+async def ask(
+    reply: str | BackendError,
+    outcome: FetchedPage | ToolFailure,
+    question: str = "How tall is the Eiffel Tower?",
+):
+    llm = ScriptedLLM(reply)
+    request = page_qa.Request(url="http://a.test/p", question=question)
+    response = await page_qa.run(request, page_qa.Config(), runtime(llm, {"http://a.test/p": outcome}))
+    return response, llm
+
+
+# ---------------------------------------------------------------- unit: extraction, chunks, ranking
+
+
+def test_extract_html_keeps_article_drops_navigation() -> None:
+    """trafilatura's main text holds the article paragraphs and the <title>, not the nav or footer."""
+    extracted = page_qa.extract_page(HTML.encode(), "text/html; charset=utf-8")
+    assert extracted.title == "Visiting Paris"
+    assert ANSWER_PARAGRAPH in extracted.text
+    assert "About" not in extracted.text and "Copyright" not in extracted.text
+
+
+def test_charset_from_content_type_is_used() -> None:
+    """A Latin-1 body declared as such decodes correctly (no mojibake)."""
+    body = "Le café est ouvert.\nLa crème brûlée coûte six euros.".encode("latin-1")
+    assert "crème brûlée" in page_qa.extract_page(body, "text/plain; charset=ISO-8859-1").text
+
+
+def test_plain_text_is_used_as_is() -> None:
+    """text/plain pages skip HTML extraction: every line survives, markup-like text included."""
+    text = "Line one <b>not html</b>.\nLine two."
+    assert page_qa.extract_page(text.encode(), "text/plain").text == text
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type"),
+    [
+        (b"<html><head><script>app()</script></head><body></body></html>", "text/html"),
+        (b"\x89PNG....", "image/png"),
+    ],
+)
+def test_no_readable_text_is_unsupported_media(body: bytes, content_type: str) -> None:
+    """An empty (JavaScript-only) page and a non-text body fail with unsupported_media, not an empty answer."""
+    with pytest.raises(ToolFailure) as info:
+        page_qa.extract_page(body, content_type)
+    assert info.value.error.kind == "unsupported_media"
+
+
+def test_chunks_are_paragraph_aware_and_bounded() -> None:
+    """Short paragraphs are packed whole, long ones split at sentences; no chunk exceeds chunk_chars."""
+    long_paragraph = " ".join(FILLER * 3)
+    text = "\n".join([FILLER[0], FILLER[1], long_paragraph, FILLER[2]])
+    chunks = page_qa.split_chunks(text, 200)
+    assert chunks[0] == [FILLER[0], FILLER[1]]
+    assert all(len("\n".join(chunk)) <= 200 for chunk in chunks)
+    pieces = [piece for chunk in chunks for piece in chunk]
+    assert " ".join(pieces).split() == text.split()
+    assert FILLER[3] in pieces  # a sentence of the long paragraph became its own piece
+
+
+def test_ranking_picks_the_chunk_with_the_answer() -> None:
+    """BM25 over the page's chunks puts the one that answers the question first."""
+    chunks = [*FILLER, ANSWER_PARAGRAPH, *FILLER]
+    assert page_qa.rank_chunks(chunks, "How tall is the Eiffel Tower?", top_k=3)[0] == len(FILLER)
+
+
+def test_ranking_without_shared_terms_keeps_page_order() -> None:
+    """A question sharing no term with the page (or a single chunk) falls back to the page's first chunks."""
+    assert page_qa.rank_chunks(FILLER, "zebra quantum?", top_k=2) == [0, 1]
+    assert page_qa.rank_chunks(FILLER, "what is it?", top_k=2) == [0, 1]  # stopwords only
+    assert page_qa.rank_chunks([FILLER[0]], "museum", top_k=3) == [0]
+
+
+def test_answer_cleaning() -> None:
+    """The first non-empty line, without an echoed label; an empty reply says so instead of being blank."""
+    assert page_qa.clean_answer("\n Answer: 330 metres\nThe tower is tall.", 300) == "330 metres"
+    assert page_qa.clean_answer("The answer is: 330 metres", 300) == "330 metres"
+    assert page_qa.clean_answer("   \n", 300) == "(the model gave no answer)"
+    assert len(page_qa.clean_answer("x" * 1000, 50)) < 100
+
+
+def test_quote_prefers_the_sentence_with_the_answer() -> None:
+    """The quote is the sentence sharing the answer's words, not merely the question's."""
+    chunks = [["The Eiffel Tower is a famous landmark in Paris. Its height is 330 metres."]]
+    quote = page_qa.pick_quote(chunks, "330 metres", question="How tall is the Eiffel Tower?", max_chars=300)
+    assert quote == "Its height is 330 metres."
+
+
+_word = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12)
+_sentence = st.builds(
+    lambda words, gap, end: gap.join(words) + end,
+    st.lists(_word, min_size=1, max_size=40),
+    st.sampled_from([" ", "  ", "\t", " \u00a0"]),
+    st.sampled_from(["", ".", "!", "?", "..."]),
+)
+_paragraph = st.lists(_sentence, min_size=1, max_size=8).map(" ".join) | st.text(max_size=400)
+_page = st.builds(
+    lambda ps, sep: sep.join(ps),
+    st.lists(_paragraph, min_size=1, max_size=10),
+    st.sampled_from(["\n", "\n\n", "\r\n", "\n \n"]),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    text=_page,
+    answer=st.text(max_size=60),
+    question=st.text(min_size=2, max_size=80),
+    chunk_chars=st.integers(20, 700),
+    max_quote=st.integers(10, 300),
+)
+def test_quote_is_always_verbatim_page_text(
+    text: str, answer: str, question: str, chunk_chars: int, max_quote: int
+) -> None:
+    """Whatever the page and whatever the model says, the quote is a non-empty substring of the page text."""
+    assume(text.strip())
+    cfg = page_qa.Config(chunk_chars=chunk_chars, max_quote_chars=max_quote)
+    prep = page_qa.prepare(text.encode(), "text/plain; charset=utf-8", question=question, cfg=cfg)
+    quote = page_qa.pick_quote(prep.top, answer, question=question, max_chars=max_quote)
+    assert quote and quote in text
+    assert len(quote) <= max_quote
+    assert all(len("\n".join(chunk)) <= chunk_chars for chunk in prep.top)
+
+
+# ---------------------------------------------------------------- unit: run() with fakes
+
+
+async def test_run_answers_from_the_best_chunks() -> None:
+    """A full call: the prompt holds the answering chunk, the answer is cleaned, the quote is verbatim,
+    the summary names the source and leaves the chunks out, and tokens read exceed tokens returned."""
+    response, llm = await ask("Answer: 330 metres", page(HTML))
+    assert response.ok and response.error is None
+    assert response.answer == "330 metres"
+    assert response.quote in page_qa.extract_page(HTML.encode(), "text/html").text
+    assert "330 metres" in response.quote
+    assert ANSWER_PARAGRAPH in llm.calls[0][-1].content and "How tall" in llm.calls[0][-1].content
+    assert response.url == "http://a.test/p?final" and response.title == "Visiting Paris"
+    assert response.chunks and ANSWER_PARAGRAPH in response.chunks[0]
+    summary = response.summary()
+    assert (
+        summary.startswith('answer: 330 metres | quote: "')
+        and "source: Visiting Paris (http://a.test/p?final)" in summary
+    )
+    assert FILLER[4] not in summary
+    assert response.tokens_read > response.tokens_returned > 0
+
+
+@pytest.mark.parametrize("retryable", [True, False])
+async def test_backend_error_becomes_a_structured_result(retryable: bool) -> None:
+    """A failing model gives backend_error with the backend's retryable flag, never an exception."""
+    response, _ = await ask(BackendError("connection refused", retryable=retryable), page(HTML))
+    assert not response.ok and response.error is not None
+    assert (response.error.kind, response.error.retryable) == ("backend_error", retryable)
+    assert "connection refused" in response.observation()
+
+
+@pytest.mark.parametrize("kind", ["blocked_url", "fetch_failed", "too_large", "timeout", "not_found"])
+async def test_fetch_failures_pass_through_without_calling_the_model(kind: str) -> None:
+    """The fetcher's error kind reaches the caller unchanged and the model is not asked."""
+    response, llm = await ask("unused", ToolFailure(kind, "nope"))  # type: ignore[arg-type]
+    assert response.error is not None and response.error.kind == kind
+    assert llm.calls == []
+
+
+async def test_empty_page_is_reported_not_answered() -> None:
+    """A page with no readable text returns unsupported_media and never reaches the model."""
+    response, llm = await ask("unused", page("<html><body><script>x()</script></body></html>"))
+    assert response.error is not None and response.error.kind == "unsupported_media"
+    assert llm.calls == []
+
+
+def test_request_limits() -> None:
+    """Over-long questions and unknown fields are rejected at the boundary."""
+    with pytest.raises(pydantic.ValidationError):
+        page_qa.Request(url="http://a.test", question="x" * 401)
+    with pytest.raises(pydantic.ValidationError):
+        page_qa.Request.model_validate({"url": "http://a.test", "question": "why?", "extra": 1})
+
+
+# ---------------------------------------------------------------- integration: real pages over loopback
+
+# Deterministic picks: real English articles of different sites and layouts.
+READABILITY_PAGES = ["bbc-1", "guardian-1", "nytimes-1", "wikipedia", "ars-1"]
+SCRAPINGHUB_PAGES = 3  # the first N English pages of ground-truth.json in id order
+
+
+def normalise(text: str) -> str:
+    return " ".join(text.split())
+
+
+def opening(text: str, chars: int = 80) -> str:
+    """The first `chars` characters of whitespace-normalised text: what extraction must contain."""
+    return normalise(text)[:chars]
+
+
+def expected_opening(expected_html: str) -> str:
+    """The opening of the first paragraph of 80+ characters of Readability's expected article.
+
+    Its first text is often a photo caption or a byline, which a main-text extractor rightly drops.
+    """
+    tree = lxml.html.fromstring(expected_html)
+    paragraphs = (normalise(p.text_content()) for p in tree.iter("p"))
+    return opening(next((p for p in paragraphs if len(p) >= 80), tree.text_content()))
+
+
+def is_english(text: str) -> bool:
+    """Mostly ASCII: the benchmark's English pages (curly quotes and dashes allowed), not pt/ru/ko pages."""
+    return sum(c.isascii() for c in text) > 0.97 * len(text)
+
+
+class QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        return None
+
+
+@pytest.fixture(scope="module")
+def loopback(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A ThreadingHTTPServer on 127.0.0.1:<free port> serving a temporary folder."""
+    root = tmp_path_factory.mktemp("site")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(QuietHandler, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", root
+    server.shutdown()
+    server.server_close()
+
+
+async def fetch_and_extract(base: str, name: str) -> page_qa.PageText:
+    fetcher = Fetcher(FetchConfig(allow_private_cidrs=("127.0.0.0/8",)))
+    try:
+        fetched = await fetcher.fetch(f"{base}/{name}")
+    finally:
+        await fetcher.aclose()
+    return await asyncio.to_thread(page_qa.extract_page, fetched.body, fetched.content_type)
+
+
+def scrapinghub_english(shared: Path, n: int) -> list[tuple[str, str]]:
+    """(id, article body) of the first `n` pages, in id order, whose ground truth is English."""
+    truth = json.loads((shared / "pages/scrapinghub/ground-truth.json").read_text(encoding="utf-8"))
+    english = [(k, v["articleBody"]) for k, v in sorted(truth.items()) if is_english(v["articleBody"])]
+    return english[:n]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", READABILITY_PAGES)
+async def test_readability_page_extracts_the_article_opening(name: str, shared_data: Path, loopback) -> None:
+    """Served over loopback and fetched for real, the extraction contains the expected article's opening."""
+    base, root = loopback
+    folder = shared_data / "pages/readability" / name
+    (root / f"{name}.html").write_bytes((folder / "source.html").read_bytes())
+    expected = expected_opening((folder / "expected.html").read_text(encoding="utf-8"))
+    extracted = await fetch_and_extract(base, f"{name}.html")
+    assert expected in normalise(extracted.text)
+
+
+@pytest.mark.slow
+async def test_scrapinghub_pages_extract_the_article_opening(shared_data: Path, loopback) -> None:
+    """The same property on gzipped news pages with human-checked article text."""
+    base, root = loopback
+    for page_id, body in scrapinghub_english(shared_data, SCRAPINGHUB_PAGES):
+        raw = gzip.decompress((shared_data / f"pages/scrapinghub/html/{page_id}.html.gz").read_bytes())
+        (root / f"{page_id}.html").write_bytes(raw)
+        extracted = await fetch_and_extract(base, f"{page_id}.html")
+        assert opening(body) in normalise(extracted.text), page_id
+
+
+@pytest.mark.slow
+async def test_real_smollm2_answers_from_a_real_page(shared_data: Path, smollm2_path: Path, loopback) -> None:
+    """End to end with the real model: a saved NYT article over loopback and the real fetcher; the answer
+    names the country, the quote is the page's own sentence about it, and the caller reads far less than
+    the sub-agent did."""
+    from subagents.backends import BackendConfig, build_llm
+
+    base, root = loopback
+    source = (shared_data / "pages/readability/nytimes-1/source.html").read_bytes()
+    (root / "sudan.html").write_bytes(source)
+    llm = build_llm(BackendConfig())
+    fetcher = Fetcher(FetchConfig(allow_private_cidrs=("127.0.0.0/8",)))
+    rt = Runtime(llm=llm, fetcher=fetcher, images=None, count_tokens=llm.count_tokens)  # type: ignore[arg-type]
+    question = "Which country will the United States lift sanctions on?"
+    request = page_qa.Request(url=f"{base}/sudan.html", question=question)
+    try:
+        response = await page_qa.run(request, page_qa.Config(), rt)
+    finally:
+        await fetcher.aclose()
+        await llm.aclose()
+    assert response.ok, response.observation()
+    assert "sudan" in response.answer.lower(), response.answer
+    assert response.quote in page_qa.extract_page(source, "text/html").text
+    assert "Sudan" in response.quote and response.title == "United States to Lift Sudan Sanctions"
+    assert response.tokens_read > 10 * response.tokens_returned
