@@ -1,0 +1,10 @@
+"""The frozen sub-agents the tool server hosts. Adding one: its file, an entry here, a test, a README line."""
+
+from subagents import image_ops, page_qa, search, video_summary
+
+SUBAGENTS = {
+    "page_qa": page_qa,
+    "image_ops": image_ops,
+    "video_summary": video_summary,
+    "search": search,
+}

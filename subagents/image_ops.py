@@ -1,0 +1,399 @@
+"""Image operations on a per-session store: load, crop, zoom, rotate, flip, autocontrast, find and read text.
+
+Images live in an `ImageStore` under the caller's session (one episode), named by short ids like
+`img_3f2a9c`. Pixel ops store a NEW image and leave the source alone; the server serves a PNG thumbnail of
+any stored image at `/v1/images/{id}`. Two OCR ops (rapidocr, PP-OCR models bundled in its wheel) model two
+ways of looking: `find_text` sees the image at its own resolution (rapidocr caps the long side at 2000 px)
+and returns labelled text boxes to decide where to zoom; `read` sees it resized to `reader_side` (384 px)
+on the long side, like a vision model's fixed input, so small text needs a crop or zoom first. On the first
+40 shared US plate photos `read` finds 14 plates in the full photo and 30 after a crop to 3x the plate box.
+
+Decoding is guarded: a format allowlist checked from the header before decoding, byte and pixel caps (PIL's
+bomb warning raised as an error too), a pixel cap on every output, truncated files refused, EXIF orientation
+applied; local paths only under `allowed_roots`, URLs only via the SSRF-safe fetcher. No deadline inside a
+call: every input is bounded by the caps, and CPU work runs in worker threads.
+
+`tokens_read`: the text OCR recognised (before the top-N cut) in `rt.count_tokens`; 0 for pixel ops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import math
+import re
+import secrets
+import struct
+import threading
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from subagents.common import Runtime, ToolFailure, ToolResponse, guarded
+
+if TYPE_CHECKING:  # imported lazily at run time: onnxruntime start-up is ~1 s
+    from rapidocr import RapidOCR
+
+NAME = "image_ops"
+DESCRIPTION = (
+    "Load an image (path, URL or data URI), then crop, zoom, rotate, flip or autocontrast it by id; "
+    "find_text locates text boxes, read reads text at low resolution (zoom in on small text first)."
+)
+
+ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")  # for GIF and TIFF only frame 0 is read
+Op = Literal["load", "crop", "zoom", "rotate", "flip", "autocontrast", "find_text", "read"]
+_DATA_URI = re.compile(r"data:image/[\w.+-]+;base64,", re.IGNORECASE)
+_SCHEME = re.compile(r"^[a-zA-Z][\w+.-]*:")  # ftp:, file:, javascript: ... anything but a plain path
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    op: Op
+    image: str = Field(min_length=1, description="load: file path, http(s) URL or data URI; else an image id")
+    box: list[Annotated[float, Field(ge=0, allow_inf_nan=False)]] | None = Field(
+        default=None, min_length=4, max_length=4, description="[x0,y0,x1,y1] pixels, or all 0-1 as fractions"
+    )
+    factor: float = Field(default=3.0, gt=1, le=8, allow_inf_nan=False, description="zoom factor")
+    degrees: float = Field(default=90.0, ge=-360, le=360, allow_inf_nan=False, description="anticlockwise")
+    direction: Literal["horizontal", "vertical"] = "horizontal"
+
+    @model_validator(mode="after")
+    def _box_not_empty(self) -> Request:
+        if self.box is not None and (self.box[2] <= self.box[0] or self.box[3] <= self.box[1]):
+            raise ValueError(f"box {self.box} is empty: it needs x1 > x0 and y1 > y0")
+        return self
+
+
+class TextBox(BaseModel):
+    """One OCR line: its box [x0,y0,x1,y1] in the image's pixels, text, confidence and a coarse label."""
+
+    box: list[int]
+    text: str
+    score: float
+    label: str
+
+
+class Response(ToolResponse):
+    op: str = ""
+    image_id: str = ""
+    width: int = 0
+    height: int = 0
+    thumbnail_url: str = ""
+    text: str = ""
+    boxes: list[TextBox] = Field(default_factory=list)
+
+    def summary(self) -> str:
+        head = f"{self.image_id} {self.width}x{self.height}"
+        if self.op == "read":
+            if not self.text:
+                return f"{head} read: no text found (crop or zoom on the text, then read)"
+            return f'{head} read: "{" / ".join(self.text.splitlines())}"'
+        if self.op == "find_text":
+            items = "; ".join(f'[{",".join(map(str, b.box))}] {b.label} "{b.text}"' for b in self.boxes)
+            return f"{head} {len(self.boxes)} text boxes: {items}" if self.boxes else f"{head} no text found"
+        return f"{head} ({self.op})"
+
+
+@dataclass(frozen=True)
+class Config:
+    allowed_roots: tuple[str, ...] = ()
+    """Folders whose files `load` may read; relative paths resolve in the first. Empty: no local files."""
+    max_bytes: int = 20 << 20
+    """Largest encoded image accepted (bytes): a 24 MP camera JPEG is ~10 MB."""
+    max_input_pixels: int = 50_000_000
+    """Largest decoded image (width x height): a 48 MP phone photo; 150 MB as RGB. Also PIL's bomb ceiling."""
+    max_output_pixels: int = 16_000_000
+    """Largest image zoom or rotate may produce (48 MB as RGB): a 4x zoom of a 1000x1000 crop."""
+    max_images_per_session: int = 32
+    """Images kept per session; the least recently used goes first. An episode uses a handful."""
+    max_sessions: int = 64
+    """Sessions kept; the least recently used session is dropped whole. Eight groups of eight episodes."""
+    max_total_pixels: int = 200_000_000
+    """Pixels kept over all sessions (600 MB as RGB); least recently used images are evicted past it."""
+    reader_side: int = 384
+    """Longest side `read` sees, like a small vision model's input size: small text needs a zoom first."""
+    find_text_top: int = 8
+    """Most text boxes `find_text` returns (highest confidence first): keeps the observation short."""
+    thumbnail_side: int = 256
+    """Longest side of the PNG thumbnails served at /v1/images/{id}."""
+
+
+async def run(request: Request, cfg: Config, rt: Runtime) -> Response:
+    return await guarded(Response, lambda: _run(request, cfg, rt))
+
+
+async def _run(request: Request, cfg: Config, rt: Runtime) -> Response:
+    """Pixel ops store a new image and describe it; OCR ops describe their source and add the text."""
+    if request.op == "load":
+        image = await asyncio.to_thread(decode, await source_bytes(request.image, cfg, rt), cfg)
+    else:
+        image = rt.images.get(rt.session, request.image)
+    new_image = request.op not in ("find_text", "read")
+    if new_image and request.op != "load":
+        image = await asyncio.to_thread(transform, image, request, cfg)
+    image_id = rt.images.put(rt.session, image) if new_image else request.image
+    response = Response(op=request.op, image_id=image_id, width=image.width, height=image.height)
+    response.thumbnail_url = f"/v1/images/{image_id}"
+    if request.op == "read":
+        lines = await asyncio.to_thread(read_text, image, request.box, side=cfg.reader_side)
+        response.text = "\n".join(lines)
+        response.tokens_read = rt.count_tokens(response.text)
+    elif request.op == "find_text":
+        boxes = await asyncio.to_thread(find_text, image, request.box)
+        response.boxes = boxes[: cfg.find_text_top]
+        response.tokens_read = rt.count_tokens(" ".join(b.text for b in boxes))
+    response.tokens_returned = rt.count_tokens(response.summary())
+    return response
+
+
+async def source_bytes(source: str, cfg: Config, rt: Runtime) -> bytes:
+    """The encoded bytes `load` names: a data URI, an http(s) URL (via the fetcher) or a local file."""
+    if source[:5].lower() == "data:":
+        return data_uri_bytes(source, cfg)
+    if source.startswith(("http://", "https://")):
+        return (await rt.fetcher.fetch(source)).body  # the fetcher caps the body; decode() caps it again
+    if _SCHEME.match(source):
+        raise ToolFailure("invalid_args", "load takes a local path, an http(s) URL or a data:image/... URI")
+    return await asyncio.to_thread(read_local, source, cfg)
+
+
+def data_uri_bytes(uri: str, cfg: Config) -> bytes:
+    """The payload of `data:image/<type>;base64,<payload>` (the declared type is not trusted)."""
+    match = _DATA_URI.match(uri)
+    if match is None:
+        raise ToolFailure("invalid_args", "a data URI must look like data:image/png;base64,...")
+    payload = "".join(uri[match.end() :].split())
+    if len(payload) > (cfg.max_bytes + 2) // 3 * 4:
+        raise ToolFailure("too_large", f"the uploaded image is over {cfg.max_bytes} bytes")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except binascii.Error as exc:
+        raise ToolFailure("invalid_args", f"the data URI is not valid base64: {exc}") from None
+
+
+def read_local(raw: str, cfg: Config) -> bytes:
+    """The bytes of a regular file under `cfg.allowed_roots` (symlinks resolved), or a ToolFailure."""
+    if not cfg.allowed_roots:
+        raise ToolFailure("invalid_args", "this server reads no local image files (allowed_roots is empty)")
+    roots = [Path(root).resolve() for root in cfg.allowed_roots]
+    try:
+        path = (roots[0] / raw).resolve()  # an absolute `raw` replaces the root
+    except (OSError, RuntimeError, ValueError) as exc:  # symlink loops, names too long, NUL bytes
+        raise ToolFailure("invalid_args", f"cannot resolve the image path: {exc}") from None
+    if not any(path.is_relative_to(root) for root in roots):
+        raise ToolFailure("invalid_args", f"image paths must be under {', '.join(map(str, roots))}")
+    if not path.exists():
+        raise ToolFailure("not_found", f"no such image file: {raw}")
+    if not path.is_file():  # directories, FIFOs, devices
+        raise ToolFailure("invalid_args", f"not a regular file: {raw}")
+    with path.open("rb") as file:
+        return file.read(cfg.max_bytes + 1)  # one byte more than decode() accepts: it says too_large
+
+
+def decode(data: bytes, cfg: Config) -> Image.Image:
+    """RGB pixels of an allowed format with EXIF orientation applied; ToolFailure for anything refused."""
+    if len(data) > cfg.max_bytes:
+        raise ToolFailure("too_large", f"the image is {len(data)} bytes, over {cfg.max_bytes}")
+    Image.MAX_IMAGE_PIXELS = cfg.max_input_pixels  # process-wide, but a server runs one Config
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS) as img:
+                # `formats=` already refuses others; MPO is a camera JPEG with a second picture (read frame 0)
+                if img.format not in (*ALLOWED_FORMATS, "MPO"):
+                    raise ToolFailure("unsupported_media", f"{img.format} images are not accepted")
+                check_pixels(img.size, cfg.max_input_pixels, what="the image")
+                img.load()  # a GIF or TIFF loads its first frame
+                return ImageOps.exif_transpose(img).convert("RGB")
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
+        raise ToolFailure("too_large", f"the image has too many pixels: {exc}") from None
+    except UnidentifiedImageError:
+        raise ToolFailure("unsupported_media", f"not an image in one of {ALLOWED_FORMATS}") from None
+    except (OSError, SyntaxError, ValueError, EOFError, struct.error) as exc:  # truncated or corrupt data
+        raise ToolFailure("unsupported_media", f"the image cannot be decoded: {exc}") from None
+
+
+def check_pixels(size: tuple[int, int], limit: int, *, what: str) -> None:
+    if size[0] * size[1] > limit:
+        raise ToolFailure("too_large", f"{what} would be {size[0]}x{size[1]}, over {limit} pixels")
+
+
+def pixel_box(box: list[float] | None, size: tuple[int, int]) -> tuple[int, int, int, int]:
+    """`box` in whole pixels (fractions when every value is at most 1); the whole image when None."""
+    width, height = size
+    if box is None:
+        return (0, 0, width, height)
+    if len(box) != 4 or not all(map(math.isfinite, box)) or min(box) < 0:
+        raise ToolFailure("invalid_args", f"box {box} must be 4 finite numbers >= 0: [x0,y0,x1,y1]")
+    x0, y0, x1, y1 = box
+    if max(box) <= 1:
+        x0, y0, x1, y1 = x0 * width, y0 * height, x1 * width, y1 * height
+    if x1 > width or y1 > height:
+        raise ToolFailure("invalid_args", f"box {box} is not inside the {width}x{height} image")
+    left, top, right, bottom = math.floor(x0), math.floor(y0), math.ceil(x1), math.ceil(y1)
+    if right <= left or bottom <= top:
+        raise ToolFailure("invalid_args", f"box {box} is empty: it needs x1 > x0 and y1 > y0")
+    return (left, top, right, bottom)
+
+
+def transform(image: Image.Image, request: Request, cfg: Config) -> Image.Image:
+    """The new image a pixel op makes; the source is never modified."""
+    if request.op == "crop":
+        if request.box is None:
+            raise ToolFailure("invalid_args", "crop needs a box [x0,y0,x1,y1]")
+        return image.crop(pixel_box(request.box, image.size))
+    if request.op == "zoom":
+        region = image.crop(pixel_box(request.box, image.size))
+        size = (round(region.width * request.factor), round(region.height * request.factor))
+        check_pixels(size, cfg.max_output_pixels, what="the zoomed image")
+        return region.resize(size, Image.Resampling.LANCZOS)
+    if request.op == "rotate":
+        cos, sin = abs(math.cos(math.radians(request.degrees))), abs(math.sin(math.radians(request.degrees)))
+        size = (round(image.width * cos + image.height * sin), round(image.width * sin + image.height * cos))
+        check_pixels(size, cfg.max_output_pixels, what="the rotated image")  # the canvas expand=True makes
+        # White corners: rotation mostly straightens scanned documents, whose paper is white.
+        return image.rotate(request.degrees, Image.Resampling.BICUBIC, expand=True, fillcolor="white")
+    if request.op == "flip":
+        return ImageOps.mirror(image) if request.direction == "horizontal" else ImageOps.flip(image)
+    if request.op == "autocontrast":
+        return ImageOps.autocontrast(image, cutoff=1)  # ignore the 1% extremes: specks and glare
+    raise AssertionError(f"transform() got op {request.op!r}")
+
+
+def text_label(text: str) -> str:
+    """A coarse kind: plate-like (5-8 ASCII letters and digits, both present), word or line."""
+    compact = re.sub(r"[\s.·-]", "", text)
+    has_both = any(c.isalpha() for c in compact) and any(c.isdigit() for c in compact)
+    if 5 <= len(compact) <= 8 and compact.isascii() and compact.isalnum() and has_both:
+        return "plate-like"
+    return "line" if " " in text.strip() else "word"
+
+
+def find_text(image: Image.Image, box: list[float] | None) -> list[TextBox]:
+    """Text boxes in `box` (or everywhere) at full resolution, most confident first, in image pixels."""
+    left, top, right, bottom = pixel_box(box, image.size)
+    region = image if box is None else image.crop((left, top, right, bottom))  # no copy of a whole image
+    found = ocr(region, offset=(left, top))
+    return sorted(found, key=lambda b: -b.score)
+
+
+def read_text(image: Image.Image, box: list[float] | None, *, side: int) -> list[str]:
+    """Text lines of `box` (or the whole image) seen at `side` pixels on its longest side, in reading order."""
+    region = image if box is None else image.crop(pixel_box(box, image.size))
+    return [line.text for line in ocr(scaled(region, side, Image.Resampling.BICUBIC))]
+
+
+def scaled(image: Image.Image, side: int, resample: Image.Resampling) -> Image.Image:
+    """`image` resized (up or down) so that its longest side is `side` pixels."""
+    scale = side / max(image.size)
+    size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+    return image.resize(size, resample)
+
+
+_ocr_lock = threading.Lock()  # guards the lazy engine and serialises calls (onnxruntime uses every core)
+_ocr_engine: RapidOCR | None = None
+
+
+def make_engine() -> RapidOCR:
+    """A RapidOCR engine on the models bundled in its wheel, given by path so that nothing is downloaded."""
+    import rapidocr
+
+    models = Path(rapidocr.__file__).parent / "models"
+    paths = {task: sorted(models.glob(f"*_{task}_*.onnx")) for task in ("det", "cls", "rec")}
+    assert all(len(p) == 1 for p in paths.values()), f"one bundled model per task expected: {paths}"
+    params: dict[str, object] = {f"{task.capitalize()}.model_path": str(p[0]) for task, p in paths.items()}
+    params["Global.log_level"] = "error"  # "text detection result is empty" is a warning per text-free image
+    return rapidocr.RapidOCR(params=params)
+
+
+def ocr(image: Image.Image, *, offset: tuple[int, int] = (0, 0)) -> list[TextBox]:
+    """Recognised lines in rapidocr's reading order, boxes shifted by `offset`; blocking CPU work."""
+    global _ocr_engine
+    with _ocr_lock:
+        if _ocr_engine is None:
+            _ocr_engine = make_engine()
+        result = _ocr_engine(image)
+    from rapidocr.utils.output import RapidOCROutput  # already loaded with the engine
+
+    # With detection and recognition both on (the defaults), rapidocr returns this type, empty when no text.
+    assert isinstance(result, RapidOCROutput), f"unexpected rapidocr result {type(result).__name__}"
+    if result.boxes is None or result.txts is None or result.scores is None:
+        return []
+    lines = []
+    for quad, text, score in zip(result.boxes, result.txts, result.scores, strict=True):
+        xs, ys = [float(p[0]) + offset[0] for p in quad], [float(p[1]) + offset[1] for p in quad]
+        box = [math.floor(min(xs)), math.floor(min(ys)), math.ceil(max(xs)), math.ceil(max(ys))]
+        lines.append(
+            TextBox(box=box, text=text.strip(), score=round(float(score), 3), label=text_label(text))
+        )
+    return lines  # rapidocr has already dropped empty texts and those scoring under its text_score (0.5)
+
+
+class ImageStore:
+    """Images by id (unique over all sessions), each owned by one session; bounded per session, in sessions
+    and in total pixels, evicting the least recently used (`get` counts as use). One lock guards the maps;
+    stored images are never modified, so callers may read them after the lock is released."""
+
+    def __init__(self, cfg: Config | None = None) -> None:
+        self.cfg = cfg or Config()
+        self._lock = threading.Lock()
+        self._images: OrderedDict[str, tuple[str, Image.Image]] = OrderedDict()  # id -> (session, image)
+        self._sessions: OrderedDict[str, int] = OrderedDict()  # session -> images held; least recent first
+        self._pixels = 0
+
+    def put(self, session: str, image: Image.Image) -> str:
+        """Store `image` for `session` and return its new id, evicting as the bounds require."""
+        check_pixels(image.size, self.cfg.max_total_pixels, what="the image to store")
+        with self._lock:
+            if session not in self._sessions and len(self._sessions) >= self.cfg.max_sessions:
+                oldest = next(iter(self._sessions))
+                for image_id in [i for i, (owner, _) in self._images.items() if owner == oldest]:
+                    self._evict(image_id)
+            if self._sessions.get(session, 0) >= self.cfg.max_images_per_session:
+                self._evict(next(i for i, (owner, _) in self._images.items() if owner == session))
+            while self._pixels + image.width * image.height > self.cfg.max_total_pixels:
+                self._evict(next(iter(self._images)))
+            image_id = f"img_{secrets.token_hex(3)}"
+            while image_id in self._images:
+                image_id = f"img_{secrets.token_hex(3)}"
+            self._images[image_id] = (session, image)
+            self._sessions[session] = self._sessions.get(session, 0) + 1
+            self._sessions.move_to_end(session)
+            self._pixels += image.width * image.height
+        return image_id
+
+    def get(self, session: str, image_id: str) -> Image.Image:
+        """The image `image_id` of `session`; ToolFailure(not_found) for unknown, evicted or foreign ids."""
+        with self._lock:
+            owner, image = self._images.get(image_id, ("", None))
+            if image is None or owner != session:
+                raise ToolFailure("not_found", f"no image {image_id[:40]!r} in this session: load one first")
+            self._images.move_to_end(image_id)
+            self._sessions.move_to_end(session)
+            return image
+
+    def thumbnail_png(self, image_id: str, *, session: str | None = None) -> bytes | None:
+        """A PNG at most `thumbnail_side` px on its longest side; None if unknown (or of another session)."""
+        with self._lock:
+            owner, image = self._images.get(image_id, ("", None))
+        if image is None or (session is not None and owner != session):
+            return None
+        side = self.cfg.thumbnail_side
+        image = scaled(image, side, Image.Resampling.BILINEAR) if max(image.size) > side else image
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    def _evict(self, image_id: str) -> None:
+        session, image = self._images.pop(image_id)
+        self._pixels -= image.width * image.height
+        self._sessions[session] -= 1
+        if self._sessions[session] == 0:
+            del self._sessions[session]
