@@ -2,6 +2,9 @@
 
     conductor models prepare | list      the built-in model, converted once to a dense checkpoint
     conductor serve --config FILE        the tool server with the frozen sub-agents
+    conductor ask "QUESTION" [...]       the research assistant: one episode, shown live
+    conductor trace EPISODES.jsonl       render episodes as a self-contained HTML trace
+    conductor train [CONFIG] [...]       multi-turn RL of the main policy (sync, or --async)
 
 Each command is a thin wrapper: parse options, configure logging, call one library function.
 """
@@ -72,6 +75,83 @@ def serve(
     except (ConfigError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--config") from exc
     run_server(dataclasses.replace(cfg, host=host or cfg.host, port=port if port is not None else cfg.port))
+
+
+@app.command()
+def ask(
+    question: Annotated[str, typer.Argument(help="What to find out.")],
+    url: Annotated[list[str] | None, typer.Option("--url", help="A page the policy may read (repeatable).")] = None,
+    image: Annotated[Path | None, typer.Option(help="An image the policy may inspect.")] = None,
+    video: Annotated[Path | None, typer.Option(help="A video the policy may summarise.")] = None,
+    corpus: Annotated[Path | None, typer.Option(help="Folder to index for search (embedded server).")] = None,
+    policy: Annotated[str, typer.Option(help="Policy model: built-in name, checkpoint or adapter dir.")] = "smollm2-135m-instruct",
+    policy_url: Annotated[str | None, typer.Option(help="OpenAI-compatible endpoint serving the policy.")] = None,
+    policy_model: Annotated[str, typer.Option(help="Model name served at --policy-url.")] = "smollm2-135m-instruct",
+    tools_url: Annotated[str | None, typer.Option(help="A running tool server (default: start one in-process).")] = None,
+    max_turns: Annotated[int, typer.Option(help="Policy turns before giving up.")] = 6,
+    trace: Annotated[Path | None, typer.Option(help="Write a self-contained HTML trace here.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the episode as JSON instead of the live view.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Answer a question with the policy and the frozen sub-agents, showing every call."""
+    import asyncio
+
+    from main_agent import ask as assistant
+    from main_agent import display
+
+    _setup_logging(verbose) if verbose else logging.basicConfig(level=logging.WARNING)
+    opts = assistant.AskOptions(
+        question=question, urls=tuple(url or ()), image=image, video=video, corpus=corpus, policy=policy,
+        policy_url=policy_url, policy_model=policy_model, tools_url=tools_url, max_turns=max_turns,
+    )
+    view = None if json_out else display.LiveView(question)
+    try:
+        episode = asyncio.run(assistant.ask(opts, on_turn=view.turn if view else None))
+    except assistant.AskError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    if view:
+        view.final(episode, assistant.sources(episode))
+    else:
+        typer.echo(episode.to_json())
+    if trace:
+        from main_agent.trace import write_html
+
+        write_html([episode], trace)
+        typer.echo(f"trace written to {trace}", err=True)
+
+
+@app.command("trace")
+def trace_cmd(
+    episodes: Annotated[Path, typer.Argument(help="JSONL file of episodes (rollouts or `ask --json`).")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="HTML file to write.")] = Path("trace.html"),
+) -> None:
+    """Render episodes as a self-contained HTML trace tree."""
+    from main_agent.trace import load_episodes, write_html
+
+    write_html(load_episodes(episodes), out)
+    typer.echo(f"wrote {out}")
+
+
+@app.command()
+def train(
+    config: Annotated[Path | None, typer.Argument(help="Training TOML config (default: the CPU defaults).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override one field: key=value (repeatable).")] = None,
+    resume: Annotated[Path | None, typer.Option(help="Continue this run directory from its newest checkpoint.")] = None,
+    force: Annotated[bool, typer.Option(help="Resume even if batch/group/task settings changed.")] = False,
+    async_: Annotated[bool, typer.Option("--async", help="Overlap rollouts for step k+1 with training step k.")] = False,
+) -> None:
+    """Train the orchestrator policy with multi-turn RL against the frozen tool server."""
+    from training.config import load_train_config
+
+    _setup_logging(False)
+    cfg = load_train_config(config, list(set_ or ()))
+    if async_:
+        from training.train_async import train_async as loop
+    else:
+        from training.train import train as loop
+    run_dir = loop(cfg, resume=resume, force=force)
+    typer.echo(f"run directory: {run_dir}")
 
 
 def main() -> None:

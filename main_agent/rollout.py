@@ -41,6 +41,10 @@ class RolloutConfig:
     """Each tool result is cut to this many tokens with a visible marker."""
     wall_clock_s: float = 900.0
     """Whole-episode budget: a 135M policy on CPU plus sub-agent calls of 10-20 s each."""
+    first_turn_prefix: str = ""
+    """Text that opens the first assistant turn, e.g. '<tool_call>{"name": "' to require a call first (the
+    analogue of tool_choice="required"). Its ids join the prompt (never trained on); it is parsed with the
+    first completion. Empty while training: the policy must learn the format itself."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ async def rollout(
         task.tools,
         max_calls_per_turn=cfg.max_calls_per_turn,
         extra_context=task.context,
-    )
+    ) + tokenizer.encode(cfg.first_turn_prefix, add_special_tokens=False)
     episode = Episode(
         task_id=task.task_id,
         question=task.question,
@@ -104,7 +108,8 @@ async def rollout(
             _mark_infra(episode, f"policy: {exc}")
             break
         policy_s = time.monotonic() - t0
-        parsed = parse_completion(sample.text, tool_names=names)
+        prefix = cfg.first_turn_prefix if not episode.turns else ""
+        parsed = parse_completion(prefix + sample.text, tool_names=names)
         calls = parsed.calls[: cfg.max_calls_per_turn]
         t1 = time.monotonic()
         try:

@@ -168,3 +168,16 @@ def test_fake_tokenizer_matches_chatml_layout():
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     assert ids[0] == 256 and ids.count(257) == 1
     assert tok.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+async def test_first_turn_prefix_joins_the_prompt_and_the_first_parse():
+    """A required-call prefix is part of the prompt ids (not trained on) and completes the first call."""
+    prefix = '<tool_call>{"name": "'
+
+    def continue_call(history: str, turn: int) -> str:
+        return 'search", "arguments": {"query": "x"}}</tool_call>' if turn == 0 else "<answer>y</answer>"
+
+    episode, policy = await play(continue_call, cfg=RolloutConfig(first_turn_prefix=prefix))
+    assert policy.tokenizer.decode(episode.prompt_ids).endswith(prefix)
+    assert [c.name for c in episode.turns[0].calls] == ["search"] and episode.answer == "y"
+    assert episode_ids(episode) == policy.prompts[-1] + policy.samples[-1].ids

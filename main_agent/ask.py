@@ -1,0 +1,190 @@
+"""The research assistant behind `conductor ask`: one episode of the policy against the tool server.
+
+Embedded default: with no `tools_url`, the tool server runs in this process (its ASGI app driven through
+httpx, no port opened) on the built-in model, with search over `corpus` (default: examples/corpus) and
+local access limited to the folders of the files the user attached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from main_agent.policy import (
+    OpenAIPolicy,
+    Policy,
+    SamplingConfig,
+    TransformersPolicy,
+    load_model_and_tokenizer,
+)
+from main_agent.rollout import ProgressHook, RolloutConfig, RolloutTask, rollout
+from main_agent.types import Episode
+from tool_server.client import ToolClient, ToolServerError
+
+logger = logging.getLogger(__name__)
+
+# The assistant must start with a tool call (OpenAI's tool_choice="required"): the untrained 135M policy
+# otherwise answers from memory in prose. Later turns are free to answer.
+FIRST_TURN_PREFIX = '<tool_call>{"name": "'
+EXAMPLE_CORPUS = Path(__file__).resolve().parent.parent / "examples" / "corpus"
+
+
+class AskError(Exception):
+    """A problem with what the user asked for (missing file, unreachable server, unknown model)."""
+
+
+@dataclass(frozen=True)
+class AskOptions:
+    question: str
+    """The question; must not be empty."""
+    urls: tuple[str, ...] = ()
+    """Pages the policy may open with page_qa."""
+    image: Path | None = None
+    """An image the policy may load with image_ops."""
+    video: Path | None = None
+    """A video the policy may summarise with video_summary."""
+    corpus: Path | None = None
+    """Folder indexed for search (embedded server only); default: the project's example corpus."""
+    policy: str = "smollm2-135m-instruct"
+    """Built-in model name, local checkpoint or LoRA adapter dir for the in-process policy."""
+    policy_url: str | None = None
+    """OpenAI-compatible completions endpoint for the policy (e.g. vLLM serve); overrides `policy`."""
+    policy_model: str = "smollm2-135m-instruct"
+    """The model name the endpoint serves (with `policy_url`)."""
+    tools_url: str | None = None
+    """A running tool server; None starts one in-process."""
+    max_turns: int = 6
+    """Policy turns before giving up."""
+    temperature: float = 0.0
+    """0 decodes greedily: the assistant answers the same way each time."""
+
+
+def validate(opts: AskOptions) -> AskOptions:
+    """Clear errors for an empty question or missing attachments; paths made absolute."""
+    if not opts.question.strip():
+        raise AskError("the question is empty")
+    for label, path in (("image", opts.image), ("video", opts.video)):
+        if path is not None and not path.is_file():
+            raise AskError(f"--{label} {path}: no such file")
+    if opts.corpus is not None and not opts.corpus.is_dir():
+        raise AskError(f"--corpus {opts.corpus}: no such folder")
+    return dataclasses.replace(
+        opts,
+        image=opts.image.resolve() if opts.image else None,
+        video=opts.video.resolve() if opts.video else None,
+        corpus=(opts.corpus or EXAMPLE_CORPUS).resolve(),
+    )
+
+
+def attachments(opts: AskOptions) -> str:
+    """The lines appended to the question so the policy knows what it may open."""
+    lines = [f"Page: {url}" for url in opts.urls]
+    if opts.image:
+        lines.append(f"Image: {opts.image}")
+    if opts.video:
+        lines.append(f"Video: {opts.video}")
+    return "\n".join(lines)
+
+
+def embedded_config(opts: AskOptions):
+    """Server settings for the in-process tool server: defaults plus access to what the user attached."""
+    from tool_server.config import ServerConfig, ToolsConfig
+
+    base = ServerConfig()
+    tools = base.tools
+    corpus = str(opts.corpus) if opts.corpus else None
+    media_roots = tuple(str(p.parent) for p in (opts.image, opts.video) if p is not None)
+    return dataclasses.replace(
+        base,  # the server adds the corpus folder to the fetcher's file roots itself
+        tools=ToolsConfig(
+            page_qa=tools.page_qa,
+            image_ops=_with_roots(tools.image_ops, media_roots),
+            video_summary=_with_roots(tools.video_summary, media_roots),
+            search=dataclasses.replace(
+                tools.search, config=dataclasses.replace(tools.search.config, corpus_dir=corpus)
+            ),
+        ),
+    )
+
+
+def _with_roots(settings, roots: tuple[str, ...]):
+    return dataclasses.replace(settings, config=dataclasses.replace(settings.config, allowed_roots=roots))
+
+
+@contextlib.asynccontextmanager
+async def tool_client(opts: AskOptions) -> AsyncIterator[ToolClient]:
+    """A client for `opts.tools_url`, or for a tool server started in this process."""
+    if opts.tools_url:
+        async with ToolClient(opts.tools_url) as client:
+            try:
+                await client.health()
+            except ToolServerError as exc:
+                raise AskError(f"--tools-url {opts.tools_url}: {exc}") from exc
+            yield client
+        return
+    from tool_server.app import create_app
+
+    app = create_app(embedded_config(opts))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with ToolClient("http://embedded", transport=transport) as client:
+            yield client
+
+
+def load_policy(opts: AskOptions) -> tuple[Policy, object]:
+    """The policy and its tokenizer (the endpoint policy still renders prompts with the local tokenizer)."""
+    from subagents.models import ModelNotFound, resolve_model
+
+    sampling = SamplingConfig(temperature=opts.temperature)
+    try:
+        path = resolve_model(opts.policy)
+    except ModelNotFound as exc:
+        raise AskError(str(exc)) from exc
+    if opts.policy_url:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return OpenAIPolicy(opts.policy_url, opts.policy_model, tokenizer, cfg=sampling), tokenizer
+    model, tokenizer = load_model_and_tokenizer(path)
+    return TransformersPolicy(model, tokenizer, cfg=sampling), tokenizer
+
+
+async def ask(opts: AskOptions, *, on_turn: ProgressHook | None = None) -> Episode:
+    """Validate, start or reach the tools, load the policy, play one episode."""
+    opts = validate(opts)
+    policy, tokenizer = load_policy(opts)
+    try:
+        async with tool_client(opts) as tools:
+            schemas = await tools.tools()
+            task = RolloutTask("ask", opts.question, schemas, context=attachments(opts))
+            cfg = RolloutConfig(
+                max_turns=opts.max_turns, max_new_tokens=96, first_turn_prefix=FIRST_TURN_PREFIX
+            )
+            return await rollout(task, policy, tools, tokenizer, cfg, on_turn=on_turn)
+    finally:
+        await policy.aclose()
+
+
+def sources(episode: Episode) -> list[str]:
+    """What the answer rests on: pages opened, images made, video moments, search hits that were read."""
+    found: list[str] = []
+    for turn in episode.turns:
+        for result in turn.results:
+            payload = result.payload or {}
+            if not result.ok:
+                continue
+            if result.name == "page_qa":
+                found.append(f"{payload.get('title') or 'page'} <{payload.get('url')}>")
+            elif result.name == "image_ops":
+                found.append(f"image {payload.get('image_id')}")
+            elif result.name == "video_summary":
+                found.append(
+                    f"video at {', '.join(str(t) for t in payload.get('timestamps') or []) or 'whole clip'}"
+                )
+    return list(dict.fromkeys(found))
