@@ -5,6 +5,9 @@
     conductor ask "QUESTION" [...]       the research assistant: one episode, shown live
     conductor trace EPISODES.jsonl       render episodes as a self-contained HTML trace
     conductor train [CONFIG] [...]       multi-turn RL of the main policy (sync, or --async)
+    conductor sft [--set key=value ...]  warm start from scripted-oracle episodes
+    conductor eval --policy P --task T   success, tool use and context size on a split
+    conductor plot RUN_DIR               PNG curves from a run's metrics.jsonl
 
 Each command is a thin wrapper: parse options, configure logging, call one library function.
 """
@@ -152,6 +155,41 @@ def train(
         from training.train import train as loop
     run_dir = loop(cfg, resume=resume, force=force)
     typer.echo(f"run directory: {run_dir}")
+
+
+@app.command()
+def sft(
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override one SFT setting: key=value.")] = None,
+) -> None:
+    """Fine-tune the policy on successful scripted-oracle episodes run through the real tool server."""
+    from training.sft import load_sft_config, run_sft
+
+    _setup_logging(False)
+    typer.echo(f"SFT checkpoint: {run_sft(load_sft_config(list(set_ or ())))}")
+
+
+@app.command("eval")
+def eval_cmd(
+    policy: Annotated[str, typer.Option(help="Built-in name, checkpoint or adapter dir.")] = "smollm2-135m-instruct",
+    task: Annotated[str, typer.Option(help="Task family: multihop_pages, plate_reading, video_qa.")] = "plate_reading",
+    split: Annotated[str, typer.Option(help="train, dev or test.")] = "dev",
+    n: Annotated[int, typer.Option(help="Number of task instances (the first n, same for every policy).")] = 100,
+    out: Annotated[Path | None, typer.Option(help="Write the report here as JSON.")] = None,
+) -> None:
+    """Evaluate a policy with greedy decoding on fixed task instances; prints a table, writes JSON."""
+    from training.evaluate import run_eval
+
+    _setup_logging(False)
+    run_eval(policy, task, split, n, out)
+
+
+@app.command()
+def plot(run_dir: Annotated[Path, typer.Argument(help="A training run directory.")]) -> None:
+    """Write PNG curves (reward, success, tool calls, context, loss, clip fraction) from metrics.jsonl."""
+    from training.plot import plot_run
+
+    for path in plot_run(run_dir):
+        typer.echo(str(path))
 
 
 def main() -> None:

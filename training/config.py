@@ -82,8 +82,9 @@ class TrainConfig:
     """Policy turns per episode: a multihop question needs two or three page reads and an answer."""
     max_calls_per_turn: int = 4
     """Calls beyond this in one turn are dropped with a note to the policy."""
-    max_new_tokens: int = 128
-    """Tokens per policy turn: a couple of compact calls or a short answer."""
+    max_new_tokens: int = 320
+    """Tokens per policy turn: the oracle's turn of page_qa calls on loopback URLs measures ~200 (max ~300);
+    an upper bound only, sampling stops at the end-of-turn token."""
     max_context_tokens: int = 2048
     """The main context budget: prompt with tool schemas (~600 tokens) plus a few turns and observations."""
     observation_tokens: int = 192

@@ -1,0 +1,108 @@
+"""Evaluation reports on a scripted policy and a fake tool server (no weights, no network)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from main_agent.types import Episode
+from tests.fakes import ByteChatTokenizer, ScriptedPolicy, call_text, fake_tool_server, ok_result
+from tool_server.client import ToolClient
+from training.evaluate import EvalConfig, evaluate_policy, format_table, summarise
+from training.tasks import Task
+
+FRANCE = Task("t-france", "multihop_pages", "What is the capital of France?", ("search",), "Paris")
+HAMLET = Task("t-hamlet", "multihop_pages", "Who wrote Hamlet?", ("page_qa",), "William Shakespeare")
+
+
+def reply(history: str, turn: int) -> str:
+    """France: one search, then the right answer. Hamlet: bad JSON, a page_qa call that fails, a wrong answer."""
+    done = history.count("</tool_response>")  # the system prompt names the opening tag only
+    if "France" in history:
+        return call_text("search", query="capital of France") if done == 0 else "<answer>Paris</answer>"
+    if done == 0:
+        return "<tool_call>{not json</tool_call>"
+    if "page_qa:" not in history:
+        return call_text("page_qa", url="http://pages.test/hamlet", question="author?")
+    return "<answer>Christopher Marlowe</answer>"
+
+
+async def handler(name: str, arguments: dict[str, object]) -> dict[str, object]:
+    if name == "page_qa":
+        error = {"kind": "fetch_failed", "message": "the page did not load", "retryable": True}
+        return {**ok_result("error (fetch_failed): the page did not load", tokens_read=0), "ok": False, "error": error}
+    return ok_result("Paris is the capital of France.", tokens_read=120)
+
+
+async def run_eval(tasks: list[Task]) -> tuple:
+    policy = ScriptedPolicy(reply, ByteChatTokenizer())
+    async with ToolClient("http://tools", transport=fake_tool_server(handler), deadline_s=5.0) as tools:
+        return await evaluate_policy(
+            policy, policy.tokenizer, tasks, tools=tools, cfg=EvalConfig(max_concurrent_episodes=2), label="scripted"
+        )
+
+
+async def test_report_counts_success_format_calls_errors_and_tokens():
+    """Every measure of the report matches what the scripted episodes did."""
+    report, episodes = await run_eval([FRANCE, HAMLET])
+    assert [e.answer for e in episodes] == ["Paris", "Christopher Marlowe"]
+    assert (report.n, report.n_infra_failed, report.success_rate) == (2, 0, 0.5)
+    assert report.mean_reward == 0.5  # token F1: 1 for Paris, 0 for a disjoint name
+    assert report.format_validity == 4 / 5  # France 2 clean turns; Hamlet 1 bad turn of 3
+    assert report.calls_per_tool == {"page_qa": 0.5, "search": 0.5}
+    assert report.tool_error_rate == 0.5
+    lengths = sorted(e.context_tokens for e in episodes)
+    assert report.main_tokens_mean == sum(lengths) / 2 and report.main_tokens_median == sum(lengths) / 2
+    assert report.subagent_tokens_read == 60.0
+    assert report.mean_turns == 2.5 and report.stop_reasons == {"answer": 2}
+    assert report.tasks == "multihop_pages" and report.policy == "scripted"
+
+
+async def test_episodes_come_back_in_task_order_whatever_finishes_first():
+    """The i-th episode belongs to the i-th task, so reports pair answers with the right references."""
+    _, episodes = await run_eval([HAMLET, FRANCE, HAMLET])
+    assert [e.task_id for e in episodes] == ["t-hamlet", "t-france", "t-hamlet"]
+
+
+def episode(task_id: str, *, stop_reason: str, answer: str | None) -> Episode:
+    return Episode(task_id, "q", [1, 2, 3], [], answer, stop_reason, 0, 0.0, 0.0, 0.0)  # type: ignore[arg-type]
+
+
+def test_infrastructure_failures_are_counted_but_not_scored():
+    """An episode the tool server failed is excluded from success and reward instead of scoring 0."""
+    failed = episode("t-hamlet", stop_reason="infra_failed", answer=None)
+    report = summarise([FRANCE, HAMLET], [episode("t-france", stop_reason="answer", answer="Paris"), failed],
+                       policy="p", wall_s=1.0)
+    assert (report.n, report.n_infra_failed, report.success_rate, report.mean_reward) == (2, 1, 1.0, 1.0)
+    assert report.stop_reasons == {"answer": 1, "infra_failed": 1}
+    assert math.isnan(report.format_validity) and math.isnan(report.tool_error_rate)  # no turns, no calls
+
+
+async def test_report_serialises_and_tabulates_side_by_side():
+    """to_json round-trips through json; the table has one column per report and every tool row."""
+    report, _ = await run_eval([FRANCE, HAMLET])
+    assert json.loads(report.to_json())["success_rate"] == 0.5
+    table = format_table([report, report])
+    assert "success rate" in table and table.count("0.500") >= 4
+    assert "calls/episode page_qa" in table and "calls/episode search" in table
+    assert len({len(line) for line in table.splitlines()}) == 1  # aligned columns
+
+
+async def test_task_tool_client_readies_a_mixed_task_list(shared_data, tmp_path):
+    """Multihop tasks get their loopback page lines and the pages are served; a plate task in the same list keeps
+    its image line (the session must not blank other families' context)."""
+    import httpx
+
+    from training import tasks as task_data
+    from training.evaluate import task_tool_client
+
+    multihop = task_data.load_family("multihop_pages", "dev", data_dir=shared_data, limit=1)
+    plates = task_data.load_family("plate_reading", "dev", data_dir=shared_data, limit=1)
+    async with task_tool_client(
+        [*multihop, *plates], work_dir=tmp_path, data_dir=shared_data, transport=fake_tool_server()
+    ) as (_, ready):
+        pages = [line.rsplit(" ", 1)[1] for line in ready[0].context.splitlines()]
+        assert len(pages) == len(multihop[0].meta.page_titles) and pages[0].startswith("http://127.0.0.1:")
+        async with httpx.AsyncClient() as http:
+            assert "<h1>" in (await http.get(pages[0])).text
+    assert ready[1].context == plates[0].context and ready[1].context.startswith("Image: ")

@@ -1,0 +1,293 @@
+"""Evaluate a policy on a task split: one greedy episode per task, one table, one JSON report.
+
+    conductor eval --policy CKPT --task plate_reading --split dev --n 100 [--out report.json]
+    python -m training.evaluate CKPT plate_reading dev 100 [report.json]
+
+Every policy sees the same task instances: the first `n` tasks of the split in the loader's fixed order, played
+with temperature 0 (greedy decoding) and torch seeded from `EvalConfig.seed`, so two checkpoints are compared on
+identical questions. Greedy decoding is deterministic given the weights; batched generation may still differ in
+the last bits when episodes are batched differently (padding changes the matmul shapes).
+
+What the report measures, over the episodes that did not fail for infrastructure reasons (those are counted in
+`n_infra_failed` and excluded: an unreachable tool server says nothing about the policy):
+    success_rate      tasks.success (exact match; plate match for plates)
+    mean_reward       tasks.reward_for (token F1; plate match for plates)
+    format_validity   share of turns whose completion parsed without any parse error
+    calls_per_tool    mean calls of each tool per episode
+    tool_error_rate   share of tool results that came back not ok (NaN without any call)
+    main_tokens_*     length of an episode's whole token stream (prompt, completions, observations)
+    subagent_tokens_read  mean tokens the sub-agents read on the policy's behalf per episode
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+
+from main_agent.policy import Policy, SamplingConfig, TransformersPolicy
+from main_agent.rollout import RolloutConfig, rollout
+from main_agent.types import Episode
+from tool_server.client import ToolClient
+from training import tasks as task_data
+from training.config import TrainConfig
+from training.metrics import mean, save_rollouts
+from training.run import tool_session
+from training.tasks import Task
+from training.train import rollout_task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """How evaluation episodes are played."""
+
+    rollout: RolloutConfig = field(default_factory=lambda: TrainConfig().rollout_config)
+    """Turn, token and time budgets; the training defaults, so evaluation measures what training optimises."""
+    seed: int = 0
+    """Seeds torch before the episodes (greedy decoding needs no randomness, but a sampling policy would)."""
+    max_concurrent_episodes: int = 8
+    """Episodes in flight at once; the in-process policy batches their turns into one generate."""
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    """What one policy did on one set of tasks (see the module docstring for each measure)."""
+
+    policy: str
+    tasks: str
+    n: int
+    n_infra_failed: int
+    success_rate: float
+    mean_reward: float
+    format_validity: float
+    calls_per_tool: dict[str, float]
+    tool_error_rate: float
+    main_tokens_mean: float
+    main_tokens_median: float
+    subagent_tokens_read: float
+    mean_turns: float
+    stop_reasons: dict[str, int]
+    wall_s: float
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    def table(self) -> str:
+        return format_table([self])
+
+
+def summarise(
+    tasks: Sequence[Task], episodes: Sequence[Episode], *, policy: str, wall_s: float
+) -> EvalReport:
+    """The report of `episodes[i]` played on `tasks[i]`."""
+    assert len(tasks) == len(episodes), f"{len(tasks)} tasks but {len(episodes)} episodes"
+    valid = [(t, e) for t, e in zip(tasks, episodes, strict=True) if e.stop_reason != "infra_failed"]
+    played = [e for _, e in valid]
+    turns = [turn for e in played for turn in e.turns]
+    results = [r for turn in turns for r in turn.results]
+    tools = sorted({name for t in tasks for name in t.tools} | {c.name for turn in turns for c in turn.calls})
+    calls = Counter(c.name for turn in turns for c in turn.calls)
+    lengths = [e.context_tokens for e in played]
+    return EvalReport(
+        policy=policy,
+        tasks=",".join(sorted({t.family for t in tasks})),
+        n=len(episodes),
+        n_infra_failed=len(episodes) - len(valid),
+        success_rate=mean([float(task_data.success(t, e.answer)) for t, e in valid]),
+        mean_reward=mean([task_data.reward_for(t, e.answer) for t, e in valid]),
+        format_validity=mean([float(not turn.parse_errors) for turn in turns]),
+        calls_per_tool={name: calls[name] / len(played) if played else math.nan for name in tools},
+        tool_error_rate=mean([float(not r.ok) for r in results]),
+        main_tokens_mean=mean([float(n) for n in lengths]),
+        main_tokens_median=float(statistics.median(lengths)) if lengths else math.nan,
+        subagent_tokens_read=mean([float(e.subagent_tokens_read) for e in played]),
+        mean_turns=mean([float(len(e.turns)) for e in played]),
+        stop_reasons=dict(sorted(Counter(e.stop_reason for e in episodes).items())),
+        wall_s=wall_s,
+    )
+
+
+def format_table(reports: Sequence[EvalReport]) -> str:
+    """One row per measure, one column per report (e.g. before and after fine-tuning)."""
+    tools = sorted({name for r in reports for name in r.calls_per_tool})
+    rows: list[tuple[str, list[str]]] = [
+        ("policy", [r.policy for r in reports]),
+        ("tasks", [r.tasks for r in reports]),
+        ("episodes (infra failed)", [f"{r.n} ({r.n_infra_failed})" for r in reports]),
+        ("success rate", [f"{r.success_rate:.3f}" for r in reports]),
+        ("mean reward", [f"{r.mean_reward:.3f}" for r in reports]),
+        ("format validity", [f"{r.format_validity:.3f}" for r in reports]),
+        *[(f"calls/episode {t}", [f"{r.calls_per_tool.get(t, 0.0):.2f}" for r in reports]) for t in tools],
+        ("tool error rate", [f"{r.tool_error_rate:.3f}" for r in reports]),
+        (
+            "main tokens mean/median",
+            [f"{r.main_tokens_mean:.0f}/{r.main_tokens_median:.0f}" for r in reports],
+        ),
+        ("sub-agent tokens read", [f"{r.subagent_tokens_read:.0f}" for r in reports]),
+        ("turns/episode", [f"{r.mean_turns:.2f}" for r in reports]),
+        ("wall time s", [f"{r.wall_s:.1f}" for r in reports]),
+    ]
+    head = max(len(name) for name, _ in rows)
+    widths = [max(len(cells[i]) for _, cells in rows) for i in range(len(reports))]
+    return "\n".join(
+        f"{name:<{head}} | " + " | ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True))
+        for name, cells in rows
+    )
+
+
+async def play_all(
+    policy_for: Callable[[Task], Policy],
+    tokenizer,
+    tasks: Sequence[Task],
+    *,
+    tools: ToolClient,
+    cfg: RolloutConfig,
+    max_concurrent: int,
+) -> list[Episode]:
+    """One episode per task with the policy `policy_for(task)`, in task order, at most `max_concurrent` in flight."""
+    schemas = await tools.tools()
+    slots = asyncio.Semaphore(max_concurrent)
+
+    async def play(task: Task) -> Episode:
+        async with slots:
+            return await rollout(rollout_task(task, schemas), policy_for(task), tools, tokenizer, cfg)
+
+    return list(await asyncio.gather(*(play(t) for t in tasks)))
+
+
+async def evaluate_policy(
+    policy: Policy, tokenizer, tasks: Sequence[Task], *, tools: ToolClient, cfg: EvalConfig, label: str
+) -> tuple[EvalReport, list[Episode]]:
+    """Play every task once with `policy` (already set to greedy decoding) and summarise."""
+    torch.manual_seed(cfg.seed)
+    start = time.monotonic()
+    episodes = await play_all(
+        lambda _: policy,
+        tokenizer,
+        tasks,
+        tools=tools,
+        cfg=cfg.rollout,
+        max_concurrent=cfg.max_concurrent_episodes,
+    )
+    return summarise(tasks, episodes, policy=label, wall_s=time.monotonic() - start), episodes
+
+
+def greedy_policy(model, tokenizer, cfg: EvalConfig) -> TransformersPolicy:
+    """An in-process policy decoding greedily (temperature 0) with the evaluation's batch size."""
+    sampling = SamplingConfig(temperature=0.0, max_batch=cfg.max_concurrent_episodes, seed=cfg.seed)
+    return TransformersPolicy(model, tokenizer, cfg=sampling)
+
+
+async def evaluate(
+    policy_ref: str,
+    tasks: Sequence[Task],
+    *,
+    tools: ToolClient,
+    cfg: EvalConfig,
+    episodes_out: Path | None = None,
+) -> EvalReport:
+    """Load `policy_ref` (built-in name, checkpoint or adapter dir) and evaluate it greedily on `tasks`; the
+    episodes go to `episodes_out` as JSON lines when given (`conductor trace` renders them)."""
+    from main_agent.policy import load_model_and_tokenizer
+    from subagents.models import resolve_model
+
+    model, tokenizer = load_model_and_tokenizer(resolve_model(policy_ref))
+    policy = greedy_policy(model, tokenizer, cfg)
+    try:
+        report, episodes = await evaluate_policy(
+            policy, tokenizer, tasks, tools=tools, cfg=cfg, label=policy_ref
+        )
+    finally:
+        await policy.aclose()
+    if episodes_out is not None:
+        save_rollouts(episodes_out, episodes)
+    return report
+
+
+@contextlib.asynccontextmanager
+async def task_tool_client(
+    tasks: list[Task],
+    *,
+    work_dir: Path,
+    tools_url: str | None = None,
+    data_dir: Path | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> AsyncIterator[tuple[ToolClient, list[Task]]]:
+    """A tool client and the tasks ready to play, set up exactly as training does (`training.run.tool_session`):
+    multihop pages written under `work_dir` and served over loopback, GRID clips subtitled into `work_dir`, and,
+    without `tools_url` or `transport`, a tool server in this process allowed to reach both."""
+    settings = TrainConfig(run_dir=work_dir, tools_url=tools_url, data_dir=data_dir)
+    async with tool_session(settings, tasks, transport=transport) as (client, ready):
+        yield client, ready
+
+
+async def _run_eval(
+    policy: str,
+    tasks: list[Task],
+    *,
+    tools_url: str | None,
+    data_dir: Path | None,
+    cfg: EvalConfig,
+    episodes_out: Path | None,
+) -> EvalReport:
+    with tempfile.TemporaryDirectory(prefix="conductor-eval-") as work:
+        async with task_tool_client(tasks, work_dir=Path(work), tools_url=tools_url, data_dir=data_dir) as (
+            tools,
+            ready,
+        ):
+            return await evaluate(policy, ready, tools=tools, cfg=cfg, episodes_out=episodes_out)
+
+
+def run_eval(
+    policy: str,
+    task: str,
+    split: str,
+    n: int,
+    out_json: Path | None = None,
+    *,
+    tools_url: str | None = None,
+    data_dir: Path | None = None,
+    cfg: EvalConfig = EvalConfig(),
+) -> EvalReport:
+    """The `conductor eval` entry point: the first `n` tasks of `task`/`split`, a printed table, and with
+    `out_json` the report there and the episodes beside it (`<name>.episodes.jsonl`)."""
+    tasks = task_data.load_family(task, split, data_dir=data_dir, limit=n)
+    if not tasks:
+        raise ValueError(f"no tasks in {task}/{split}")
+    episodes_out = out_json.with_suffix(".episodes.jsonl") if out_json is not None else None
+    run = _run_eval(policy, tasks, tools_url=tools_url, data_dir=data_dir, cfg=cfg, episodes_out=episodes_out)
+    report = asyncio.run(run)
+    print(report.table())
+    if out_json is not None:
+        out_json.parent.mkdir(parents=True, exist_ok=True)
+        out_json.write_text(report.to_json() + "\n", encoding="utf-8")
+    return report
+
+
+def main(argv: Sequence[str]) -> None:
+    """`python -m training.evaluate POLICY TASK SPLIT N [OUT_JSON]`"""
+    if len(argv) not in (4, 5):
+        sys.exit("usage: python -m training.evaluate POLICY TASK SPLIT N [OUT_JSON]")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    out = Path(argv[4]) if len(argv) == 5 else None
+    run_eval(argv[0], argv[1], argv[2], int(argv[3]), out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
