@@ -1,0 +1,64 @@
+"""Smoke tests of the `conductor` entry point, run as a user would (a subprocess), mostly on bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.fake_openai_server import unused_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def conductor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(REPO / "conductor.py"), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
+
+
+def test_help_lists_every_command():
+    """The CLI starts and names all its subcommands."""
+    out = conductor("--help")
+    assert out.returncode == 0
+    for command in ("serve", "ask", "trace", "train", "sft", "eval", "plot", "models"):
+        assert command in out.stdout
+
+
+def test_ask_refuses_an_empty_question():
+    """An empty question is a clear error with exit code 2, not a traceback."""
+    out = conductor("ask", "   ")
+    assert out.returncode == 2 and "question is empty" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_ask_refuses_a_missing_image(tmp_path):
+    """A missing attachment is named in the error."""
+    out = conductor("ask", "What is the plate?", "--image", str(tmp_path / "nope.jpg"))
+    assert out.returncode == 2 and "nope.jpg: no such file" in out.stderr
+
+
+def test_ask_reports_an_unreachable_tool_server(smollm2_path):
+    """--tools-url pointing at nothing says so instead of hanging or crashing."""
+    out = conductor("ask", "Who?", "--tools-url", f"http://127.0.0.1:{unused_port()}")
+    assert out.returncode == 2 and "unreachable" in out.stderr
+
+
+def test_ask_reports_a_model_that_cannot_be_found(tmp_path):
+    """An unknown policy model is a clear error."""
+    out = conductor("ask", "Who?", "--policy", str(tmp_path / "no-model"))
+    assert out.returncode == 2 and "neither a built-in model" in out.stderr
+
+
+def test_serve_rejects_an_unknown_config_key(tmp_path):
+    """A typo in the server config is named, not silently ignored."""
+    config = tmp_path / "server.toml"
+    config.write_text("[page_qa]\nchunk_charz = 10\n")
+    out = conductor("serve", "--config", str(config))
+    assert out.returncode != 0 and "chunk_charz" in out.stderr
+
+
+def test_models_list_shows_the_builtin_model():
+    """`models list` names the built-in model and whether it is prepared."""
+    out = conductor("models", "list")
+    assert out.returncode == 0 and "smollm2-135m-instruct" in out.stdout
