@@ -55,12 +55,13 @@ async def test_batches_fill_up_to_max_batch() -> None:
     await batcher.aclose()
 
 
-async def test_each_request_is_cut_at_its_own_limit() -> None:
-    """A batch generates up to its largest max_new_tokens and every request gets only its own limit."""
+async def test_a_batch_runs_to_its_largest_limit() -> None:
+    """A batch generates up to its largest max_new_tokens; each caller gets the whole output to cut to its own
+    limit (a prefix of a longer generation, for greedy decoding and sampling alike)."""
     model = FakeModel()
     batcher = MicroBatcher(model, max_batch=8, wait_ms=20)
     short, long = await asyncio.gather(batcher.submit([1], 2), batcher.submit([2], 5))
-    assert (short, long) == ([100, 101], [200, 201, 202, 203, 204])
+    assert (short, long) == ([100, 101, 102, 103, 104], [200, 201, 202, 203, 204])
     assert [limit for _, limit in model.calls] == [5]
     await batcher.aclose()
 
