@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from main_agent.parse import parse_completion
-from main_agent.policy import Policy, PolicyError, Sample
+from main_agent.policy import Policy, PolicyError
 from main_agent.prompts import observation_ids, render_observation, render_prompt
 from main_agent.types import Episode, ParseError, ToolCall, ToolResult, Turn
 from tool_server.client import CallResult, ToolClient, ToolServerError
@@ -72,7 +72,6 @@ async def rollout(
     """Play one episode to an answer or a budget, top to bottom."""
     start = time.monotonic()
     session = f"{task.task_id}-{uuid.uuid4().hex[:8]}"  # this episode's image namespace on the server
-    names = [str(t["function"]["name"]) for t in task.tools]  # type: ignore[index]
     prompt_ids = render_prompt(
         tokenizer,
         task.question,
@@ -80,20 +79,9 @@ async def rollout(
         max_calls_per_turn=cfg.max_calls_per_turn,
         extra_context=task.context,
     ) + tokenizer.encode(cfg.first_turn_prefix, add_special_tokens=False)
-    episode = Episode(
-        task_id=task.task_id,
-        question=task.question,
-        prompt_ids=prompt_ids,
-        turns=[],
-        answer=None,
-        stop_reason="max_turns",
-        policy_version=policy.version,
-        wall_s=0.0,
-        policy_s=0.0,
-        tools_s=0.0,
-    )
+    episode = _new_episode(task, prompt_ids, policy.version)
     ids = list(prompt_ids)
-    for _ in range(cfg.max_turns):
+    for index in range(cfg.max_turns):
         room = cfg.max_context_tokens - len(ids)
         if room < 16:  # not even a short answer fits
             episode.stop_reason = "max_context"
@@ -101,66 +89,72 @@ async def rollout(
         if time.monotonic() - start > cfg.wall_clock_s:
             episode.stop_reason = "deadline"
             break
-        t0 = time.monotonic()
+        prefix = cfg.first_turn_prefix if index == 0 else ""
         try:
-            sample = await policy.sample(ids, max_new_tokens=min(cfg.max_new_tokens, room))
-        except PolicyError as exc:
-            _mark_infra(episode, f"policy: {exc}")
-            break
-        policy_s = time.monotonic() - t0
-        prefix = cfg.first_turn_prefix if not episode.turns else ""
-        parsed = parse_completion(prefix + sample.text, tool_names=names)
-        calls = parsed.calls[: cfg.max_calls_per_turn]
-        t1 = time.monotonic()
-        try:
-            results = await run_calls(
-                tools, calls, session=session, tokenizer=tokenizer, budget=cfg.observation_tokens
+            turn, answer = await play_turn(
+                ids, policy, tools, tokenizer, cfg, task=task, session=session, prefix=prefix
             )
-        except ToolServerError as exc:
-            _mark_infra(episode, f"tools: {exc}")
-            episode.turns.append(
-                _turn(
-                    sample,
-                    parsed.errors,
-                    calls=[],
-                    results=[],
-                    obs_ids=[],
-                    obs_text="",
-                    version=policy.version,
-                    policy_s=policy_s,
-                    tools_s=0.0,
-                )
-            )
+        except (PolicyError, ToolServerError) as exc:  # infrastructure, not the policy's fault
+            logger.warning("episode %s infra failure: %s", task.task_id, exc)
+            episode.stop_reason, episode.infra_error = "infra_failed", f"{type(exc).__name__}: {exc}"
             break
-        tools_s = time.monotonic() - t1
-        done = parsed.answer is not None and not calls
-        errors = list(parsed.errors) + _dropped_note(len(parsed.calls) - len(calls))
-        text = "" if done else render_observation(results, parse_errors=errors)
-        obs_ids = (
-            []
-            if done
-            else observation_ids(tokenizer, results, completion_ids=sample.ids, parse_errors=errors)
-        )
-        turn = _turn(
-            sample,
-            errors,
-            calls=calls,
-            results=results,
-            obs_ids=obs_ids,
-            obs_text=text,
-            version=policy.version,
-            policy_s=policy_s,
-            tools_s=tools_s,
-        )
         episode.turns.append(turn)
         ids += turn.completion_ids + turn.observation_ids
         if on_turn is not None:
             on_turn(turn)
-        if done:
-            episode.answer, episode.stop_reason = parsed.answer, "answer"
+        if answer is not None:
+            episode.answer, episode.stop_reason = answer, "answer"
             break
     _finish(episode, start)
     return episode
+
+
+async def play_turn(
+    ids: list[int],
+    policy: Policy,
+    tools: ToolClient,
+    tokenizer,
+    cfg: RolloutConfig,
+    *,
+    task: RolloutTask,
+    session: str,
+    prefix: str,
+) -> tuple[Turn, str | None]:
+    """Sample, parse, run the calls concurrently, render the observation. Returns the turn and its answer
+    (None unless the turn answered without calling). Raises PolicyError / ToolServerError on infra failure."""
+    t0 = time.monotonic()
+    room = cfg.max_context_tokens - len(ids)
+    sample = await policy.sample(ids, max_new_tokens=min(cfg.max_new_tokens, room))
+    t1 = time.monotonic()
+    names = [str(t["function"]["name"]) for t in task.tools]  # type: ignore[index]
+    parsed = parse_completion(prefix + sample.text, tool_names=names)
+    calls = parsed.calls[: cfg.max_calls_per_turn]
+    results = await run_calls(
+        tools, calls, session=session, tokenizer=tokenizer, budget=cfg.observation_tokens
+    )
+    t2 = time.monotonic()
+    answer = parsed.answer if not calls else None
+    errors = list(parsed.errors) + _dropped_note(len(parsed.calls) - len(calls))
+    text = "" if answer is not None else render_observation(results, parse_errors=errors)
+    obs_ids = (
+        []
+        if answer is not None
+        else observation_ids(tokenizer, results, completion_ids=sample.ids, parse_errors=errors)
+    )
+    turn = Turn(
+        completion_ids=list(sample.ids),
+        completion_logprobs=list(sample.logprobs),
+        observation_ids=obs_ids,
+        completion_text=sample.text,
+        observation_text=text,
+        calls=calls,
+        results=results,
+        parse_errors=errors,
+        policy_version=policy.version,
+        policy_s=t1 - t0,
+        tools_s=t2 - t1,
+    )
+    return turn, answer
 
 
 async def run_calls(
@@ -199,36 +193,19 @@ def to_tool_result(r: CallResult, observation: str) -> ToolResult:
     )
 
 
-def _turn(
-    sample: Sample,
-    errors: list[ParseError],
-    *,
-    calls: list[ToolCall],
-    results: list[ToolResult],
-    obs_ids: list[int],
-    obs_text: str,
-    version: int,
-    policy_s: float,
-    tools_s: float,
-) -> Turn:
-    return Turn(
-        completion_ids=list(sample.ids),
-        completion_logprobs=list(sample.logprobs),
-        observation_ids=obs_ids,
-        completion_text=sample.text,
-        observation_text=obs_text,
-        calls=calls,
-        results=results,
-        parse_errors=list(errors),
+def _new_episode(task: RolloutTask, prompt_ids: list[int], version: int) -> Episode:
+    return Episode(
+        task_id=task.task_id,
+        question=task.question,
+        prompt_ids=prompt_ids,
+        turns=[],
+        answer=None,
+        stop_reason="max_turns",
         policy_version=version,
-        policy_s=policy_s,
-        tools_s=tools_s,
+        wall_s=0.0,
+        policy_s=0.0,
+        tools_s=0.0,
     )
-
-
-def _mark_infra(episode: Episode, reason: str) -> None:
-    logger.warning("episode %s infra failure: %s", episode.task_id, reason)
-    episode.stop_reason, episode.infra_error = "infra_failed", reason
 
 
 def _finish(episode: Episode, start: float) -> None:
