@@ -102,15 +102,7 @@ class TransformersPolicy:
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention,
-                do_sample=self.cfg.temperature > 0,
-                temperature=max(self.cfg.temperature, 1e-5),
-                top_p=self.cfg.top_p,
-                top_k=0,
-                max_new_tokens=max_new,
-                pad_token_id=self.eos_token_id,
-                eos_token_id=self.eos_token_id,
-                output_logits=True,
-                return_dict_in_generate=True,
+                generation_config=self._generation_config(max_new),
             )
         self.model.train(was_training)
         # out.sequences: [B, P + N]; out.logits: N tensors of [B, V] (raw, before temperature)
@@ -118,6 +110,23 @@ class TransformersPolicy:
         logits = torch.stack(out.logits, dim=1).float() / max(self.cfg.temperature, 1e-5)  # [B, N, V]
         logp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [B, N]
         return [(new[i].tolist(), logp[i].tolist()) for i in range(len(prompts))]
+
+    def _generation_config(self, max_new: int):
+        """Explicit settings: the checkpoint's own generation_config may ask for other sampling."""
+        from transformers import GenerationConfig
+
+        common = dict(
+            max_new_tokens=max_new,
+            pad_token_id=self.eos_token_id,
+            eos_token_id=self.eos_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        if self.cfg.temperature <= 0:  # greedy (ask, eval)
+            return GenerationConfig(do_sample=False, **common)
+        return GenerationConfig(
+            do_sample=True, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=0, **common
+        )
 
     def _cut(self, ids: list[int], logprobs: list[float], limit: int) -> Sample:
         """Keep tokens up to and including the first EOS, at most `limit` of them."""
