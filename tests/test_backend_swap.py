@@ -1,0 +1,159 @@
+"""Swapping the model behind one sub-agent by configuration, exercised for real over loopback HTTP.
+
+The tool server is built from a TOML file (`load_config` + `create_app`) and served by uvicorn; the real
+page_qa reads a loopback page and asks its model through the real `openai` backend, which talks to the
+OpenAI-compatible fake endpoint of tests/fake_openai_server.py. Models that are not `openai` come from the
+fake factory, so no weights are needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from subagents.backends import LLM, BackendConfig, build_llm
+from tests.fake_openai_server import create_openai_app, serve, unused_port
+from tests.tool_server_fakes import PAGE, FakeFactory, FakeLLM, page_server, serving
+from tool_server.app import create_app
+from tool_server.config import load_config
+
+ENDPOINT_ANSWER = "10 December 1815"
+QUESTION = "When was Ada Lovelace born?"
+TOKEN_ENV = "CONDUCTOR_BACKEND_SWAP_TEST_TOKEN"
+TOKEN = "swap-test-token"
+
+
+class EndpointOrFake:
+    """The real `build_llm` for `openai` configs (a real HTTP client); a FakeLLM for anything else."""
+
+    def __init__(self) -> None:
+        self.fakes = FakeFactory()
+
+    def __call__(self, cfg: BackendConfig) -> LLM:
+        if cfg.backend == "openai":
+            return build_llm(cfg)
+        return self.fakes(cfg)
+
+
+@pytest.fixture
+def endpoint() -> Iterator[tuple[str, list[dict[str, object]]]]:
+    """A loopback OpenAI-compatible endpoint whose model answers ENDPOINT_ANSWER; (base URL, its requests)."""
+    app = create_openai_app(FakeLLM("endpoint-model", answer=ENDPOINT_ANSWER))
+    with serve(app) as base_url:
+        yield base_url, app.state.requests
+
+
+@pytest.fixture
+def page_url() -> Iterator[str]:
+    with page_server() as url:
+        yield f"{url}/ada"
+
+
+def write_config(tmp_path: Path, page_qa_model: str, *, extra: str = "") -> Path:
+    """A server TOML: loopback pages allowed, a one-document search corpus, page_qa's model as given."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "engine.txt").write_text("The Analytical Engine was designed by Charles Babbage.")
+    path = tmp_path / "server.toml"
+    path.write_text(
+        f'[server]\ntoken_env = "{TOKEN_ENV}"\n'
+        '[fetch]\nallow_private_cidrs = ["127.0.0.0/8"]\n'
+        f'[search]\ncorpus_dir = "{corpus}"\n'
+        f"[page_qa.model]\n{page_qa_model}\n{extra}"
+    )
+    return path
+
+
+def openai_section(base_url: str, *, model: str = "served-model", max_retries: int = 2) -> str:
+    return f'backend = "openai"\nbase_url = "{base_url}"\nmodel = "{model}"\nmax_retries = {max_retries}'
+
+
+def ask(client: httpx.Client, page_url: str) -> dict[str, object]:
+    reply = client.post("/v1/tools/page_qa", json={"url": page_url, "question": QUESTION})
+    assert reply.status_code == 200, reply.text
+    body: dict[str, object] = reply.json()
+    return body
+
+
+def test_toml_points_page_qa_at_an_openai_endpoint(
+    tmp_path: Path, endpoint: tuple[str, list[dict[str, object]]], page_url: str
+) -> None:
+    """`[page_qa.model] backend = "openai"` in the file makes page_qa ask that endpoint (with the served
+    model name and the page's question), while the other tools keep their own backend and still work."""
+    base_url, received = endpoint
+    factory = EndpointOrFake()
+    cfg = load_config(write_config(tmp_path, openai_section(base_url)))
+    with (
+        serving(create_app(cfg, llm_factory=factory)) as url,
+        httpx.Client(base_url=url, timeout=30) as client,
+    ):
+        body = ask(client, page_url)
+        search = client.post("/v1/tools/search", json={"query": "Analytical Engine"}).json()
+        models = client.get("/health").json()["models"]
+    assert body["ok"] is True and body["answer"] == ENDPOINT_ANSWER, body
+    assert "1815" in str(body["quote"]) and str(body["quote"]) in " ".join(PAGE.split())
+    assert len(received) == 1 and received[0]["model"] == "served-model"
+    assert QUESTION in str(received[0]["messages"])
+    assert search["ok"] is True and search["hits"][0]["url"].endswith("engine.txt"), search
+    assert models["page_qa"] == "openai:served-model"
+    assert {models[name] for name in ("image_ops", "video_summary", "search")} == {
+        "fake:smollm2-135m-instruct"
+    }
+    assert [llm.prompts for llm in factory.fakes.built] == [[]]  # the in-process model answered nothing
+
+
+def test_admin_hot_swap_moves_page_qa_to_the_endpoint(
+    tmp_path: Path,
+    endpoint: tuple[str, list[dict[str, object]]],
+    page_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """POST /admin/backends/page_qa (token from the configured env var) moves page_qa from backend A to
+    the endpoint at run time: the same question is asked again (a new cache key), answered by the
+    endpoint, and A is closed."""
+    base_url, received = endpoint
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    factory = EndpointOrFake()
+    cfg = load_config(write_config(tmp_path, 'model = "A"'))
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    swap_body = {"backend": "openai", "base_url": base_url, "model": "served-model"}
+    with (
+        serving(create_app(cfg, llm_factory=factory)) as url,
+        httpx.Client(base_url=url, timeout=30, headers=headers) as client,
+    ):
+        before = ask(client, page_url)
+        unauthorised = httpx.post(f"{url}/admin/backends/page_qa", json=swap_body, timeout=30)
+        swap = client.post("/admin/backends/page_qa", json=swap_body)
+        after = ask(client, page_url)
+        models = client.get("/health").json()["models"]
+    (model_a,) = [llm for llm in factory.fakes.built if llm.model_id == "fake:A"]
+    assert before["ok"] is True and before["answer"] == "fake answer" and len(model_a.prompts) == 1
+    assert unauthorised.status_code == 401
+    assert swap.status_code == 200 and swap.json() == {"tool": "page_qa", "model_id": "openai:served-model"}
+    assert after["ok"] is True and after["answer"] == ENDPOINT_ANSWER and after["cached"] is False, after
+    assert len(received) == 1 and QUESTION in str(received[0]["messages"])
+    assert model_a.closed and len(model_a.prompts) == 1
+    assert models["page_qa"] == "openai:served-model" and models["search"] == "fake:smollm2-135m-instruct"
+
+
+def test_refused_endpoint_is_a_backend_error_result(tmp_path: Path, page_url: str) -> None:
+    """An endpoint nobody listens on gives page_qa a structured, retryable `backend_error` (HTTP 200),
+    not a 500, and the failure is not cached: the next identical call tries the endpoint again."""
+    dead = f"http://127.0.0.1:{unused_port()}/v1"
+    cfg = load_config(write_config(tmp_path, openai_section(dead, max_retries=0)))  # fail in milliseconds
+    with (
+        serving(create_app(cfg, llm_factory=EndpointOrFake())) as url,
+        httpx.Client(base_url=url, timeout=30) as client,
+    ):
+        first = ask(client, page_url)
+        second = ask(client, page_url)
+        page_qa = client.get("/metrics").json()["tools"]["page_qa"]
+    error = first["error"]
+    assert first["ok"] is False and isinstance(error, dict), first
+    assert (error["kind"], error["retryable"]) == ("backend_error", True)
+    assert "cannot reach endpoint" in error["message"]
+    assert second["ok"] is False and second["cached"] is False
+    assert page_qa["errors_by_kind"] == {"backend_error": 2} and page_qa["cache"]["hits"] == 0
