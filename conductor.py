@@ -20,7 +20,9 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Train and run tool-using orchestrator agents.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Train and run tool-using orchestrator agents."
+)
 models_app = typer.Typer(no_args_is_help=True, help="Prepare and list the built-in models.")
 app.add_typer(models_app, name="models")
 
@@ -61,8 +63,12 @@ def models_list() -> None:
 
 @app.command()
 def serve(
-    config: Annotated[Path | None, typer.Option(help="Server TOML config; defaults run every sub-agent on SmolLM2.")] = None,
-    host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1 from the config).")] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="Server TOML config; defaults run every sub-agent on SmolLM2.")
+    ] = None,
+    host: Annotated[
+        str | None, typer.Option(help="Bind address (default 127.0.0.1 from the config).")
+    ] = None,
     port: Annotated[int | None, typer.Option(help="Port (default 8700 from the config).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
@@ -83,17 +89,29 @@ def serve(
 @app.command()
 def ask(
     question: Annotated[str, typer.Argument(help="What to find out.")],
-    url: Annotated[list[str] | None, typer.Option("--url", help="A page the policy may read (repeatable).")] = None,
+    url: Annotated[
+        list[str] | None, typer.Option("--url", help="A page the policy may read (repeatable).")
+    ] = None,
     image: Annotated[Path | None, typer.Option(help="An image the policy may inspect.")] = None,
     video: Annotated[Path | None, typer.Option(help="A video the policy may summarise.")] = None,
     corpus: Annotated[Path | None, typer.Option(help="Folder to index for search (embedded server).")] = None,
-    policy: Annotated[str, typer.Option(help="Policy model: built-in name, checkpoint or adapter dir.")] = "smollm2-135m-instruct",
-    policy_url: Annotated[str | None, typer.Option(help="OpenAI-compatible endpoint serving the policy.")] = None,
-    policy_model: Annotated[str, typer.Option(help="Model name served at --policy-url.")] = "smollm2-135m-instruct",
-    tools_url: Annotated[str | None, typer.Option(help="A running tool server (default: start one in-process).")] = None,
+    policy: Annotated[
+        str, typer.Option(help="Policy model: built-in name, checkpoint or adapter dir.")
+    ] = "smollm2-135m-instruct",
+    policy_url: Annotated[
+        str | None, typer.Option(help="OpenAI-compatible endpoint serving the policy.")
+    ] = None,
+    policy_model: Annotated[
+        str, typer.Option(help="Model name served at --policy-url.")
+    ] = "smollm2-135m-instruct",
+    tools_url: Annotated[
+        str | None, typer.Option(help="A running tool server (default: start one in-process).")
+    ] = None,
     max_turns: Annotated[int, typer.Option(help="Policy turns before giving up.")] = 6,
     trace: Annotated[Path | None, typer.Option(help="Write a self-contained HTML trace here.")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the episode as JSON instead of the live view.")] = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print the episode as JSON instead of the live view.")
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Answer a question with the policy and the frozen sub-agents, showing every call."""
@@ -104,8 +122,16 @@ def ask(
 
     _setup_logging(verbose) if verbose else logging.basicConfig(level=logging.WARNING)
     opts = assistant.AskOptions(
-        question=question, urls=tuple(url or ()), image=image, video=video, corpus=corpus, policy=policy,
-        policy_url=policy_url, policy_model=policy_model, tools_url=tools_url, max_turns=max_turns,
+        question=question,
+        urls=tuple(url or ()),
+        image=image,
+        video=video,
+        corpus=corpus,
+        policy=policy,
+        policy_url=policy_url,
+        policy_model=policy_model,
+        tools_url=tools_url,
+        max_turns=max_turns,
     )
     view = None if json_out else display.LiveView(question)
     try:
@@ -138,11 +164,19 @@ def trace_cmd(
 
 @app.command()
 def train(
-    config: Annotated[Path | None, typer.Argument(help="Training TOML config (default: the CPU defaults).")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Override one field: key=value (repeatable).")] = None,
-    resume: Annotated[Path | None, typer.Option(help="Continue this run directory from its newest checkpoint.")] = None,
+    config: Annotated[
+        Path | None, typer.Argument(help="Training TOML config (default: the CPU defaults).")
+    ] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override one field: key=value (repeatable).")
+    ] = None,
+    resume: Annotated[
+        Path | None, typer.Option(help="Continue this run directory from its newest checkpoint.")
+    ] = None,
     force: Annotated[bool, typer.Option(help="Resume even if batch/group/task settings changed.")] = False,
-    async_: Annotated[bool, typer.Option("--async", help="Overlap rollouts for step k+1 with training step k.")] = False,
+    async_: Annotated[
+        bool, typer.Option("--async", help="Overlap rollouts for step k+1 with training step k.")
+    ] = False,
 ) -> None:
     """Train the orchestrator policy with multi-turn RL against the frozen tool server."""
     from training.config import load_train_config
@@ -159,7 +193,9 @@ def train(
 
 @app.command()
 def sft(
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Override one SFT setting: key=value.")] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override one SFT setting: key=value.")
+    ] = None,
 ) -> None:
     """Fine-tune the policy on successful scripted-oracle episodes run through the real tool server."""
     from training.sft import load_sft_config, run_sft
@@ -170,10 +206,16 @@ def sft(
 
 @app.command("eval")
 def eval_cmd(
-    policy: Annotated[str, typer.Option(help="Built-in name, checkpoint or adapter dir.")] = "smollm2-135m-instruct",
-    task: Annotated[str, typer.Option(help="Task family: multihop_pages, plate_reading, video_qa.")] = "plate_reading",
+    policy: Annotated[
+        str, typer.Option(help="Built-in name, checkpoint or adapter dir.")
+    ] = "smollm2-135m-instruct",
+    task: Annotated[
+        str, typer.Option(help="Task family: multihop_pages, plate_reading, video_qa.")
+    ] = "plate_reading",
     split: Annotated[str, typer.Option(help="train, dev or test.")] = "dev",
-    n: Annotated[int, typer.Option(help="Number of task instances (the first n, same for every policy).")] = 100,
+    n: Annotated[
+        int, typer.Option(help="Number of task instances (the first n, same for every policy).")
+    ] = 100,
     out: Annotated[Path | None, typer.Option(help="Write the report here as JSON.")] = None,
 ) -> None:
     """Evaluate a policy with greedy decoding on fixed task instances; prints a table, writes JSON."""

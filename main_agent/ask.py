@@ -63,6 +63,8 @@ class AskOptions:
     """Policy turns before giving up."""
     temperature: float = 0.0
     """0 decodes greedily: the assistant answers the same way each time."""
+    require_call: bool = True
+    """Open the first turn with a tool call (see FIRST_TURN_PREFIX)."""
 
 
 def validate(opts: AskOptions) -> AskOptions:
@@ -164,7 +166,10 @@ async def ask(opts: AskOptions, *, on_turn: ProgressHook | None = None) -> Episo
             schemas = await tools.tools()
             task = RolloutTask("ask", opts.question, schemas, context=attachments(opts))
             cfg = RolloutConfig(
-                max_turns=opts.max_turns, max_new_tokens=96, first_turn_prefix=FIRST_TURN_PREFIX
+                max_turns=opts.max_turns,
+                max_new_tokens=96,  # a call or a short answer; keeps each turn a few seconds on CPU
+                first_turn_prefix=FIRST_TURN_PREFIX if opts.require_call else "",
+                untagged_is_answer=True,
             )
             return await rollout(task, policy, tools, tokenizer, cfg, on_turn=on_turn)
     finally:

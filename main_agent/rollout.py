@@ -41,6 +41,9 @@ class RolloutConfig:
     """Each tool result is cut to this many tokens with a visible marker."""
     wall_clock_s: float = 900.0
     """Whole-episode budget: a 135M policy on CPU plus sub-agent calls of 10-20 s each."""
+    untagged_is_answer: bool = False
+    """Take a turn with no call and no tag as the final answer, as OpenAI-style chat agents do (a message
+    without tool calls ends the run). Off while training: the answer tag is part of what is learned."""
     first_turn_prefix: str = ""
     """Text that opens the first assistant turn, e.g. '<tool_call>{"name": "' to require a call first (the
     analogue of tool_choice="required"). Its ids join the prompt (never trained on); it is parsed with the
@@ -135,6 +138,8 @@ async def play_turn(
     t2 = time.monotonic()
     answer = parsed.answer if not calls else None
     errors = list(parsed.errors) + _dropped_note(len(parsed.calls) - len(calls))
+    if cfg.untagged_is_answer and not calls and answer is None and [e.kind for e in errors] == ["no_action"]:
+        answer, errors = sample.text.strip(), []
     text = "" if answer is not None else render_observation(results, parse_errors=errors)
     obs_ids = (
         []

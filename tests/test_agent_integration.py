@@ -39,7 +39,9 @@ async def test_real_episode_over_a_real_page(smollm2_path, shared_data):
     policy = RecordingPolicy(model, tokenizer, cfg=SamplingConfig(temperature=0.0))
     policy.prompts = []
     base = ServerConfig()
-    server_cfg = dataclasses.replace(base, fetch=dataclasses.replace(base.fetch, allow_private_cidrs=("127.0.0.0/8",)))
+    server_cfg = dataclasses.replace(
+        base, fetch=dataclasses.replace(base.fetch, allow_private_cidrs=("127.0.0.0/8",))
+    )
     with page_server(html) as pages, serving(create_app(server_cfg)) as tools_url:
         url = f"{pages}/nytimes-1.html"
         # Test the machinery, not the model: the prefix names the tool and page; the model writes the rest.

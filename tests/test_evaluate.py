@@ -30,7 +30,11 @@ def reply(history: str, turn: int) -> str:
 async def handler(name: str, arguments: dict[str, object]) -> dict[str, object]:
     if name == "page_qa":
         error = {"kind": "fetch_failed", "message": "the page did not load", "retryable": True}
-        return {**ok_result("error (fetch_failed): the page did not load", tokens_read=0), "ok": False, "error": error}
+        return {
+            **ok_result("error (fetch_failed): the page did not load", tokens_read=0),
+            "ok": False,
+            "error": error,
+        }
     return ok_result("Paris is the capital of France.", tokens_read=120)
 
 
@@ -38,7 +42,12 @@ async def run_eval(tasks: list[Task]) -> tuple:
     policy = ScriptedPolicy(reply, ByteChatTokenizer())
     async with ToolClient("http://tools", transport=fake_tool_server(handler), deadline_s=5.0) as tools:
         return await evaluate_policy(
-            policy, policy.tokenizer, tasks, tools=tools, cfg=EvalConfig(max_concurrent_episodes=2), label="scripted"
+            policy,
+            policy.tokenizer,
+            tasks,
+            tools=tools,
+            cfg=EvalConfig(max_concurrent_episodes=2),
+            label="scripted",
         )
 
 
@@ -71,8 +80,12 @@ def episode(task_id: str, *, stop_reason: str, answer: str | None) -> Episode:
 def test_infrastructure_failures_are_counted_but_not_scored():
     """An episode the tool server failed is excluded from success and reward instead of scoring 0."""
     failed = episode("t-hamlet", stop_reason="infra_failed", answer=None)
-    report = summarise([FRANCE, HAMLET], [episode("t-france", stop_reason="answer", answer="Paris"), failed],
-                       policy="p", wall_s=1.0)
+    report = summarise(
+        [FRANCE, HAMLET],
+        [episode("t-france", stop_reason="answer", answer="Paris"), failed],
+        policy="p",
+        wall_s=1.0,
+    )
     assert (report.n, report.n_infra_failed, report.success_rate, report.mean_reward) == (2, 1, 1.0, 1.0)
     assert report.stop_reasons == {"answer": 1, "infra_failed": 1}
     assert math.isnan(report.format_validity) and math.isnan(report.tool_error_rate)  # no turns, no calls

@@ -8,7 +8,13 @@ import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from main_agent.policy import OpenAIPolicy, PolicyError, SamplingConfig, TransformersPolicy, load_model_and_tokenizer
+from main_agent.policy import (
+    OpenAIPolicy,
+    PolicyError,
+    SamplingConfig,
+    TransformersPolicy,
+    load_model_and_tokenizer,
+)
 from tests.fake_openai_server import serve, unused_port
 from tests.fakes import ByteChatTokenizer
 
@@ -51,7 +57,9 @@ def smollm2(smollm2_path):
 
 def prompt_ids(tokenizer, question: str) -> list[int]:
     messages = [{"role": "user", "content": question}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
 
 
 @pytest.mark.slow
@@ -77,7 +85,9 @@ async def test_concurrent_samples_share_one_generate(smollm2):
     model, tokenizer = smollm2
     policy = TransformersPolicy(model, tokenizer, cfg=SamplingConfig(temperature=0.0))
     prompts = [prompt_ids(tokenizer, q) for q in ("Say hi.", "Count to three.", "What is 2+2?")]
-    samples = await asyncio.gather(*(policy.sample(p, max_new_tokens=n) for p, n in zip(prompts, (4, 16, 16))))
+    samples = await asyncio.gather(
+        *(policy.sample(p, max_new_tokens=n) for p, n in zip(prompts, (4, 16, 16), strict=False))
+    )
     await policy.aclose()
     assert policy._batcher.batch_sizes == [3]
     assert len(samples[0].ids) <= 4

@@ -23,7 +23,10 @@ def two_calls_then_answer(history: str, turn: int) -> str:
     return "<answer>Ada</answer>"
 
 
-async def play(reply, transport=None, cfg=RolloutConfig(), task=TASK) -> tuple[Episode, ScriptedPolicy]:
+DEFAULT_CFG = RolloutConfig()
+
+
+async def play(reply, transport=None, cfg=DEFAULT_CFG, task=TASK) -> tuple[Episode, ScriptedPolicy]:
     policy = ScriptedPolicy(reply)
     async with client(transport or fake_tool_server()) as tools:
         episode = await rollout(task, policy, tools, policy.tokenizer, cfg)
@@ -58,8 +61,11 @@ async def test_token_stream_is_exactly_what_the_policy_saw():
 
 async def test_policy_mistakes_become_observations_and_the_episode_goes_on():
     """Bad JSON and an unknown tool are shown to the policy; the next turn still runs."""
-    replies = ["<tool_call>{'name': 'search', 'arguments': {'query': 1,}</tool_call>x", call_text("browse", url="x"),
-               "<answer>done</answer>"]
+    replies = [
+        "<tool_call>{'name': 'search', 'arguments': {'query': 1,}</tool_call>x",
+        call_text("browse", url="x"),
+        "<answer>done</answer>",
+    ]
     episode, policy = await play(lambda h, t: replies[t])
     assert episode.stop_reason == "answer" and len(episode.turns) == 3
     assert episode.turns[1].parse_errors[0].kind == "unknown_tool"
@@ -70,8 +76,11 @@ async def test_tool_errors_are_counted_and_shown():
     """A tool's structured error (ok=False) is an observation, not an infrastructure failure."""
 
     async def failing(name, arguments):
-        return {**ok_result("error (blocked_url): private address"), "ok": False,
-                "error": {"kind": "blocked_url", "message": "private address", "retryable": False}}
+        return {
+            **ok_result("error (blocked_url): private address"),
+            "ok": False,
+            "error": {"kind": "blocked_url", "message": "private address", "retryable": False},
+        }
 
     episode, _ = await play(two_calls_then_answer, fake_tool_server(failing))
     assert episode.stop_reason == "answer" and episode.tool_errors == 2
@@ -181,3 +190,15 @@ async def test_first_turn_prefix_joins_the_prompt_and_the_first_parse():
     assert policy.tokenizer.decode(episode.prompt_ids).endswith(prefix)
     assert [c.name for c in episode.turns[0].calls] == ["search"] and episode.answer == "y"
     assert episode_ids(episode) == policy.prompts[-1] + policy.samples[-1].ids
+
+
+async def test_untagged_text_ends_the_episode_only_when_asked():
+    """With untagged_is_answer, a turn of plain text is the answer; by default it is a format error."""
+
+    def prose(history: str, turn: int) -> str:
+        return call_text("search", query="x") if turn == 0 else "It is Ada."
+
+    strict, _ = await play(prose, cfg=RolloutConfig(max_turns=3))
+    assert strict.answer is None and strict.turns[1].parse_errors[0].kind == "no_action"
+    lenient, _ = await play(prose, cfg=RolloutConfig(max_turns=3, untagged_is_answer=True))
+    assert lenient.answer == "It is Ada." and lenient.stop_reason == "answer" and len(lenient.turns) == 2

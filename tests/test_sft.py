@@ -28,20 +28,36 @@ from training.tasks import Task, TaskMeta
 from training.train import rollout_task
 
 PAGES = "\n".join(
-    f"Page: {title} http://pages.test/hotpot-1/{i}.html" for i, title in enumerate(["Paris", "Berlin", "France"])
+    f"Page: {title} http://pages.test/hotpot-1/{i}.html"
+    for i, title in enumerate(["Paris", "Berlin", "France"])
 )
 MULTIHOP = Task(
-    "hotpot-1", "multihop_pages", "Which country is Paris the capital of?", ("page_qa",), "France", PAGES,
+    "hotpot-1",
+    "multihop_pages",
+    "Which country is Paris the capital of?",
+    ("page_qa",),
+    "France",
+    PAGES,
     TaskMeta(supporting_titles=("Paris", "France"), page_titles=("Paris", "Berlin", "France")),
 )
 PLATE = Task(
-    "plate-us-good", "plate_reading", task_data.PLATE_QUESTION, ("image_ops",), "7ABC123", "Image: /data/good.jpg",
+    "plate-us-good",
+    "plate_reading",
+    task_data.PLATE_QUESTION,
+    ("image_ops",),
+    "7ABC123",
+    "Image: /data/good.jpg",
     TaskMeta(image_path="/data/good.jpg", plate_box=(400, 300, 70, 30)),
 )
 BLURRY = dataclasses.replace(PLATE, task_id="plate-us-blurry", context="Image: /data/blurry.jpg")
 VIDEO = Task(
-    "grid-bbaf2n", "video_qa", task_data.SPEECH_QUESTION, ("video_summary",), "bin blue at f two now",
-    "Video: /data/grid/bbaf2n.mp4", TaskMeta(video_path="/data/grid/bbaf2n.mp4"),
+    "grid-bbaf2n",
+    "video_qa",
+    task_data.SPEECH_QUESTION,
+    ("video_summary",),
+    "bin blue at f two now",
+    "Video: /data/grid/bbaf2n.mp4",
+    TaskMeta(video_path="/data/grid/bbaf2n.mp4"),
 )
 # A byte tokenizer spends one token per character: budgets large enough for the oracle's longest turn.
 CFG = RolloutConfig(max_new_tokens=1024, max_context_tokens=16384)
@@ -51,7 +67,9 @@ SFT = SFTConfig(max_new_tokens=1024)
 async def tools_handler(name: str, arguments: dict[str, object]) -> dict[str, object]:
     """Observations shaped like the real sub-agents'. Images: good.jpg loads as img_a1, blurry.jpg as img_b1."""
     if name == "page_qa":
-        return ok_result(f'answer: France | quote: "Paris is the capital of France." | source: {arguments["url"]}')
+        return ok_result(
+            f'answer: France | quote: "Paris is the capital of France." | source: {arguments["url"]}'
+        )
     if name == "video_summary":
         return ok_result("The speaker says: bin blue at f two now [00:00.5]\n(video 3 s, 360x288, 8 frames)")
     op, image = arguments["op"], str(arguments["image"])
@@ -113,7 +131,10 @@ async def test_plate_oracle_loads_zooms_on_the_padded_box_reads_then_answers():
 async def test_video_oracle_summarises_with_the_question_then_answers():
     """One video_summary call on the context's video with the question, then the spoken sentence."""
     episode = await play(VIDEO)
-    assert calls(episode) == [[("video_summary", {"video": "/data/grid/bbaf2n.mp4", "question": VIDEO.question})], []]
+    assert calls(episode) == [
+        [("video_summary", {"video": "/data/grid/bbaf2n.mp4", "question": VIDEO.question})],
+        [],
+    ]
     assert_clean(episode, VIDEO)
 
 
@@ -163,8 +184,16 @@ def tiny_llama():
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=4096, bos_token_id=256, eos_token_id=257, pad_token_id=257,
+        vocab_size=258,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=257,
     )
     return LlamaForCausalLM(config)
 
@@ -220,14 +249,20 @@ async def test_oracle_reads_real_plates_through_the_real_tool_server(shared_data
     from training.evaluate import play_all, task_tool_client
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            resolve_model("smollm2-135m-instruct"), local_files_only=True
+        )
     except ModelNotFound as exc:
         pytest.skip(str(exc))
     plates = task_data.load_family("plate_reading", "train", data_dir=shared_data, limit=2)
     async with task_tool_client(plates, work_dir=tmp_path, data_dir=shared_data) as (client, ready):
         played = await play_all(
-            lambda task: OraclePolicy(task, tokenizer), tokenizer, ready, tools=client,
-            cfg=RolloutConfig(max_new_tokens=320), max_concurrent=2,
+            lambda task: OraclePolicy(task, tokenizer),
+            tokenizer,
+            ready,
+            tools=client,
+            cfg=RolloutConfig(max_new_tokens=320),
+            max_concurrent=2,
         )
     for episode in played:
         assert [len(t.calls) for t in episode.turns] == [1, 1, 1, 0]

@@ -64,7 +64,11 @@ class CallResult:
     @classmethod
     def from_json(cls, name: str, data: Mapping[str, object]) -> CallResult:
         err = data.get("error")
-        error = CallError(str(err["kind"]), str(err["message"]), bool(err.get("retryable"))) if isinstance(err, dict) else None
+        error = (
+            CallError(str(err["kind"]), str(err["message"]), bool(err.get("retryable")))
+            if isinstance(err, dict)
+            else None
+        )
         try:
             return cls(
                 name=name,
@@ -98,7 +102,11 @@ class ToolClient:
         # Pool limits follow the concurrency cap so queued calls wait on the semaphore, not inside httpx.
         limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
         self._http = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, limits=limits, transport=transport
+            base_url=base_url.rstrip("/"),
+            headers=headers,
+            timeout=timeout,
+            limits=limits,
+            transport=transport,
         )
         self._slots = asyncio.Semaphore(max_concurrency)
         self.deadline_s = deadline_s
@@ -120,7 +128,9 @@ class ToolClient:
     async def health(self) -> dict[str, object]:
         return (await self._request("GET", "/health", session=None, body=None)).json()
 
-    async def call(self, name: str, arguments: Mapping[str, object], *, session: str = "default") -> CallResult:
+    async def call(
+        self, name: str, arguments: Mapping[str, object], *, session: str = "default"
+    ) -> CallResult:
         """Run one tool. Tool-level errors come back as `CallResult(ok=False)`; infra failures raise."""
         async with self._slots:
             response = await self._request("POST", f"/v1/tools/{name}", session=session, body=dict(arguments))
@@ -140,19 +150,30 @@ class ToolClient:
             async with asyncio.timeout(self.deadline_s):
                 return await self._with_retries(method, path, headers=headers, body=body)
         except TimeoutError as exc:
-            raise ToolServerError(f"{method} {path}: no answer within the {self.deadline_s:.0f} s deadline") from exc
+            raise ToolServerError(
+                f"{method} {path}: no answer within the {self.deadline_s:.0f} s deadline"
+            ) from exc
 
-    async def _with_retries(self, method: str, path: str, *, headers: dict[str, str], body: object) -> httpx.Response:
+    async def _with_retries(
+        self, method: str, path: str, *, headers: dict[str, str], body: object
+    ) -> httpx.Response:
         for attempt in range(MAX_RETRIES + 1):
             last = attempt == MAX_RETRIES
             try:
                 response = await self._http.request(method, path, headers=headers, json=body)
-            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            except (
+                httpx.ConnectError,
+                httpx.RemoteProtocolError,
+                httpx.ConnectTimeout,
+                httpx.PoolTimeout,
+            ) as exc:
                 if last:
                     raise ToolServerError(f"{method} {path}: tool server unreachable: {exc!r}") from exc
                 await asyncio.sleep(_backoff(attempt))
                 continue
-            except httpx.TimeoutException as exc:  # a read/write timeout: the call may have run; do not repeat it
+            except (
+                httpx.TimeoutException
+            ) as exc:  # a read/write timeout: the call may have run; do not repeat it
                 raise ToolServerError(f"{method} {path}: timed out: {exc!r}") from exc
             if response.status_code < 400 or response.status_code == 404:
                 return response
@@ -175,4 +196,6 @@ def _retry_delay(response: httpx.Response, attempt: int) -> float:
 
 def _unknown_tool(name: str) -> CallResult:
     error = CallError("invalid_args", f"unknown tool {name!r}", False)
-    return CallResult(name, False, f"error (invalid_args): unknown tool {name!r}", error, 0.0, 0, 0, False, {})
+    return CallResult(
+        name, False, f"error (invalid_args): unknown tool {name!r}", error, 0.0, 0, 0, False, {}
+    )

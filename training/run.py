@@ -153,7 +153,8 @@ async def tool_session(
             task_data.write_pages(tasks, pages, data_dir=cfg.data_dir)
             server = stack.enter_context(task_data.PageServer(pages))
             tasks = [
-                task_data.with_base_url(t, server.base_url) if t.family == "multihop_pages" else t for t in tasks
+                task_data.with_base_url(t, server.base_url) if t.family == "multihop_pages" else t
+                for t in tasks
             ]
         if any(t.meta.subtitle for t in tasks):
             tasks = task_data.prepare_videos(tasks, cfg.run_dir / "videos")
