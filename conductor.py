@@ -108,6 +108,12 @@ def ask(
         str | None, typer.Option(help="A running tool server (default: start one in-process).")
     ] = None,
     max_turns: Annotated[int, typer.Option(help="Policy turns before giving up.")] = 6,
+    tool: Annotated[
+        list[str] | None, typer.Option("--tool", help="Offer only this sub-agent (repeatable).")
+    ] = None,
+    require_call: Annotated[
+        bool, typer.Option(help="Open the first turn with a tool call (for untrained policies).")
+    ] = True,
     trace: Annotated[Path | None, typer.Option(help="Write a self-contained HTML trace here.")] = None,
     json_out: Annotated[
         bool, typer.Option("--json", help="Print the episode as JSON instead of the live view.")
@@ -132,6 +138,8 @@ def ask(
         policy_model=policy_model,
         tools_url=tools_url,
         max_turns=max_turns,
+        tools=tuple(tool or ()),
+        require_call=require_call,
     )
     view = None if json_out else display.LiveView(question)
     try:

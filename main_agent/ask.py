@@ -64,7 +64,10 @@ class AskOptions:
     temperature: float = 0.0
     """0 decodes greedily: the assistant answers the same way each time."""
     require_call: bool = True
-    """Open the first turn with a tool call (see FIRST_TURN_PREFIX)."""
+    """Open the first turn with a tool call (see FIRST_TURN_PREFIX); off for policies trained on the format,
+    which write the whole call themselves (a forced prefix can split tokens they would have merged)."""
+    tools: tuple[str, ...] = ()
+    """Offer only these sub-agents (e.g. the ones a policy was trained with); empty: all of them."""
 
 
 def validate(opts: AskOptions) -> AskOptions:
@@ -163,7 +166,7 @@ async def ask(opts: AskOptions, *, on_turn: ProgressHook | None = None) -> Episo
     policy, tokenizer = load_policy(opts)
     try:
         async with tool_client(opts) as tools:
-            schemas = await tools.tools()
+            schemas = offered(await tools.tools(), opts.tools)
             task = RolloutTask("ask", opts.question, schemas, context=attachments(opts))
             cfg = RolloutConfig(
                 max_turns=opts.max_turns,
@@ -174,6 +177,17 @@ async def ask(opts: AskOptions, *, on_turn: ProgressHook | None = None) -> Episo
             return await rollout(task, policy, tools, tokenizer, cfg, on_turn=on_turn)
     finally:
         await policy.aclose()
+
+
+def offered(schemas: list[dict[str, object]], names: tuple[str, ...]) -> list[dict[str, object]]:
+    """The schemas of the tools named (all when none are); an unknown name is an AskError."""
+    if not names:
+        return schemas
+    known = {str(s["function"]["name"]): s for s in schemas}  # type: ignore[index]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise AskError(f"--tool {', '.join(unknown)}: the tool server offers {', '.join(sorted(known))}")
+    return [known[name] for name in names]
 
 
 def sources(episode: Episode) -> list[str]:
