@@ -121,13 +121,13 @@ def ask(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Answer a question with the policy and the frozen sub-agents, showing every call."""
-    import asyncio
+    from main_agent.ask import AskOptions
 
-    from main_agent import ask as assistant
-    from main_agent import display
-
-    _setup_logging(verbose) if verbose else logging.basicConfig(level=logging.WARNING)
-    opts = assistant.AskOptions(
+    if verbose:
+        _setup_logging(verbose)
+    else:
+        logging.basicConfig(level=logging.WARNING)
+    opts = AskOptions(
         question=question,
         urls=tuple(url or ()),
         image=image,
@@ -141,10 +141,22 @@ def ask(
         tools=tuple(tool or ()),
         require_call=require_call,
     )
-    view = None if json_out else display.LiveView(question)
+    _run_ask(opts, json_out=json_out, trace=trace)
+
+
+def _run_ask(opts, *, json_out: bool, trace: Path | None) -> None:
+    """One episode with the live view (or JSON), then the optional HTML trace; user errors exit with 2."""
+    import asyncio
+
+    from main_agent import ask as assistant
+    from main_agent import display
+
+    view = None if json_out else display.LiveView(opts.question)
     try:
         episode = asyncio.run(assistant.ask(opts, on_turn=view.turn if view else None))
     except assistant.AskError as exc:
+        if view:
+            view.close()
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     if view:

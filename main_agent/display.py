@@ -39,6 +39,10 @@ class LiveView:
             self.console.print(Text(f"  {_clip(turn.completion_text, RESULT_CHARS)}", style="dim"))
         self._status.start()
 
+    def close(self) -> None:
+        """Stop the spinner (the episode ended early, e.g. on a user error)."""
+        self._status.stop()
+
     def final(self, episode: Episode, sources: list[str]) -> None:
         self._status.stop()
         answer = episode.answer if episode.answer is not None else f"(no answer: {episode.stop_reason})"
