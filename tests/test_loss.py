@@ -184,3 +184,22 @@ def test_token_logprobs_has_gradient() -> None:
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and all_finite(g) for g in grads)
     assert sum(float(g.abs().sum()) for g in grads if g is not None) > 0
+
+
+def test_masked_token_logprobs_equal_the_full_ones_where_trained() -> None:
+    """With a loss mask, the output head runs only where needed: the trained positions get exactly the full
+    computation's log-probs (padding and untrained positions that no row trains get 0) and gradients flow."""
+    model = tiny_llama()
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(3))
+    attention = torch.ones(2, 9, dtype=torch.long)
+    attention[1, 7:] = 0
+    mask = torch.zeros(2, 9)
+    mask[0, 3:5] = 1  # a completion in the middle (an observation follows it)
+    mask[1, 6] = 1
+    full = token_logprobs(model, ids, attention)
+    sparse = token_logprobs(model, ids, attention, loss_mask=mask)
+    trained = mask.bool()
+    torch.testing.assert_close(sparse[trained], full[trained], atol=1e-5, rtol=1e-5)
+    assert bool((sparse[:, :3] == 0).all()) and bool((sparse[:, 7:] == 0).all())
+    (sparse * mask).sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

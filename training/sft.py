@@ -215,7 +215,9 @@ async def generate_expert_episodes(
 
 def masked_nll(model: nn.Module, batch) -> torch.Tensor:
     """Mean negative log-likelihood of the tokens with loss mask 1 (the expert's completions): a scalar."""
-    logprobs = token_logprobs(model, batch.input_ids, batch.attention_mask)  # [B, T]
+    logprobs = token_logprobs(
+        model, batch.input_ids, batch.attention_mask, loss_mask=batch.loss_mask
+    )  # [B, T]
     mask = batch.loss_mask  # [B, T], 0 on prompt, observations and padding
     return -(logprobs * mask).sum() / mask.sum().clamp(min=1.0)
 

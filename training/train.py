@@ -222,11 +222,13 @@ def micro_batch_loss(
     model: nn.Module, batch: Batch, cfg: TrainConfig, *, n_tokens: int, ref_model: nn.Module | None
 ) -> LossOutput:
     """The loss of one micro-batch ([B, T] tensors) as its share of the step's token mean (`n_tokens`)."""
-    logprobs = token_logprobs(model, batch.input_ids, batch.attention_mask)  # [B, T]
+    logprobs = token_logprobs(
+        model, batch.input_ids, batch.attention_mask, loss_mask=batch.loss_mask
+    )  # [B, T]
     ref = None
     if ref_model is not None and cfg.kl_coef > 0:
         with torch.no_grad():
-            ref = token_logprobs(ref_model, batch.input_ids, batch.attention_mask)  # [B, T]
+            ref = token_logprobs(ref_model, batch.input_ids, batch.attention_mask, loss_mask=batch.loss_mask)
     return policy_loss(
         logprobs,
         batch.old_logprobs,
