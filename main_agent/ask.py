@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -171,12 +172,31 @@ async def ask(opts: AskOptions, *, on_turn: ProgressHook | None = None) -> Episo
             cfg = RolloutConfig(
                 max_turns=opts.max_turns,
                 max_new_tokens=96,  # a call or a short answer; keeps each turn a few seconds on CPU
-                first_turn_prefix=FIRST_TURN_PREFIX if opts.require_call else "",
+                first_turn_prefix=first_turn_prefix(opts, [str(t["function"]["name"]) for t in schemas]),
                 untagged_is_answer=True,
             )
             return await rollout(task, policy, tools, tokenizer, cfg, on_turn=on_turn)
     finally:
         await policy.aclose()
+
+
+def first_turn_prefix(opts: AskOptions, tools: list[str]) -> str:
+    """How the first turn opens when a call is required: on what the user attached, if anything.
+
+    An attached page, image or video is opened first (the policy writes the rest of the call: the question, or
+    nothing for a load); otherwise any call may follow. JSON-escaped, so any path or URL stays valid JSON.
+    """
+    if not opts.require_call:
+        return ""
+    opening = [  # (tool, argument, attachment, what follows it)
+        ("page_qa", "url", opts.urls[0] if opts.urls else None, '", "question": "'),
+        ("image_ops", "image", str(opts.image) if opts.image else None, '", "op": "load'),
+        ("video_summary", "video", str(opts.video) if opts.video else None, '", "question": "'),
+    ]
+    for tool, key, target, rest in opening:
+        if target is not None and tool in tools:
+            return f'{FIRST_TURN_PREFIX}{tool}", "arguments": {{"{key}": {json.dumps(target)[:-1]}{rest}'
+    return FIRST_TURN_PREFIX
 
 
 def offered(schemas: list[dict[str, object]], names: tuple[str, ...]) -> list[dict[str, object]]:
