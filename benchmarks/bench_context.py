@@ -398,11 +398,23 @@ def parse_args(argv: Sequence[str]) -> tuple[BenchConfig, Path]:
         "--policy", default=BenchConfig.policy, help="built-in name, checkpoint or adapter dir"
     )
     parser.add_argument("--no-prefix", action="store_true", help="no page_qa call prefix (trained policies)")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=BenchConfig.max_new_tokens,
+        help="tokens per turn (2 calls ~185)",
+    )
     args = parser.parse_args(argv)
     if args.n < 1 or args.max_turns < 1:
         parser.error("--n and --max-turns must be at least 1")
     prefix = "" if args.no_prefix else BenchConfig.first_turn_prefix
-    cfg = BenchConfig(n=args.n, max_turns=args.max_turns, policy=args.policy, first_turn_prefix=prefix)
+    cfg = BenchConfig(
+        n=args.n,
+        max_turns=args.max_turns,
+        policy=args.policy,
+        first_turn_prefix=prefix,
+        max_new_tokens=args.max_new_tokens,
+    )
     return cfg, args.out
 
 
