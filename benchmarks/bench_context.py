@@ -1,32 +1,19 @@
 """Main-context size with and without page_qa: delegating page reading vs the raw pages in the prompt.
 
-    python benchmarks/bench_context.py [--n 50] [--out benchmarks/results/bench_context.json] [--max-turns 4]
-                                       [--policy smollm2-135m-instruct | CHECKPOINT_DIR]
+    python benchmarks/bench_context.py [--n 50] [--max-turns 4] [--policy NAME_OR_DIR] [--no-prefix]
+                                       [--max-new-tokens 96] [--out benchmarks/results/bench_context.json]
 
-On the first `n` HotpotQA dev questions (`load_family("multihop_pages", "dev")`, fixed order), one process plays
-two modes with one greedy policy (SmolLM2-135M-Instruct, temperature 0):
+On the first `n` HotpotQA dev questions, one greedy policy plays two modes, one after the other, sharing one
+micro-batched `TransformersPolicy`:
+- delegated: a rollout with tools set up exactly as training does (`task_tool_client`: pages over loopback, an
+  in-process tool server); the policy sees one "Page: <title> <url>" line per paragraph and must call page_qa.
+  Main-context tokens are the episode's `context_tokens`. The untrained policy writes no call by itself, so by
+  default its first turn opens with a page_qa call (`--no-prefix` for a warm-started policy).
+- in_context: no tools, one generation over the 10 raw paragraphs (the texts the pages serve), built through
+  the chat template directly (`render_prompt` needs a tool). Main-context tokens are prompt + completion.
 
-- delegated: a normal rollout (`training.evaluate.play_all`, tools set up by `task_tool_client` exactly as
-  training does: pages served over loopback, an in-process tool server allowed to fetch them). The policy sees
-  the question and one "Page: <title> <url>" line per paragraph and must call page_qa. Main-context tokens are
-  the episode's `context_tokens` (prompt, completions, observations).
-- in_context: no tools, one generation. The prompt holds the question's 10 paragraphs (the same texts the
-  pages serve) and asks for `<answer>...</answer>`. `render_prompt` needs at least one tool, so the messages
-  (a system line with the same answer instruction as the tool prompt, then the pages and the question) go
-  through the tokenizer's chat template directly. Main-context tokens are prompt + completion.
-
-The modes run one after the other, each with up to `max_concurrent` questions in flight; both share one
-`TransformersPolicy`, so concurrent generations are micro-batched, and each mode's wall time is its own (the
-tool server, with page_qa's model, is started before the delegated clock starts).
-
-Scoring: the parsed answer, or "" when there is none (no `<answer>` tag, a budget ran out, or an
-infrastructure failure, counted separately), by `exact_match` and `token_f1` (SQuAD normalisation). A 135M
-model is often wrong; the point is the context size and an honest accuracy number next to it.
-
-Measured limit of the untuned base model (first 4 dev questions): SmolLM2-135M-Instruct answers in plain prose
-and writes no `<tool_call>` or `<answer>` tag, so the delegated mode reads no page (4 turns of format errors) and
-both answer rates are 0. Each question's `last_completion` in the JSON shows what it wrote instead. For a delegated
-mode that delegates, pass `--policy` a checkpoint warm-started by training/sft.py on multihop_pages.
+Scoring: the `<answer>` text, or "" (exact match, token F1), plus F1 counting untagged final text, because a
+small model often answers without the tag. The point is the context size with an honest accuracy beside it.
 """
 
 from __future__ import annotations
