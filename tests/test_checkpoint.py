@@ -263,3 +263,32 @@ def test_sigkill_during_save_leaves_a_complete_checkpoint(tmp_path: Path) -> Non
         latest, model=model, optimizer=torch.optim.AdamW(model.parameters()), scheduler=None
     )
     assert state.step == int(latest.name.removeprefix("step_"))
+
+
+def test_checkpoint_model_folder_loads_on_its_own(tmp_path: Path) -> None:
+    """With the tokenizer saved beside the weights, `step_N/model` is a complete policy for eval and ask."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    from main_agent.policy import load_model_and_tokenizer
+
+    words = Tokenizer(WordLevel({"<unk>": 0, "plate": 1}, unk_token="<unk>"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>")
+    model, optimizer, scheduler = trainer(seed=0)
+    state = TrainState(step=1, policy_version=1, epoch=0, position=0, seed=0, episodes=0)
+    path = save_checkpoint(
+        tmp_path,
+        1,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        state=state,
+        config_json=CONFIG,
+        keep_last=1,
+        tokenizer=tokenizer,
+    )
+    validate_checkpoint(path)
+    loaded, loaded_tokenizer = load_model_and_tokenizer(path / "model")
+    assert loaded_tokenizer("plate")["input_ids"] == [1]
+    assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight)

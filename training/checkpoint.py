@@ -46,6 +46,7 @@ from torch.optim.lr_scheduler import LRScheduler as Scheduler
 if TYPE_CHECKING:  # annotations only: peft is imported lazily where it is needed
     from peft import PeftModel
     from transformers import PreTrainedModel
+    from transformers import PreTrainedTokenizerBase as Tokenizer
 
     Model = PreTrainedModel | PeftModel
 
@@ -95,11 +96,13 @@ def save_checkpoint(
     state: TrainState,
     config_json: str,
     keep_last: int,
+    tokenizer: Tokenizer | None = None,
     before_phase: Callable[[str], None] | None = None,
 ) -> Path:
     """Write checkpoint `step_N` atomically, point `latest` at it, keep the newest `keep_last`; return its path.
 
-    `model` is a transformers or peft model (anything with `save_pretrained`). `before_phase`, a test seam, is
+    `model` is a transformers or peft model (anything with `save_pretrained`); `tokenizer`, when given, is saved
+    beside it so that `model/` loads on its own (`conductor eval --policy run/step_N/model`). `before_phase`, a test seam, is
     called with "weights", "optimizer", "rng", "state", "manifest", "rename" and "latest" before each phase.
     """
     if keep_last < 1:
@@ -111,6 +114,8 @@ def save_checkpoint(
     config_hash = hashlib.sha256(config_json.encode()).hexdigest()
     announce("weights")
     model.save_pretrained(str(tmp / "model"))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp / "model"))
     announce("optimizer")
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     if scheduler is not None:

@@ -229,6 +229,7 @@ def finish_step(
             state=run.state,
             config_json=json.dumps(config_to_dict(cfg), sort_keys=True),
             keep_last=cfg.keep_last,
+            tokenizer=run.tokenizer,
         )
 
 
