@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from main_agent.parse import CALL_CLOSE, CALL_OPEN
 from main_agent.policy import (
     OpenAIPolicy,
     Policy,
@@ -31,7 +32,8 @@ from tool_server.client import ToolClient, ToolServerError
 logger = logging.getLogger(__name__)
 
 # The assistant must start with a tool call (OpenAI's tool_choice="required"): the untrained 135M policy
-# otherwise answers from memory in prose. Later turns are free to answer.
+# otherwise answers from memory in prose. Later turns are free to answer. `first_turn_prefix` writes the whole
+# opening call when it knows what to open; this bare opening is the fallback.
 FIRST_TURN_PREFIX = '<tool_call>{"name": "'
 EXAMPLE_CORPUS = Path(__file__).resolve().parent.parent / "examples" / "corpus"
 
@@ -181,21 +183,27 @@ async def ask(opts: AskOptions, *, on_turn: ProgressHook | None = None) -> Episo
 
 
 def first_turn_prefix(opts: AskOptions, tools: list[str]) -> str:
-    """How the first turn opens when a call is required: on what the user attached, if anything.
+    """How the first turn opens when a call is required: the opening call, written out in full.
 
-    An attached page, image or video is opened first (the policy writes the rest of the call: the question, or
-    nothing for a load); otherwise any call may follow. JSON-escaped, so any path or URL stays valid JSON.
+    The user's question goes to what they attached (page_qa on the page, video_summary on the video; an image is
+    loaded), else to search over the corpus; the policy takes over from the observation. An untrained 135M
+    policy asked to complete such a call writes its own question and breaks the JSON (`"question": "Q?": "..."`),
+    so the call is not left to it. With no attachment and no search tool, only `<tool_call>{"name": "` is written
+    and the policy picks the tool. Whatever the policy writes after the closing tag in that turn is ignored by
+    the parser unless it is another call.
     """
     if not opts.require_call:
         return ""
-    opening = [  # (tool, argument, attachment, what follows it)
-        ("page_qa", "url", opts.urls[0] if opts.urls else None, '", "question": "'),
-        ("image_ops", "image", str(opts.image) if opts.image else None, '", "op": "load'),
-        ("video_summary", "video", str(opts.video) if opts.video else None, '", "question": "'),
+    opening = [  # (tool, arguments); the first whose target exists and whose tool is offered
+        ("page_qa", {"url": opts.urls[0], "question": opts.question} if opts.urls else None),
+        ("image_ops", {"op": "load", "image": str(opts.image)} if opts.image else None),
+        ("video_summary", {"video": str(opts.video), "question": opts.question} if opts.video else None),
+        ("search", {"query": opts.question}),
     ]
-    for tool, key, target, rest in opening:
-        if target is not None and tool in tools:
-            return f'{FIRST_TURN_PREFIX}{tool}", "arguments": {{"{key}": {json.dumps(target)[:-1]}{rest}'
+    for tool, arguments in opening:
+        if arguments is not None and tool in tools:
+            call = json.dumps({"name": tool, "arguments": arguments}, ensure_ascii=False)
+            return f"{CALL_OPEN}{call}{CALL_CLOSE}"
     return FIRST_TURN_PREFIX
 
 
@@ -225,5 +233,9 @@ def sources(episode: Episode) -> list[str]:
             elif result.name == "video_summary":
                 found.append(
                     f"video at {', '.join(str(t) for t in payload.get('timestamps') or []) or 'whole clip'}"
+                )
+            elif result.name == "search":
+                found.extend(
+                    f"{hit.get('title') or 'page'} <{hit.get('url')}>" for hit in payload.get("hits", [])
                 )
     return list(dict.fromkeys(found))

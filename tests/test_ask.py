@@ -14,27 +14,39 @@ from tests.fakes import TOOLS
 NAMES = [str(t["function"]["name"]) for t in TOOLS]  # type: ignore[index]
 
 
-def test_an_attached_page_is_opened_first_and_the_policy_writes_the_question():
-    """With --url, the required first call is page_qa on that URL; completing it yields a valid call."""
-    opts = AskOptions("Who?", urls=('file:///a "quoted" b.html',))
+def test_an_attached_page_is_asked_the_users_question_first():
+    """With --url, the opening call is page_qa on that URL with the user's question, complete and valid JSON
+    whatever the URL or question contains; what the policy writes after it is ignored."""
+    opts = AskOptions('Who wrote "it"?', urls=('file:///a "quoted" b.html',))
     prefix = first_turn_prefix(opts, NAMES)
-    parsed = parse_completion(prefix + 'Who wrote it?"}}</tool_call>', tool_names=NAMES)
+    parsed = parse_completion(prefix + " I will wait for the page.", tool_names=NAMES)
+    assert parsed.errors == [] and len(parsed.calls) == 1
     assert parsed.calls[0].name == "page_qa"
-    assert parsed.calls[0].arguments == {"url": 'file:///a "quoted" b.html', "question": "Who wrote it?"}
+    assert parsed.calls[0].arguments == {"url": 'file:///a "quoted" b.html', "question": 'Who wrote "it"?'}
 
 
-def test_an_attached_image_is_loaded_first():
-    """With --image, the first call loads it; the policy only has to close the call."""
-    prefix = first_turn_prefix(AskOptions("Plate?", image=Path("/x/car.jpg")), NAMES)
-    call = parse_completion(prefix + '"}}</tool_call>', tool_names=NAMES).calls[0]
-    assert call.arguments == {"image": "/x/car.jpg", "op": "load"}
+def test_an_attached_image_is_loaded_and_a_video_asked_first():
+    """With --image the opening call loads it; with --video it asks video_summary the question."""
+    image = parse_completion(
+        first_turn_prefix(AskOptions("Plate?", image=Path("/x/car.jpg")), NAMES), tool_names=NAMES
+    )
+    assert image.calls[0].arguments == {"op": "load", "image": "/x/car.jpg"}
+    video = parse_completion(
+        first_turn_prefix(AskOptions("What?", video=Path("/v.mp4")), NAMES), tool_names=NAMES
+    )
+    assert (video.calls[0].name, video.calls[0].arguments) == (
+        "video_summary",
+        {"video": "/v.mp4", "question": "What?"},
+    )
 
 
-def test_no_attachment_leaves_the_tool_choice_to_the_policy_and_trained_policies_get_no_prefix():
-    """Without attachments any call may follow; --no-require-call opens nothing."""
-    assert first_turn_prefix(AskOptions("Q"), NAMES) == '<tool_call>{"name": "'
+def test_without_attachments_the_corpus_is_searched_and_trained_policies_get_no_prefix():
+    """No attachment: search with the question; no search tool either: only the bare opening, the policy picks
+    the tool; --no-require-call opens nothing."""
+    search = parse_completion(first_turn_prefix(AskOptions("Q?"), NAMES), tool_names=NAMES)
+    assert (search.calls[0].name, search.calls[0].arguments) == ("search", {"query": "Q?"})
     assert first_turn_prefix(AskOptions("Q", urls=("http://a",), require_call=False), NAMES) == ""
-    assert first_turn_prefix(AskOptions("Q", urls=("http://a",)), ["search"]) == '<tool_call>{"name": "'
+    assert first_turn_prefix(AskOptions("Q", urls=("http://a",)), ["image_ops"]) == '<tool_call>{"name": "'
 
 
 def test_tool_subset_and_unknown_tools():
