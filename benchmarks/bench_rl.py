@@ -115,6 +115,29 @@ def rl_summary(run_dir: Path) -> dict:
     }
 
 
+def plot_rewards(family: Family, rl_dirs: dict[str, Path], out: Path) -> Path:
+    """Training reward per step of both credit modes in one PNG (sampled episodes, so noisy: 8 per step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for credit, run_dir in rl_dirs.items():
+        rows = read_metrics(run_dir / "metrics.jsonl")
+        ax.plot(
+            [r["step"] for r in rows], [r["reward/final"] for r in rows], marker=".", label=f"credit={credit}"
+        )
+    ax.set(title=f"{family.name}: final reward of the training episodes", xlabel="step", ylabel="reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
 def bench_family(family: Family, n: int, runs: Path, steps: int | None) -> dict:
     """Every stage for one family; the evaluation reports keyed by policy name."""
     sft_model, sft_seconds = run_sft(family, runs)
@@ -128,6 +151,7 @@ def bench_family(family: Family, n: int, runs: Path, steps: int | None) -> dict:
         "n": n,
         "sft_wall_s": sft_seconds,
         "rl": {credit: rl_summary(run_dir) for credit, run_dir in rl_dirs.items()},
+        "reward_plot": str(plot_rewards(family, rl_dirs, runs / f"bench_rl-{family.short}-reward.png")),
         "policies": policies,
         "eval": evals,
     }
@@ -149,6 +173,7 @@ def table(result: dict) -> str:
             f"rl-{credit}: {rl['steps']} steps in {rl['wall_s'] / 60:.1f} min, "
             f"train reward {rl['reward_first']} -> {rl['reward_last']}"
         )
+    lines.append(f"reward curves: {result['reward_plot']}")
     return "\n".join(lines)
 
 
