@@ -1,6 +1,6 @@
 """Base vs SFT vs RL (outcome and turn credit) on a dev split: the whole training chain, unattended.
 
-    python benchmarks/bench_rl.py --families plate_reading multihop_pages --n 16
+    python benchmarks/bench_rl.py --families plate_reading multihop_pages --n 16   # -> results/bench_rl_plates_multihop.json
 
 For each task family, through the `conductor` CLI exactly as a user would run it:
 
@@ -8,6 +8,7 @@ For each task family, through the `conductor` CLI exactly as a user would run it
   2. `conductor train examples/train_<short>.toml`, credit=outcome and credit=turn -> runs/rl-<short>-<credit>/
   3. `conductor eval` of the base model, the SFT model and both RL models on the same first n dev tasks (greedy)
   4. `conductor plot` of both RL runs                               -> runs/rl-<short>-<credit>/plots/*.png
+     and both runs' training reward in one PNG                       -> results/bench_rl_<short>_reward.png
 
 A stage whose output already exists is skipped (an interrupted benchmark continues where it stopped; delete the
 folder to redo one). Then one table per family is printed and everything, with each stage's wall time, is written
@@ -138,7 +139,7 @@ def plot_rewards(family: Family, rl_dirs: dict[str, Path], out: Path) -> Path:
     return out
 
 
-def bench_family(family: Family, n: int, runs: Path, steps: int | None) -> dict:
+def bench_family(family: Family, n: int, runs: Path, steps: int | None, results: Path) -> dict:
     """Every stage for one family; the evaluation reports keyed by policy name."""
     sft_model, sft_seconds = run_sft(family, runs)
     rl_dirs = {credit: run_rl(family, credit, sft_model, runs, steps) for credit in CREDITS}
@@ -151,7 +152,7 @@ def bench_family(family: Family, n: int, runs: Path, steps: int | None) -> dict:
         "n": n,
         "sft_wall_s": sft_seconds,
         "rl": {credit: rl_summary(run_dir) for credit, run_dir in rl_dirs.items()},
-        "reward_plot": str(plot_rewards(family, rl_dirs, runs / f"bench_rl-{family.short}-reward.png")),
+        "reward_plot": str(plot_rewards(family, rl_dirs, results / f"bench_rl_{family.short}_reward.png")),
         "policies": policies,
         "eval": evals,
     }
@@ -183,10 +184,14 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=16, help="dev tasks per evaluation (the first n)")
     parser.add_argument("--steps", type=int, default=None, help="RL steps (default: the example config's)")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs", help="where every stage writes")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_rl.json")
+    parser.add_argument("--out", type=Path, help="JSON report (default: results/bench_rl_<families>.json)")
     args = parser.parse_args()
+    shorts = "_".join(FAMILIES[name].short for name in args.families)
+    args.out = args.out or ROOT / "benchmarks" / "results" / f"bench_rl_{shorts}.json"
     start = time.monotonic()
-    results = [bench_family(FAMILIES[name], args.n, args.runs, args.steps) for name in args.families]
+    results = [
+        bench_family(FAMILIES[name], args.n, args.runs, args.steps, args.out.parent) for name in args.families
+    ]
     for result in results:
         print("\n" + table(result))
     total = time.monotonic() - start
