@@ -5,13 +5,14 @@
 Prompts and completions are token ids, never text: the rollout appends exactly what was sampled and exactly
 what the observation rendered to, so the training sequence is the one the policy saw.
 
-Two implementations:
+Three implementations:
 - `TransformersPolicy`: in-process and trainable (the trainer updates its `model` and bumps `version`).
   Concurrent `sample` calls from many episodes are micro-batched into one `generate`.
 - `OpenAIPolicy`: any OpenAI-compatible completions endpoint (vLLM `serve` for GPU rollouts). It sends the
   prompt as token ids and reads back sampled ids and log-probs when the server returns them (vLLM:
   `return_token_ids`, `logprobs`); otherwise it re-tokenises the text and marks the sample `exact=False`,
-  which the trainer refuses to learn from.
+  which the trainer refuses to learn from. `reload_weights` makes a vLLM server load the trainer's weights.
+- `VLLMPolicy` (vllm_policy.py): a vLLM engine in this process, for the trainer on a GPU.
 
 Sampler log-probs are log-softmax(logits / temperature) of the sampled token: the distribution actually
 sampled from. Training uses temperature 1 so they match what the trainer recomputes.
@@ -20,6 +21,7 @@ sampled from. Training uses temperature 1 so they match what the trainer recompu
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +98,7 @@ class TransformersPolicy:
         import torch
 
         input_ids, attention = left_pad(prompts, pad_id=self.eos_token_id)
+        input_ids, attention = input_ids.to(self.model.device), attention.to(self.model.device)
         was_training = self.model.training
         self.model.eval()
         with torch.inference_mode():
@@ -173,6 +176,7 @@ class OpenAIPolicy:
         self.cfg = cfg
         self.version = 0  # bumped by the trainer after it pushes new weights to the server
         self.eos_token_id = int(tokenizer.eos_token_id)
+        self._requests = itertools.count()
 
     async def sample(self, prompt_ids: list[int], *, max_new_tokens: int) -> Sample:
         body = {
@@ -184,7 +188,8 @@ class OpenAIPolicy:
             "logprobs": 0,  # the sampled token's log-prob only
             "return_token_ids": True,  # vLLM: the sampled ids, so nothing is re-tokenised
             "skip_special_tokens": False,
-            "seed": self.cfg.seed,
+            # Reproducible yet distinct per request: one fixed seed makes vLLM sample a group's episodes alike.
+            "seed": self.cfg.seed + next(self._requests),
         }
         try:
             response = await self._http.post("/completions", json=body)
@@ -208,14 +213,60 @@ class OpenAIPolicy:
         if not isinstance(logprobs, list) or len(logprobs) != len(ids):
             logprobs, exact = [0.0] * len(ids), False
         finish = "stop" if choice.get("finish_reason") == "stop" else "length"
-        if finish == "stop" and (not ids or ids[-1] != self.eos_token_id):
-            # The server dropped the stop token: append it so the turn ends as the chat template expects; its
-            # log-prob is unknown, so the sample is not exact.
-            ids, logprobs, exact = [*ids, self.eos_token_id], [*logprobs, 0.0], False
-        return Sample(ids, [float(x) for x in logprobs], text, finish, exact)
+        return finish_sample(
+            ids, [float(x) for x in logprobs], self.tokenizer, finish, exact=exact, text=text
+        )
+
+    async def reload_weights(self, folder: Path) -> None:
+        """Make a `vllm serve` process load the safetensors in `folder` (a path it can read) in place.
+
+        The server must run `VLLM_SERVER_DEV_MODE=1 vllm serve CKPT --worker-extension-cls
+        main_agent.vllm_worker.PolicyWorker` (this project importable there): `/collective_rpc` runs the workers'
+        `reload_policy(weights_path)`, then `/reset_prefix_cache` drops the KV blocks of the old weights.
+        """
+        root = str(self._http.base_url).rstrip("/").removesuffix("/v1")
+        # Reading a checkpoint is seconds for a small policy, minutes for a large one on a slow disk.
+        timeout = httpx.Timeout(600.0, connect=5.0)
+        calls = (
+            ("/collective_rpc", {"method": "reload_policy", "kwargs": {"weights_path": str(folder)}}),
+            ("/reset_prefix_cache", None),
+        )
+        for route, body in calls:
+            try:
+                response = await self._http.post(root + route, json=body, timeout=timeout)
+            except httpx.HTTPError as exc:
+                raise PolicyError(f"policy server unreachable for a weight reload: {exc!r}") from exc
+            if response.status_code == 404:
+                raise PolicyError(f"{root}{route} not found: start vLLM with VLLM_SERVER_DEV_MODE=1")
+            if response.status_code != 200 and "reload_policy" in response.text:
+                raise PolicyError(f"{root} lacks reload_policy: start vLLM with {SERVER_EXTENSION_FLAG}")
+            if response.status_code != 200:
+                raise PolicyError(f"{root}{route} answered {response.status_code}: {response.text[:300]}")
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+
+def finish_sample(
+    ids: list[int],
+    logprobs: list[float],
+    tokenizer,
+    finish: Literal["stop", "length"],
+    *,
+    exact: bool,
+    text: str | None = None,
+) -> Sample:
+    """A Sample from an engine's output. A server that stopped on EOS but dropped it from the ids gets it back,
+    so the turn ends as the chat template expects; its log-prob is unknown, so the sample is then not exact."""
+    eos = int(tokenizer.eos_token_id)
+    if finish == "stop" and (not ids or ids[-1] != eos):
+        ids, logprobs, exact = [*ids, eos], [*logprobs, 0.0], False
+    if text is None:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+    return Sample(ids, logprobs, text, finish, exact)
+
+
+SERVER_EXTENSION_FLAG = "--worker-extension-cls main_agent.vllm_worker.PolicyWorker"
 
 
 class PolicyError(Exception):

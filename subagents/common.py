@@ -141,3 +141,21 @@ class Runtime:
     corpus: Corpus | None = None
     session: str = "default"
     count_tokens: TokenCounter = field(default=approx_tokens)
+
+
+# Question words NLTK's English list (bm25s "en_plus") lacks; its 33-word "en" list would keep "what", "when",
+# "who" ...: queries here are often questions.
+EXTRA_STOPWORDS = ("whose", "many", "much")
+
+
+def bm25_terms(texts: list[str]) -> list[list[str]]:
+    """BM25 terms of each text: lower-cased words of 2+ characters, English stopwords removed.
+
+    bm25s is imported here, not at module level: where numba is installed (vLLM brings it) bm25s loads it, and
+    vLLM's CPU workers, which re-import the launching script's modules when they spawn, fail on llvmlite.
+    """
+    import bm25s
+    from bm25s.stopwords import STOPWORDS_EN_PLUS
+
+    stopwords = [*STOPWORDS_EN_PLUS, *EXTRA_STOPWORDS]
+    return bm25s.tokenize(texts, stopwords=stopwords, return_ids=False, show_progress=False)

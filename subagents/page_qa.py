@@ -19,15 +19,13 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import bm25s
 import numpy as np
 import trafilatura
-from bm25s.stopwords import STOPWORDS_EN_PLUS
 from pydantic import BaseModel, ConfigDict, Field
 from trafilatura.settings import Document as Extracted
 
 from subagents.backends import BackendError, Message
-from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, truncate
+from subagents.common import Runtime, ToolFailure, ToolResponse, bm25_terms, guarded, truncate
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +42,6 @@ SYSTEM_PROMPT = (
 )
 # Whitespace after . ! ? possibly followed by a closing quote or bracket, or a citation mark such as [12].
 _SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')\]”’])|(?<=[.!?]\[\d\])|(?<=[.!?]\[\d\d\]))\s+")
-# NLTK's English list (bm25s "en_plus"; its "en" list of 33 words keeps "what", "when", "who" ...), plus
-# question words it lacks: questions are the queries here.
-STOPWORDS = [*STOPWORDS_EN_PLUS, "whose", "many", "much"]
 _ANSWER_PREFIX = re.compile(r"^((the\s+)?(short\s+)?answer(\s+is)?\s*:\s*)+", re.IGNORECASE)
 
 
@@ -231,21 +226,18 @@ def _cut_words(text: str, limit: int) -> Iterator[str]:
         yield text
 
 
-def terms(texts: list[str]) -> list[list[str]]:
-    """BM25 terms of each text: lower-cased words of 2+ characters, English stopwords removed."""
-    return bm25s.tokenize(texts, stopwords=STOPWORDS, return_ids=False, show_progress=False)
-
-
 def rank_chunks(chunks: list[str], question: str, *, top_k: int) -> list[int]:
     """Indices of the `top_k` chunks that best match `question` by BM25, best first; ties keep page order.
 
     With no question term on the page the first chunks are returned: an article's lead is the best guess.
     """
-    chunk_terms = terms(chunks)
+    chunk_terms = bm25_terms(chunks)
     vocabulary = {term for doc in chunk_terms for term in doc}
-    query = [term for term in terms([question])[0] if term in vocabulary]
+    query = [term for term in bm25_terms([question])[0] if term in vocabulary]
     if len(chunks) <= 1 or not query:
         return list(range(min(top_k, len(chunks))))
+    import bm25s  # lazily: see common.bm25_terms
+
     retriever = bm25s.BM25()
     retriever.index(chunk_terms, show_progress=False)
     scores = retriever.get_scores(query)
@@ -277,11 +269,11 @@ def pick_quote(chunks: list[list[str]], answer: str, *, question: str, max_chars
     candidates = [s for chunk in chunks for piece in chunk for s in sentences(piece)]
     if not candidates:
         return ""
-    answer_terms = set(terms([answer])[0])
-    question_terms = set(terms([question])[0])
+    answer_terms = set(bm25_terms([answer])[0])
+    question_terms = set(bm25_terms([question])[0])
     scores = [
         2 * len(answer_terms.intersection(words)) + len(question_terms.intersection(words))
-        for words in terms(candidates)
+        for words in bm25_terms(candidates)
     ]
     best = candidates[scores.index(max(scores))]
     return next(_cut_words(best, max_chars))

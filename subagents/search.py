@@ -23,14 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-import bm25s
 import numpy as np
 import trafilatura
-from bm25s.stopwords import STOPWORDS_EN_PLUS
 from pydantic import BaseModel, ConfigDict, Field
 from trafilatura.settings import Document as Extracted
 
-from subagents.common import Runtime, ToolFailure, ToolResponse, guarded
+from subagents.common import Runtime, ToolFailure, ToolResponse, bm25_terms, guarded
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +39,6 @@ SUFFIXES = frozenset({".html", ".htm", ".txt", ".md"})
 HTML_SUFFIXES = frozenset({".html", ".htm"})
 MAX_FILE_BYTES = 5_000_000  # a saved news page is ~0.3 MB; bigger files are dumps, not documents to read
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
-# NLTK's English list (bm25s "en_plus"; its 33-word "en" list keeps "what", "when", "who" ...), plus the
-# question words it lacks: policies often search with a question.
-STOPWORDS = [*STOPWORDS_EN_PLUS, "whose", "many", "much"]
 
 
 class Request(BaseModel):
@@ -98,10 +93,12 @@ class Corpus:
 
     def __init__(self, documents: list[Document]) -> None:
         self.documents = documents
-        doc_terms = terms([f"{doc.title}\n{doc.text}" for doc in documents])
+        doc_terms = bm25_terms([f"{doc.title}\n{doc.text}" for doc in documents])
         frequency = Counter(term for words in doc_terms for term in set(words))
         # Lucene's BM25 idf (what bm25s scores with): rare terms pick the snippet sentence.
         self._idf = {t: math.log(1 + (len(documents) - n + 0.5) / (n + 0.5)) for t, n in frequency.items()}
+        import bm25s  # lazily: see common.bm25_terms
+
         self._bm25 = bm25s.BM25()
         if self._idf:  # bm25s cannot index a corpus without a single term
             self._bm25.index(doc_terms, show_progress=False)
@@ -124,7 +121,7 @@ class Corpus:
 
     def search(self, query: str, k: int, *, snippet_chars: int = 120) -> list[Hit]:
         """The `k` best documents for `query`, best first; documents sharing no query term are left out."""
-        query_terms = [term for term in terms([query])[0] if term in self._idf]
+        query_terms = [term for term in bm25_terms([query])[0] if term in self._idf]
         if not query_terms:
             return []
         scores = self._bm25.get_scores(query_terms)
@@ -155,11 +152,6 @@ async def _search(request: Request, cfg: Config, rt: Runtime) -> Response:
     )
     response.tokens_returned = rt.count_tokens(response.summary())
     return response
-
-
-def terms(texts: list[str]) -> list[list[str]]:
-    """BM25 terms of each text: lower-cased words of 2+ characters, English stopwords removed."""
-    return bm25s.tokenize(texts, stopwords=STOPWORDS, return_ids=False, show_progress=False)
 
 
 def _document_paths(folder: Path, max_docs: int) -> list[Path]:
@@ -213,7 +205,9 @@ def _plain_text(raw: bytes) -> tuple[str, str]:
 def snippet(text: str, weights: dict[str, float], *, limit: int) -> str:
     """The sentence with the most query-term weight (the first on ties) and what follows, cut to `limit` chars."""
     parts = [s for line in text.splitlines() for s in _SENTENCE_END.split(line.strip()) if s]
-    overlaps = [sum(weights.get(t, 0.0) for t in set(words)) for words in terms(parts)] if parts else [0.0]
+    overlaps = (
+        [sum(weights.get(t, 0.0) for t in set(words)) for words in bm25_terms(parts)] if parts else [0.0]
+    )
     picked: list[str] = []
     for part in parts[overlaps.index(max(overlaps)) :]:
         picked.append(part)

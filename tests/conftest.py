@@ -32,3 +32,18 @@ def smollm2_path() -> Path:
         return models.ensure_default_model()
     except models.ModelNotFound as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    """A tiny random Llama saved with the real SmolLM2 tokenizer, loadable as `TrainConfig.policy`."""
+    from transformers import AutoTokenizer
+
+    from tests.test_train import tiny_llama
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path, local_files_only=True)
+    model = tiny_llama(len(tokenizer), tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
+    path = tmp_path_factory.mktemp("tiny-policy")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

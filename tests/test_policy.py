@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from fastapi import FastAPI
-from pydantic import BaseModel
 
 from main_agent.policy import (
     OpenAIPolicy,
@@ -16,38 +14,8 @@ from main_agent.policy import (
     load_model_and_tokenizer,
 )
 from tests.fake_openai_server import serve, unused_port
+from tests.fake_vllm_server import completions_app
 from tests.fakes import ByteChatTokenizer
-
-
-class _CompletionRequest(BaseModel):
-    model: str
-    prompt: list[int]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    logprobs: int | None = None
-    return_token_ids: bool = False
-    skip_special_tokens: bool = True
-    seed: int | None = None
-
-
-def completions_app(policy: TransformersPolicy, *, token_ids: bool = True) -> FastAPI:
-    """A small server speaking vLLM's completions protocol (token-id prompts, `return_token_ids`)."""
-    app = FastAPI()
-
-    @app.post("/v1/completions")
-    async def complete(body: _CompletionRequest) -> dict[str, object]:
-        sample = await policy.sample(body.prompt, max_new_tokens=body.max_tokens)
-        ids = sample.ids[:-1] if sample.finish_reason == "stop" else sample.ids  # servers drop the stop token
-        choice: dict[str, object] = {"index": 0, "text": sample.text, "finish_reason": sample.finish_reason}
-        if token_ids and body.return_token_ids:
-            choice["token_ids"] = sample.ids
-            choice["logprobs"] = {"token_logprobs": sample.logprobs}
-        else:
-            choice["logprobs"] = {"token_logprobs": sample.logprobs[: len(ids)]}
-        return {"id": "cmpl-1", "object": "text_completion", "model": body.model, "choices": [choice]}
-
-    return app
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from main_agent.rollout import RolloutConfig, RolloutTask, rollout
 from main_agent.tokens import TrainSequence
 from main_agent.types import Episode
-from tests.fakes import TOOLS, ByteChatTokenizer, ScriptedPolicy, call_text, fake_tool_server, ok_result
+from tests.fakes import TOOLS, ScriptedPolicy, call_text, fake_tool_server, ok_result
 from tool_server.client import ToolClient
 from training import tasks as task_data
 from training import train as train_module
@@ -34,7 +34,6 @@ from training.train import (
     filter_groups,
     group_to_sequences,
     score,
-    sync_weights,
     train,
     update,
 )
@@ -188,20 +187,6 @@ def test_a_non_finite_batch_skips_the_step(field: str) -> None:
     assert not optimizer.state and all(p.grad is None for p in model.parameters())
 
 
-def test_sync_weights_copies_into_the_samplers_own_model() -> None:
-    """After a sync the sampler's weights equal the trained ones but are separate tensors; the version goes up."""
-    from main_agent.policy import TransformersPolicy
-
-    trained, sampler = tiny_llama(258), tiny_llama(258)
-    with torch.no_grad():
-        trained.model.embed_tokens.weight.add_(1.0)
-    policy = TransformersPolicy(sampler, ByteChatTokenizer(), version=3)
-    sync_weights(trained, policy)
-    assert policy.version == 4
-    assert torch.equal(sampler.model.embed_tokens.weight, trained.model.embed_tokens.weight)
-    assert sampler.model.embed_tokens.weight.data_ptr() != trained.model.embed_tokens.weight.data_ptr()
-
-
 # ---------------------------------------------------------------- config, data order, step line
 
 
@@ -260,19 +245,6 @@ def test_step_line_has_a_fixed_shape() -> None:
 
 
 # ---------------------------------------------------------------- whole runs
-
-
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
-    """A tiny random Llama saved with the real SmolLM2 tokenizer, loadable as `TrainConfig.policy`."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path, local_files_only=True)
-    model = tiny_llama(len(tokenizer), tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
-    path = tmp_path_factory.mktemp("tiny-policy")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture

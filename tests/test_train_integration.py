@@ -30,7 +30,6 @@ from tests.test_train import (
     parity_score,
     sampled_task_ids,
     tiny_config,
-    tiny_llama,
 )
 from tests.tool_server_fakes import FakeFactory, make_config, page_server, serving
 from tool_server.app import create_app, host_of
@@ -50,19 +49,6 @@ ROW_KEYS = {
     "clip_frac", "update/tokens", "update/skipped", "episodes/collected", "episodes/infra_failed",
     "episodes/stale_dropped", "context/main_tokens", "time/rollout", "time/train", "perf/tokens_per_s",
 }  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
-    """A tiny random Llama saved with the real SmolLM2 tokenizer (as in tests/test_train.py)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path, local_files_only=True)
-    model = tiny_llama(len(tokenizer), tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
-    path = tmp_path_factory.mktemp("tiny-policy")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def plates_root(shared_data: Path) -> Path:

@@ -109,6 +109,18 @@ class TrainConfig:
     """Checkpoint every this many steps (and always after the last one)."""
     keep_last: int = 2
     """Checkpoints kept on disk; older ones are deleted."""
+    sampler: Literal["transformers", "vllm", "server"] = "transformers"
+    """Who samples rollouts (training/sampler.py): "transformers", a copy of the model in this process (CPU);
+    "vllm", a vLLM engine in this process (the `vllm` extra, for a GPU); "server", a `vllm serve` at
+    `sampler_url` started with VLLM_SERVER_DEV_MODE=1 that can read `run_dir`. The vLLM samplers load each
+    step's weights from `run_dir/sampler/`."""
+    sampler_url: str | None = None
+    """The vLLM server's OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 (sampler = "server")."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """sampler = "vllm": the engine's share of GPU memory (weights + KV cache); the rest holds the trainer's
+    weights, gradients and Adam states, ~16 bytes a parameter in float32."""
+    device: str = "auto"
+    """Where the trained model lives: "auto" (cuda when a GPU is visible, else cpu), "cpu", "cuda" or "cuda:N"."""
     tools_url: str | None = None
     """A running tool server; None runs one in-process with default settings (the built-in model behind every
     tool, loopback pages allowed for the multihop page server, the tasks' media folders readable)."""
@@ -124,6 +136,10 @@ class TrainConfig:
             "max_staleness >= 0": self.max_staleness >= 0,
             "save_every >= 1": self.save_every >= 1,
             "keep_last >= 1": self.keep_last >= 1,
+            "sampler_url with sampler = 'server'": self.sampler != "server" or bool(self.sampler_url),
+            "0 < vllm_gpu_memory_utilization < 1": 0.0 < self.vllm_gpu_memory_utilization < 1.0,
+            "device auto, cpu, cuda or cuda:N": self.device in ("auto", "cpu")
+            or self.device.startswith("cuda"),
         }
         failed = [rule for rule, ok in checks.items() if not ok]
         if failed:

@@ -1,6 +1,6 @@
 """A training run's plumbing, shared by the sync and async loops: start or resume, tools, data order, bookkeeping.
 
-    run = start_run(cfg, resume=None, force=False)        # policy, sampler copy, optimizer, tasks, state
+    run = await start_run(cfg, resume=None, force=False)  # model, sampler (training/sampler.py), optimizer, tasks
     async with tool_session(cfg, run.tasks) as (tools, tasks):
         batch, state = next_tasks(tasks, run.state, cfg)   # seeded shuffle per epoch; the cursor is in `state`
         ...                                                # collect, score, update, sync (train.py)
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from main_agent.policy import SamplingConfig, TransformersPolicy, load_model_and_tokenizer
+from main_agent.policy import Policy, load_model_and_tokenizer
 from main_agent.types import Episode
 from tool_server.client import ToolClient
 from tool_server.config import ServerConfig, ToolSettings
@@ -38,6 +38,7 @@ from training import tasks as task_data
 from training.checkpoint import CheckpointError, TrainState
 from training.config import RESUME_KEYS, TrainConfig, config_hash, config_to_dict
 from training.metrics import MetricsLog, save_rollouts, step_line, trim_metrics
+from training.sampler import start_sampler
 from training.tasks import Task
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ class Run:
     cfg: TrainConfig
     model: Model
     tokenizer: object
-    policy: TransformersPolicy
+    policy: Policy
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     ref_model: nn.Module | None
@@ -85,8 +86,8 @@ class Run:
     log: MetricsLog
 
 
-def start_run(cfg: TrainConfig, *, resume: Path | None, force: bool) -> Run:
-    """Load the policy (and its checkpoint when resuming), the optimizer, the sampler's copy and the tasks."""
+async def start_run(cfg: TrainConfig, *, resume: Path | None, force: bool) -> Run:
+    """Load the policy (and its checkpoint when resuming) on its device, the optimizer, the sampler, the tasks."""
     if resume is not None:
         cfg = dataclasses.replace(cfg, run_dir=resume)
     latest = ckpt.find_latest(cfg.run_dir)
@@ -96,6 +97,7 @@ def start_run(cfg: TrainConfig, *, resume: Path | None, force: bool) -> Run:
         raise CheckpointError(f"no checkpoint to resume in {resume}")
     torch.manual_seed(cfg.seed)  # LoRA initialisation draws from it
     model, tokenizer = load_policy(cfg)
+    model.to(resolve_device(cfg.device))
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     params = [p for p in model.parameters() if p.requires_grad]
     # No weight decay: with all advantages 0 a step must leave the weights where they are.
@@ -110,18 +112,21 @@ def start_run(cfg: TrainConfig, *, resume: Path | None, force: bool) -> Run:
         )
         state = ckpt.load_checkpoint(latest, model=model, optimizer=optimizer, scheduler=scheduler)
         logger.info("resuming %s at step %d", latest, state.step)
-    sampler = copy.deepcopy(model).eval().requires_grad_(False)
-    sampling = SamplingConfig(
-        temperature=cfg.temperature, max_batch=cfg.max_concurrent_episodes, seed=cfg.seed
-    )
-    policy = TransformersPolicy(sampler, tokenizer, cfg=sampling, version=state.policy_version)
     tasks = task_data.load_family(cfg.task, cfg.split, data_dir=cfg.data_dir, limit=cfg.limit)
     if not tasks:
         raise ValueError(f"no tasks in {cfg.task}/{cfg.split}")
+    policy = await start_sampler(cfg, model, tokenizer, version=state.policy_version)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     trim_metrics(cfg.run_dir / "metrics.jsonl", after_step=state.step)  # steps redone after a kill
     log = MetricsLog(cfg.run_dir / "metrics.jsonl")
     return Run(cfg, model, tokenizer, policy, optimizer, scheduler, ref_model, tasks, state, log)
+
+
+def resolve_device(name: str) -> str:
+    """ "auto" -> "cuda" when a GPU is visible, else "cpu"; anything else as given."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
 
 
 def load_policy(cfg: TrainConfig) -> tuple[Model, object]:

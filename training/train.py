@@ -7,7 +7,7 @@ Per step s = 1 .. steps:
     4. score: final reward from the task, turn rewards from what each turn did
     5. group_to_sequences: group advantages (outcome or turn credit) laid onto each episode's tokens
     6. update: one optimizer step of the clipped token-level loss, accumulated over micro-batches
-    7. sync_weights: copy the trained weights into the sampler's own model (on GPU this is the vLLM weight push)
+    7. sync_weights: push the trained weights to the sampler (its own model copy, or a vLLM engine: sampler.py)
     8. log a metrics row and a printed line, save the rollouts, checkpoint every `save_every` steps and at the end
 
 Exact resume: model, optimizer, scheduler, cursor and step come back from the checkpoint, and torch is reseeded
@@ -31,7 +31,7 @@ import httpx
 import torch
 from torch import nn
 
-from main_agent.policy import TransformersPolicy
+from main_agent.policy import Policy
 from main_agent.rollout import RolloutTask, rollout
 from main_agent.tokens import Batch, TrainSequence, collate, micro_batches, to_sequence
 from main_agent.types import Episode, Turn
@@ -50,6 +50,7 @@ from training.rewards import (
     turn_reward,
 )
 from training.run import Run, finish_step, next_tasks, progress, seed_step, start_run, tool_session
+from training.sampler import sync_weights
 from training.tasks import Task
 
 logger = logging.getLogger(__name__)
@@ -198,7 +199,8 @@ def update(
     model.train()
     sums = {"pg": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0}
     for chunk in micro_batches(sequences, max_tokens=cfg.micro_batch_tokens):
-        out = micro_batch_loss(model, collate(chunk, pad_id=0), cfg, n_tokens=n_tokens, ref_model=ref_model)
+        batch = collate(chunk, pad_id=0, device=str(next(model.parameters()).device))
+        out = micro_batch_loss(model, batch, cfg, n_tokens=n_tokens, ref_model=ref_model)
         if not math.isfinite(out.loss.item()):
             optimizer.zero_grad(set_to_none=True)
             return _skip("non-finite loss")
@@ -247,21 +249,11 @@ def _skip(reason: str) -> UpdateStats:
     return UpdateStats(skipped=reason)
 
 
-def sync_weights(train_model: nn.Module, policy: TransformersPolicy) -> None:
-    """Copy the trained weights into the sampler's own model and bump its version.
-
-    The sampler holds a separate copy, as a vLLM server would on GPU, so rollouts never read half-updated
-    weights; on CPU the push is a `load_state_dict`.
-    """
-    policy.model.load_state_dict(train_model.state_dict())
-    policy.version += 1
-
-
 # ---------------------------------------------------------------- rollouts
 
 
 async def collect(
-    tasks: Sequence[Task], policy: TransformersPolicy, tools: ToolClient, tokenizer, cfg: TrainConfig
+    tasks: Sequence[Task], policy: Policy, tools: ToolClient, tokenizer, cfg: TrainConfig
 ) -> list[list[Episode]]:
     """G episodes of each task, all in flight together (at most `max_concurrent_episodes`): one group per task."""
     schemas = await tools.tools()
@@ -325,7 +317,7 @@ async def train_loop(run: Run, *, transport: httpx.AsyncBaseTransport | None = N
             scored = score_groups(groups, batch, cfg)
             stats = update(run.model, run.optimizer, scored.sequences, cfg, ref_model=run.ref_model)
             if stats.skipped is None:
-                sync_weights(run.model, run.policy)
+                await sync_weights(run.model, run.policy, cfg)
             seconds = (t1 - t0, time.monotonic() - t1)
             row = step_row(step, run.policy.version, groups, scored, stats, seconds=seconds)
             episodes = [e for g in groups for e in g]
@@ -355,7 +347,7 @@ async def drive(
     transport: httpx.AsyncBaseTransport | None,
 ) -> Path:
     """Start (or resume) a run, drive `loop` over it, release the sampler and the log whatever happens."""
-    run = start_run(cfg, resume=resume, force=force)
+    run = await start_run(cfg, resume=resume, force=force)
     try:
         await loop(run, transport=transport)
     finally:

