@@ -199,15 +199,30 @@ def train(
     ] = False,
 ) -> None:
     """Train the orchestrator policy with multi-turn RL against the frozen tool server."""
+    from main_agent.policy import PolicyError
+    from tool_server.config import ConfigError
+    from training.checkpoint import CheckpointError
     from training.config import load_train_config
+    from training.train import InfraFailure
 
     _setup_logging(False)
-    cfg = load_train_config(config, list(set_ or ()))
+    try:
+        cfg = load_train_config(config, list(set_ or ()))
+    except (ConfigError, FileNotFoundError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="CONFIG / --set") from exc
     if async_:
         from training.train_async import train_async as loop
     else:
         from training.train import train as loop
-    run_dir = loop(cfg, resume=resume, force=force)
+    try:
+        run_dir = loop(cfg, resume=resume, force=force)
+    except (
+        CheckpointError,
+        PolicyError,
+        InfraFailure,
+    ) as exc:  # what a user can fix, said without a traceback
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
     typer.echo(f"run directory: {run_dir}")
 
 

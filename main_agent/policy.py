@@ -140,8 +140,16 @@ class TransformersPolicy:
         return Sample(ids, logprobs, self.tokenizer.decode(ids, skip_special_tokens=True), finish)
 
 
+def default_device() -> str:
+    """ "cuda" when a GPU is visible, else "cpu"."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def load_model_and_tokenizer(path: Path):
-    """A dense checkpoint, or a LoRA adapter on top of the base model its adapter_config names."""
+    """A dense checkpoint, or a LoRA adapter on top of the base model its adapter_config names, on the GPU when
+    there is one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if (path / "adapter_config.json").is_file():
@@ -151,7 +159,7 @@ def load_model_and_tokenizer(path: Path):
     else:
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return model, tokenizer
+    return model.to(default_device()), tokenizer
 
 
 class OpenAIPolicy:

@@ -62,6 +62,18 @@ def test_serve_rejects_an_unknown_config_key(tmp_path):
     assert out.returncode != 0 and "chunk_charz" in out.stderr
 
 
+def test_train_names_a_bad_setting_without_a_traceback():
+    """A training setting that cannot work is refused up front with the rule it breaks."""
+    out = conductor("train", "--set", "sampler=server")
+    assert out.returncode == 2 and "sampler_url" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_train_resume_without_a_checkpoint_says_so(tmp_path):
+    """Resuming a folder that holds no checkpoint is a one-line error, not a traceback or a fresh run."""
+    out = conductor("train", "--resume", str(tmp_path))
+    assert out.returncode == 1 and "no checkpoint to resume" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_models_list_shows_the_builtin_model():
     """`models list` names the built-in model and whether it is prepared."""
     out = conductor("models", "list")

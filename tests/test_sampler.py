@@ -39,8 +39,8 @@ async def test_sync_weights_copies_into_the_samplers_own_model(tmp_path: Path) -
     with torch.no_grad():
         trained.model.embed_tokens.weight.add_(1.0)
     policy = TransformersPolicy(sampler, ByteChatTokenizer(), version=3)
-    await sync_weights(trained, policy, TrainConfig(run_dir=tmp_path))
-    assert policy.version == 4
+    seconds = await sync_weights(trained, policy, TrainConfig(run_dir=tmp_path))
+    assert policy.version == 4 and seconds >= 0.0
     assert same_weights(sampler, trained)
     assert sampler.model.embed_tokens.weight.data_ptr() != trained.model.embed_tokens.weight.data_ptr()
     assert not (tmp_path / "sampler").exists()  # the in-process copy needs no folder

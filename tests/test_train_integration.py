@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 ROW_KEYS = {
     "step", "policy_version", "reward/final", "reward/turn", "success", "loss/pg", "loss/kl", "grad_norm",
     "clip_frac", "update/tokens", "update/skipped", "episodes/collected", "episodes/infra_failed",
-    "episodes/stale_dropped", "context/main_tokens", "time/rollout", "time/train", "perf/tokens_per_s",
+    "episodes/stale_dropped", "context/main_tokens", "time/rollout", "time/train", "time/weight_sync", "perf/tokens_per_s",
 }  # fmt: skip
 
 

@@ -9,6 +9,7 @@ Keys of a metrics row (`metrics.jsonl`, one row per step):
     episodes/collected, episodes/infra_failed, episodes/stale_dropped
     context/main_tokens                                                mean length of an episode's token stream
     perf/episodes_per_s, perf/tokens_per_s, time/rollout, time/train   tokens = sampled completion tokens
+    time/weight_sync                                                   pushing the weights to the sampler
 
 A mean over nothing (no valid episode, no turn) is NaN, written as JSON's NaN extension: an empty step must not
 look like a step that scored 0.

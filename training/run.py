@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from main_agent.policy import Policy, load_model_and_tokenizer
+from main_agent.policy import Policy, default_device, load_model_and_tokenizer
 from main_agent.types import Episode
 from tool_server.client import ToolClient
 from tool_server.config import ServerConfig, ToolSettings
@@ -124,9 +124,7 @@ async def start_run(cfg: TrainConfig, *, resume: Path | None, force: bool) -> Ru
 
 def resolve_device(name: str) -> str:
     """ "auto" -> "cuda" when a GPU is visible, else "cpu"; anything else as given."""
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
+    return default_device() if name == "auto" else name
 
 
 def load_policy(cfg: TrainConfig) -> tuple[Model, object]:
@@ -219,7 +217,7 @@ def finish_step(
         policy_version=run.policy.version,
         episodes=state.episodes + len(episodes),
         invalid_episodes=state.invalid_episodes + sum(e.stop_reason == "infra_failed" for e in episodes),
-        elapsed_s=state.elapsed_s + row["time/rollout"] + row["time/train"],
+        elapsed_s=state.elapsed_s + row["time/rollout"] + row["time/train"] + row["time/weight_sync"],
     )
     save_rollouts(cfg.run_dir / "rollouts" / f"step_{step}.jsonl", episodes)
     run.log.write(row)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -64,14 +65,17 @@ async def start_sampler(cfg: TrainConfig, model: nn.Module, tokenizer, *, versio
     raise ValueError(f"unknown sampler {cfg.sampler!r}; expected transformers, vllm or server")
 
 
-async def sync_weights(model: nn.Module, policy: Policy, cfg: TrainConfig) -> None:
-    """Push the trained weights to the sampler and bump its version. Call it while no rollout is sampling."""
+async def sync_weights(model: nn.Module, policy: Policy, cfg: TrainConfig) -> float:
+    """Push the trained weights to the sampler and bump its version; returns the seconds it took. Call it while
+    no rollout is sampling."""
+    start = time.monotonic()
     if isinstance(policy, TransformersPolicy):
         policy.model.load_state_dict(model.state_dict())
     else:
         folder = export_weights(model, None, cfg.run_dir / "sampler", policy.version + 1)
         await policy.reload_weights(folder)  # type: ignore[attr-defined]  # VLLMPolicy and OpenAIPolicy
     policy.version += 1
+    return time.monotonic() - start
 
 
 def export_weights(model: nn.Module, tokenizer, root: Path, version: int) -> Path:

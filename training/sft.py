@@ -242,12 +242,17 @@ def sft(
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    device = str(next(model.parameters()).device)
     model.train()
     losses: list[float] = []
     for epoch in range(epochs):
         random.Random(seed * 1_000_003 + epoch).shuffle(batches)
         for chunk in batches:
-            losses.append(_step(model, optimizer, collate(chunk, pad_id=pad_id), params, step=len(losses)))
+            losses.append(
+                _step(
+                    model, optimizer, collate(chunk, pad_id=pad_id, device=device), params, step=len(losses)
+                )
+            )
         logger.info("sft epoch %d: mean loss %.4f", epoch + 1, sum(losses[-len(batches) :]) / len(batches))
     return losses
 

@@ -284,10 +284,10 @@ def step_row(
     scored: Scored,
     stats: UpdateStats,
     *,
-    seconds: tuple[float, float],
+    seconds: tuple[float, float, float],
     stale_dropped: int = 0,
 ) -> dict[str, float]:
-    """The metrics row of one step (keys listed in training/metrics.py); `seconds` is (rollout, train) time."""
+    """The metrics row of one step (keys listed in training/metrics.py); `seconds`: rollout, train, weight sync."""
     return {
         "step": step,
         "policy_version": version,
@@ -298,6 +298,7 @@ def step_row(
         **stats.metrics(),
         "episodes/stale_dropped": stale_dropped,
         "time/train": seconds[1],
+        "time/weight_sync": seconds[2],
     }
 
 
@@ -316,9 +317,9 @@ async def train_loop(run: Run, *, transport: httpx.AsyncBaseTransport | None = N
             t1 = time.monotonic()
             scored = score_groups(groups, batch, cfg)
             stats = update(run.model, run.optimizer, scored.sequences, cfg, ref_model=run.ref_model)
-            if stats.skipped is None:
-                await sync_weights(run.model, run.policy, cfg)
-            seconds = (t1 - t0, time.monotonic() - t1)
+            t2 = time.monotonic()
+            sync_s = await sync_weights(run.model, run.policy, cfg) if stats.skipped is None else 0.0
+            seconds = (t1 - t0, t2 - t1, sync_s)
             row = step_row(step, run.policy.version, groups, scored, stats, seconds=seconds)
             episodes = [e for g in groups for e in g]
             finish_step(run, step, row, state=state, episodes=episodes, stepped=stats.skipped is None)

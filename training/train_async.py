@@ -109,10 +109,10 @@ async def train_loop(run: Run, *, transport: httpx.AsyncBaseTransport | None = N
                 stats = await asyncio.to_thread(
                     update, run.model, run.optimizer, scored.sequences, cfg, ref_model=run.ref_model
                 )
-                seconds = (batch.rollout_s, time.monotonic() - t1)
+                train_s = time.monotonic() - t1
                 async with synced:  # waits for the running collection: weights never change mid-episode
-                    if stats.skipped is None:
-                        await sync_weights(run.model, run.policy, cfg)
+                    sync_s = await sync_weights(run.model, run.policy, cfg) if stats.skipped is None else 0.0
+                    seconds = (batch.rollout_s, train_s, sync_s)
                     row = step_row(
                         step,
                         run.policy.version,
