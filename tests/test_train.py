@@ -365,6 +365,19 @@ def test_resume_continues_exactly(tiny_policy: Path, tmp_path: Path, stub_tasks,
 
 
 @pytest.mark.slow
+def test_resume_takes_a_changed_learning_rate(
+    tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch
+) -> None:
+    """lr is not part of the data order: a resume with a new lr trains at it (the checkpoint's lr used to win
+    silently), and every step logs the rate it used."""
+    monkeypatch.setattr(train_module, "score", parity_score)
+    cfg = tiny_config(tmp_path / "run", tiny_policy, steps=1, lr=1e-3)
+    run_dir = train(cfg, transport=fake_tool_server())
+    train(dataclasses.replace(cfg, steps=2, lr=5e-4), resume=run_dir, transport=fake_tool_server())
+    assert [r["optim/lr"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1e-3, 5e-4]
+
+
+@pytest.mark.slow
 def test_lora_run_trains_and_resumes_the_adapter(
     tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch
 ) -> None:

@@ -5,6 +5,7 @@ Keys of a metrics row (`metrics.jsonl`, one row per step):
     step, policy_version
     reward/final, reward/turn, reward/turn/<component>, success       over the scored (valid) episodes
     loss/pg, loss/kl, clip_frac, ratio_mean, grad_norm, update/tokens, update/skipped   the optimizer step
+    optim/lr                                                           the learning rate of that step
     tools/<name>/calls, tools/<name>/error_rate, tools/cache_hit_rate, tools/calls_per_episode
     episodes/collected, episodes/infra_failed, episodes/stale_dropped
     context/main_tokens                                                mean length of an episode's token stream

@@ -111,6 +111,7 @@ async def start_run(cfg: TrainConfig, *, resume: Path | None, force: bool) -> Ru
             ckpt.saved_config(latest), config_to_dict(cfg), force=force, keys=RESUME_KEYS
         )
         state = ckpt.load_checkpoint(latest, model=model, optimizer=optimizer, scheduler=scheduler)
+        set_learning_rate(optimizer, scheduler, cfg.learning_rate)
         logger.info("resuming %s at step %d", latest, state.step)
     tasks = task_data.load_family(cfg.task, cfg.split, data_dir=cfg.data_dir, limit=cfg.limit)
     if not tasks:
@@ -120,6 +121,19 @@ async def start_run(cfg: TrainConfig, *, resume: Path | None, force: bool) -> Ru
     trim_metrics(cfg.run_dir / "metrics.jsonl", after_step=state.step)  # steps redone after a kill
     log = MetricsLog(cfg.run_dir / "metrics.jsonl")
     return Run(cfg, model, tokenizer, policy, optimizer, scheduler, ref_model, tasks, state, log)
+
+
+def set_learning_rate(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float
+) -> None:
+    """Make a resumed run use the configured learning rate, not the one its checkpoint saved (the optimizer and
+    scheduler states both carry it). With lr unchanged this recomputes the same value, so resume stays exact."""
+    if scheduler.base_lrs[0] != lr:
+        logger.warning("learning rate changed on resume: %g -> %g", scheduler.base_lrs[0], lr)
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(scheduler.last_epoch)
 
 
 def resolve_device(name: str) -> str:
@@ -209,6 +223,7 @@ def finish_step(
     learning-rate schedule counts optimizer steps).
     """
     cfg = run.cfg
+    row = {**row, "optim/lr": run.optimizer.param_groups[0]["lr"]}  # the rate this step's update used
     if stepped:
         run.scheduler.step()
     run.state = dataclasses.replace(
