@@ -252,12 +252,17 @@ def eval_cmd(
         int, typer.Option(help="Number of task instances (the first n, same for every policy).")
     ] = 100,
     out: Annotated[Path | None, typer.Option(help="Write the report here as JSON.")] = None,
+    sampler: Annotated[
+        str, typer.Option(help="transformers (in process) or vllm (the vllm extra; dense checkpoints).")
+    ] = "transformers",
 ) -> None:
     """Evaluate a policy with greedy decoding on fixed task instances; prints a table, writes JSON."""
-    from training.evaluate import run_eval
+    from training.evaluate import EvalConfig, run_eval
 
+    if sampler not in ("transformers", "vllm"):
+        raise typer.BadParameter(f"{sampler!r}: expected transformers or vllm", param_hint="--sampler")
     _setup_logging(False)
-    run_eval(policy, task, split, n, out)
+    run_eval(policy, task, split, n, out, cfg=EvalConfig(sampler=sampler))  # type: ignore[arg-type]
 
 
 @app.command()

