@@ -1,6 +1,8 @@
 """Base vs SFT vs RL (outcome and turn credit) on a dev split: the whole training chain, unattended.
 
     python benchmarks/bench_rl.py --families plate_reading multihop_pages --n 16   # -> results/bench_rl_plates_multihop.json
+    python benchmarks/bench_rl.py --families plate_reading --n 49 --tag g8 --sampler vllm \
+        --set group_size=8 --set steps=12                      # -> results/bench_rl_plates_g8.json, runs/rl-plates-g8-*
 
 For each task family, through the `conductor` CLI exactly as a user would run it:
 
@@ -10,6 +12,8 @@ For each task family, through the `conductor` CLI exactly as a user would run it
   4. `conductor plot` of both RL runs                               -> runs/rl-<short>-<credit>/plots/*.png
      and both runs' training reward in one PNG                       -> results/bench_rl_<short>_reward.png
 
+`--set` overrides the example config of the RL runs, `--sampler vllm` samples training and evaluation through
+vLLM (the `vllm` extra), and `--tag` names those runs and results apart from the default ones.
 A stage whose output already exists is skipped (an interrupted benchmark continues where it stopped; delete the
 folder to redo one). Then one table per family is printed and everything, with each stage's wall time, is written
 to JSON. RL wall time is the sum of the run's step times from its metrics.jsonl, so it is known for reused runs too.
@@ -34,6 +38,22 @@ from training.config import load_train_config  # noqa: E402
 from training.metrics import read_metrics  # noqa: E402
 
 CREDITS = ("outcome", "turn")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What every stage of one benchmark run shares (the command line)."""
+
+    n: int
+    runs: Path
+    results: Path
+    sets: tuple[str, ...]  # RL config overrides
+    sampler: str
+    tag: str
+
+    def label(self, family: Family) -> str:
+        """The family's short name with the tag: names the RL runs, their evaluations and the reward PNG."""
+        return f"{family.short}-{self.tag}" if self.tag else family.short
 
 
 @dataclass(frozen=True)
@@ -74,29 +94,36 @@ def run_sft(family: Family, runs: Path) -> tuple[Path, float | None]:
     return out / "model", seconds
 
 
-def run_rl(family: Family, credit: str, sft_model: Path, runs: Path, steps: int | None) -> Path:
+def run_rl(family: Family, credit: str, sft_model: Path, opts: Options) -> Path:
     """A finished RL run directory for this credit mode (trained now unless already complete)."""
     config = ROOT / "examples" / f"train_{family.short}.toml"
-    run_dir = runs / f"rl-{family.short}-{credit}"
-    sets = [f"credit={credit}", f"run_dir={run_dir}", f"policy={sft_model}"]
-    if steps is not None:
-        sets.append(f"steps={steps}")
+    runs, label = opts.runs, opts.label(family)
+    run_dir = runs / f"rl-{label}-{credit}"
+    sets = [
+        *opts.sets,
+        f"sampler={opts.sampler}",
+        f"credit={credit}",
+        f"run_dir={run_dir}",
+        f"policy={sft_model}",
+    ]
     want = load_train_config(config, sets).steps
     latest = find_latest(run_dir) if run_dir.exists() else None
     if latest is None or latest.name != f"step_{want}":
         resume = ("--resume", str(run_dir)) if latest is not None else ()
         args = ["train", str(config), *[a for s in sets for a in ("--set", s)], *resume]
-        conductor(*args, log=runs / f"rl-{family.short}-{credit}.log")
+        conductor(*args, log=runs / f"rl-{label}-{credit}.log")
     if not list((run_dir / "plots").glob("*.png")):
-        conductor("plot", str(run_dir), log=runs / f"rl-{family.short}-{credit}.plot.log")
+        conductor("plot", str(run_dir), log=runs / f"rl-{label}-{credit}.plot.log")
     return run_dir
 
 
-def run_eval(name: str, policy: str, family: Family, n: int, runs: Path) -> dict:
+def run_eval(name: str, policy: str, family: Family, opts: Options) -> dict:
     """`conductor eval` of one policy on the first n dev tasks; its JSON report (reused when present)."""
-    out = runs / "eval" / f"{family.short}-{name}-n{n}.json"
+    n = opts.n
+    out = opts.runs / "eval" / f"{family.short}-{name}-n{n}.json"
     if not out.exists():
         args = ["eval", "--policy", policy, "--task", family.name, "--split", "dev", "--n", str(n)]
+        args += ["--sampler", opts.sampler]
         conductor(*args, "--out", str(out), log=out.with_suffix(".log"))
     return json.loads(out.read_text(encoding="utf-8"))
 
@@ -104,7 +131,9 @@ def run_eval(name: str, policy: str, family: Family, n: int, runs: Path) -> dict
 def rl_summary(run_dir: Path) -> dict:
     """Wall time and the first/last training reward of a run, from its metrics.jsonl."""
     rows = read_metrics(run_dir / "metrics.jsonl")
-    seconds = sum(r.get("time/rollout", 0.0) + r.get("time/train", 0.0) for r in rows)
+    seconds = sum(
+        r.get("time/rollout", 0.0) + r.get("time/train", 0.0) + r.get("time/weight_sync", 0.0) for r in rows
+    )
     rewards = [r["reward/final"] for r in rows if not math.isnan(r.get("reward/final", math.nan))]
     plots = sorted(str(p) for p in (run_dir / "plots").glob("*.png"))
     return {
@@ -139,20 +168,23 @@ def plot_rewards(family: Family, rl_dirs: dict[str, Path], out: Path) -> Path:
     return out
 
 
-def bench_family(family: Family, n: int, runs: Path, steps: int | None, results: Path) -> dict:
+def bench_family(family: Family, opts: Options) -> dict:
     """Every stage for one family; the evaluation reports keyed by policy name."""
-    sft_model, sft_seconds = run_sft(family, runs)
-    rl_dirs = {credit: run_rl(family, credit, sft_model, runs, steps) for credit in CREDITS}
+    sft_model, sft_seconds = run_sft(family, opts.runs)
+    rl_dirs = {credit: run_rl(family, credit, sft_model, opts) for credit in CREDITS}
     policies = {"base": "smollm2-135m-instruct", "sft": str(sft_model)}
+    tag = f"-{opts.tag}" if opts.tag else ""
     for credit, run_dir in rl_dirs.items():
-        policies[f"rl-{credit}"] = str(find_latest(run_dir) / "model")
-    evals = {name: run_eval(name, policy, family, n, runs) for name, policy in policies.items()}
+        policies[f"rl{tag}-{credit}"] = str(find_latest(run_dir) / "model")
+    evals = {name: run_eval(name, policy, family, opts) for name, policy in policies.items()}
+    png = opts.results / f"bench_rl_{opts.label(family)}_reward.png"
     return {
         "family": family.name,
-        "n": n,
+        "n": opts.n,
+        "rl_settings": [*opts.sets, f"sampler={opts.sampler}"],
         "sft_wall_s": sft_seconds,
         "rl": {credit: rl_summary(run_dir) for credit, run_dir in rl_dirs.items()},
-        "reward_plot": str(plot_rewards(family, rl_dirs, results / f"bench_rl_{family.short}_reward.png")),
+        "reward_plot": str(plot_rewards(family, rl_dirs, png)),
         "policies": policies,
         "eval": evals,
     }
@@ -183,15 +215,22 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--n", type=int, default=16, help="dev tasks per evaluation (the first n)")
     parser.add_argument("--steps", type=int, default=None, help="RL steps (default: the example config's)")
+    parser.add_argument(
+        "--set", action="append", default=[], help="RL config override key=value (repeatable)"
+    )
+    parser.add_argument("--sampler", default="transformers", choices=("transformers", "vllm"))
+    parser.add_argument("--tag", default="", help="names the RL runs and results apart (e.g. g8)")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs", help="where every stage writes")
-    parser.add_argument("--out", type=Path, help="JSON report (default: results/bench_rl_<families>.json)")
+    parser.add_argument(
+        "--out", type=Path, help="JSON report (default: results/bench_rl_<families>[_tag].json)"
+    )
     args = parser.parse_args()
-    shorts = "_".join(FAMILIES[name].short for name in args.families)
+    shorts = "_".join(FAMILIES[name].short for name in args.families) + (f"_{args.tag}" if args.tag else "")
     args.out = args.out or ROOT / "benchmarks" / "results" / f"bench_rl_{shorts}.json"
+    sets = (*args.set, *([f"steps={args.steps}"] if args.steps is not None else []))
+    opts = Options(args.n, args.runs, args.out.parent, sets, args.sampler, args.tag)
     start = time.monotonic()
-    results = [
-        bench_family(FAMILIES[name], args.n, args.runs, args.steps, args.out.parent) for name in args.families
-    ]
+    results = [bench_family(FAMILIES[name], opts) for name in args.families]
     for result in results:
         print("\n" + table(result))
     total = time.monotonic() - start
