@@ -274,7 +274,8 @@ def finish_sample(
     return Sample(ids, logprobs, text, finish, exact)
 
 
-SERVER_EXTENSION_FLAG = "--worker-extension-cls main_agent.vllm_worker.PolicyWorker"
+WORKER_EXTENSION = "main_agent.vllm_worker.PolicyWorker"  # adds `reload_policy` to vLLM's workers
+SERVER_EXTENSION_FLAG = f"--worker-extension-cls {WORKER_EXTENSION}"
 
 
 class PolicyError(Exception):

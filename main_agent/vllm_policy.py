@@ -26,12 +26,10 @@ import itertools
 import logging
 from pathlib import Path
 
-from main_agent.policy import PolicyError, Sample, SamplingConfig, finish_sample
+from main_agent.policy import WORKER_EXTENSION, PolicyError, Sample, SamplingConfig, finish_sample
 from subagents.vllm_backend import VLLM_CPU_KV_CACHE_BYTES
 
 logger = logging.getLogger(__name__)
-
-WORKER_EXTENSION = "main_agent.vllm_worker.PolicyWorker"  # adds `reload_policy` to vLLM's workers
 
 
 class VLLMPolicy:
