@@ -20,7 +20,6 @@ sampled from. Training uses temperature 1 so they match what the trainer recompu
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from typing import Literal, Protocol
 
 import httpx
 
-from subagents.batching import MicroBatcher, left_pad
+from subagents.batching import GenerationError, MicroBatcher, left_pad
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +86,11 @@ class TransformersPolicy:
         return cls(model, tokenizer, cfg=cfg)
 
     async def sample(self, prompt_ids: list[int], *, max_new_tokens: int) -> Sample:
-        ids, logprobs = await self._batcher.submit(list(prompt_ids), max_new_tokens)
+        """Raises PolicyError when generation fails (as the vLLM samplers do): the episode is infra-failed."""
+        try:
+            ids, logprobs = await self._batcher.submit(list(prompt_ids), max_new_tokens)
+        except GenerationError as exc:
+            raise PolicyError(f"in-process policy generation failed: {exc}") from exc
         return self._cut(ids, logprobs, max_new_tokens)
 
     async def aclose(self) -> None:
@@ -280,8 +283,3 @@ SERVER_EXTENSION_FLAG = f"--worker-extension-cls {WORKER_EXTENSION}"
 
 class PolicyError(Exception):
     """The policy endpoint failed (an infrastructure failure for the rollout, not a policy mistake)."""
-
-
-async def gather_samples(policy: Policy, prompts: list[list[int]], *, max_new_tokens: int) -> list[Sample]:
-    """Sample several prompts concurrently (the in-process policy batches them into one generate)."""
-    return list(await asyncio.gather(*(policy.sample(p, max_new_tokens=max_new_tokens) for p in prompts)))

@@ -158,6 +158,7 @@ async def play_turn(
         policy_version=policy.version,
         policy_s=t1 - t0,
         tools_s=t2 - t1,
+        exact=sample.exact,
     )
     return turn, answer
 

@@ -28,7 +28,7 @@ ParseErrorKind = Literal[
     "too_many_calls",  # calls past the per-turn cap: they were not run
 ]
 
-StopReason = Literal["answer", "max_turns", "max_context", "deadline", "infra_failed", "no_call"]
+StopReason = Literal["answer", "max_turns", "max_context", "deadline", "infra_failed"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ class Turn:
     policy_version: int  # weights version that sampled this turn (async training may change it mid-episode)
     policy_s: float  # seconds spent generating this turn
     tools_s: float  # seconds spent waiting for this turn's tool calls
+    exact: bool = True  # False: the sampler returned re-tokenised ids or lacked log-probs; never trained on
 
     def __post_init__(self) -> None:
         n_ids, n_lp = len(self.completion_ids), len(self.completion_logprobs)
@@ -112,6 +113,11 @@ class Episode:
     infra_error: str | None = None  # set iff stop_reason == "infra_failed": the episode is invalid, not wrong
     reward: float | None = None
     turn_rewards: list[float] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        """Every turn carries the ids and log-probs the sampler really produced, so the episode can be trained on."""
+        return all(t.exact for t in self.turns)
 
     @property
     def num_calls(self) -> int:

@@ -93,9 +93,9 @@ class VLLMPolicy:
             request = {"prompt_token_ids": list(prompt_ids)}
             async for output in self.engine.generate(request, params, request_id=f"policy-{next(self._ids)}"):
                 final = output  # outputs are cumulative: the last one holds the whole completion
-        except (
-            Exception
-        ) as exc:  # the engine died or refused the prompt: infrastructure, not the policy's turn
+        except Exception as exc:
+            if not engine_failure(exc):
+                raise  # a bug on our side: surface it instead of filtering the episode away
             raise PolicyError(f"vLLM engine failed: {exc!r}") from exc
         if final is None or not final.outputs:
             raise PolicyError("vLLM engine returned no output")
@@ -116,7 +116,18 @@ class VLLMPolicy:
             await self.engine.collective_rpc("reload_policy", kwargs={"weights_path": str(folder)})
             await self.engine.reset_prefix_cache()
         except Exception as exc:
+            if not engine_failure(exc):
+                raise
             raise PolicyError(f"vLLM could not reload weights from {folder}: {exc!r}") from exc
 
     async def aclose(self) -> None:
         self.engine.shutdown()
+
+
+def engine_failure(exc: Exception) -> bool:
+    """Whether `exc` is the engine's failure rather than a bug of ours: vLLM's own errors (`VLLMError`: a dead
+    engine, a failed or refused generate), or the bare `Exception` carrying a worker's message with which vLLM's
+    core client fails a utility call such as `collective_rpc` (vllm/v1/engine/core_client.py)."""
+    from vllm.exceptions import VLLMError
+
+    return isinstance(exc, VLLMError) or type(exc) is Exception

@@ -25,6 +25,7 @@ from typing import Literal, Protocol
 
 import openai
 
+from subagents.batching import GenerationError
 from subagents.common import approx_tokens
 
 logger = logging.getLogger(__name__)
@@ -186,7 +187,10 @@ class TransformersLLM:
         prompt = self.render(messages)
         if len(prompt) > self.context - max_new_tokens:  # checked here so it never reaches a batch
             raise _context_error(len(prompt), max_new_tokens=max_new_tokens, context=self.context)
-        ids = (await self.batcher.submit(prompt, max_new_tokens))[:max_new_tokens]
+        try:
+            ids = (await self.batcher.submit(prompt, max_new_tokens))[:max_new_tokens]
+        except GenerationError as exc:
+            raise BackendError(str(exc), retryable=exc.retryable) from exc
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         assert isinstance(text, str), f"decode of one sequence returned {type(text)}"
         return Generation(text=text.strip(), prompt_tokens=len(prompt), completion_tokens=len(ids))

@@ -27,8 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from subagents.backends import BackendError  # backends imports this module lazily: no cycle
-
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -39,6 +37,15 @@ GenerateBatch = Callable[[list[list[int]], int], list[T]]
 # What a failing `generate_batch` may raise: torch reports bad shapes, out-of-memory and device faults as
 # RuntimeError, tokenizer/generation-config misuse as ValueError. Anything else is a bug and propagates.
 GENERATION_ERRORS = (RuntimeError, ValueError)
+
+
+class GenerationError(Exception):
+    """One request could not be generated: its batch failed, or the batcher closed before it ran. Neutral on
+    purpose: the sub-agents' backend turns it into `BackendError`, the policy into `PolicyError`."""
+
+    def __init__(self, message: str, *, retryable: bool) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 @dataclass
@@ -70,16 +77,16 @@ class MicroBatcher(Generic[T]):
         return 0 if self._queue is None else self._queue.qsize()
 
     async def submit(self, prompt: list[int], max_new_tokens: int) -> T:
-        """The output for `prompt`, generated with a limit of at least `max_new_tokens`. Raises BackendError."""
+        """The output for `prompt`, generated with a limit of at least `max_new_tokens`. Raises GenerationError."""
         if self._closed:
-            raise BackendError("backend is closed", retryable=True)
+            raise GenerationError("backend is closed", retryable=True)
         queue = self._ensure_worker()
         request = _Request(prompt, max_new_tokens, asyncio.get_running_loop().create_future())
         queue.put_nowait(request)
         return await request.future
 
     async def aclose(self) -> None:
-        """Stop the worker; queued and running requests fail with a retryable BackendError."""
+        """Stop the worker; queued and running requests fail with a retryable GenerationError."""
         self._closed = True
         if self._worker is not None and self._loop is asyncio.get_running_loop():
             self._worker.cancel()
@@ -88,7 +95,7 @@ class MicroBatcher(Generic[T]):
         while self._queue is not None and not self._queue.empty():
             pending.append(self._queue.get_nowait())
         for request in pending:
-            _fail(request, BackendError("backend closed before the request ran", retryable=True))
+            _fail(request, GenerationError("backend closed before the request ran", retryable=True))
 
     def _ensure_worker(self) -> asyncio.Queue[_Request]:
         loop = asyncio.get_running_loop()
@@ -140,7 +147,7 @@ class MicroBatcher(Generic[T]):
         except GENERATION_ERRORS as exc:
             if len(live) == 1:
                 logger.warning("generation failed: %s", exc)
-                _fail(live[0], BackendError(f"generation failed: {exc}", retryable=False))
+                _fail(live[0], GenerationError(f"generation failed: {exc}", retryable=False))
                 return
             logger.warning("batch of %d failed (%s); running its requests one by one", len(live), exc)
             for request in live:
@@ -156,7 +163,7 @@ class MicroBatcher(Generic[T]):
         return await asyncio.to_thread(self._generate_batch, prompts, limit)
 
 
-def _fail(request: _Request, error: BackendError) -> None:
+def _fail(request: _Request, error: GenerationError) -> None:
     if not request.future.done():
         request.future.set_exception(error)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from subagents.backends import BackendConfig, BackendError, Message, OpenAILLM, TransformersLLM, build_llm
-from subagents.batching import MicroBatcher
+from subagents.batching import GenerationError, MicroBatcher
 from tests.fake_openai_server import Script, create_openai_app, serve, unused_port
 
 PNG = base64.b64decode(
@@ -90,7 +90,7 @@ async def test_failing_request_does_not_fail_its_batch() -> None:
         batcher.submit([1], 2), batcher.submit([-1], 2), batcher.submit([3], 2), return_exceptions=True
     )
     assert results[0] == [100, 101] and results[2] == [300, 301]
-    assert isinstance(results[1], BackendError) and not results[1].retryable
+    assert isinstance(results[1], GenerationError) and not results[1].retryable
     assert batcher.batch_sizes == [3, 1, 1, 1]
     await batcher.aclose()
 
@@ -131,8 +131,8 @@ async def test_aclose_fails_running_and_queued_requests() -> None:
         assert batcher.queue_depth == 2
         await batcher.aclose()
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        assert all(isinstance(r, BackendError) and r.retryable for r in results), results
-        with pytest.raises(BackendError, match="closed"):
+        assert all(isinstance(r, GenerationError) and r.retryable for r in results), results
+        with pytest.raises(GenerationError, match="closed"):
             await batcher.submit([9], 1)
     finally:
         model.release.set()

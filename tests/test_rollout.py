@@ -202,3 +202,34 @@ async def test_untagged_text_ends_the_episode_only_when_asked():
     assert strict.answer is None and strict.turns[1].parse_errors[0].kind == "no_action"
     lenient, _ = await play(prose, cfg=RolloutConfig(max_turns=3, untagged_is_answer=True))
     assert lenient.answer == "It is Ada." and lenient.stop_reason == "answer" and len(lenient.turns) == 2
+
+
+class _FailingModel:
+    """Stands in for an HF model whose `generate` fails the way torch does (out of memory, device fault)."""
+
+    device = "cpu"
+    training = False
+
+    def eval(self):
+        return self
+
+    def train(self, mode: bool = True):
+        return self
+
+    def generate(self, **kwargs):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+
+async def test_a_failing_in_process_policy_marks_the_episode_infra_failed():
+    """A generation failure inside `TransformersPolicy` (raised through the shared micro-batcher) ends only its
+    episode as infra_failed with the reason, exactly as the vLLM samplers' PolicyError does; the step goes on."""
+    from main_agent.policy import SamplingConfig, TransformersPolicy
+
+    tokenizer = ByteChatTokenizer()
+    policy = TransformersPolicy(_FailingModel(), tokenizer, cfg=SamplingConfig(batch_wait_ms=1.0))
+    async with client(fake_tool_server()) as tools:
+        episode = await rollout(TASK, policy, tools, tokenizer, DEFAULT_CFG)
+    await policy.aclose()
+    assert episode.stop_reason == "infra_failed" and episode.turns == []
+    assert episode.infra_error is not None and "PolicyError" in episode.infra_error
+    assert "device-side assert" in episode.infra_error

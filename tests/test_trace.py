@@ -267,7 +267,7 @@ def test_payload_missing_or_odd() -> None:
         [],
         [turn("x", [(call("page_qa"), odd), (call("search"), none)])],
         None,
-        "no_call",
+        "max_turns",
         0,
         0.0,
         0.0,

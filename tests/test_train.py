@@ -26,7 +26,7 @@ from training import tasks as task_data
 from training import train as train_module
 from training.checkpoint import CheckpointError, TrainState
 from training.config import ConfigError, TrainConfig, config_hash, load_train_config
-from training.metrics import read_metrics, step_line
+from training.metrics import read_metrics, rollout_metrics, step_line
 from training.run import embedded_config, next_tasks
 from training.tasks import Task, TaskMeta
 from training.train import (
@@ -128,6 +128,54 @@ def test_filter_groups_fails_the_step_above_the_failure_limit() -> None:
     ]
     with pytest.raises(InfraFailure, match=r"2 of 4 episodes.*tools: down"):
         filter_groups(groups, TrainConfig(max_infra_failure_frac=0.25))
+
+
+async def test_an_inexact_turn_keeps_the_episode_out_of_the_loss_but_in_the_baseline() -> None:
+    """A sampler that re-tokenised one turn (exact=False) marks the turn and episode; the episode trains on nothing,
+    yet its reward still sets the group's baseline (the exact episode's advantage is R - mean over both)."""
+    right = await play([call_text("search", query="x"), "<answer>Ada Lovelace</answer>"], page_knows_ada)
+    wrong = await play(["<answer>Charles Babbage</answer>"], page_knows_ada)
+    inexact_turn = dataclasses.replace(wrong.turns[0], exact=False)
+    wrong = dataclasses.replace(wrong, turns=[inexact_turn])
+    assert right.exact and not wrong.exact
+    for e in (right, wrong):
+        score(e, TASK, TrainConfig().turn_rewards)
+    sequences = group_to_sequences([right, wrong], TrainConfig())
+    assert len(sequences) == 1
+    assert {a for a, m in zip(sequences[0].advantages, sequences[0].loss_mask, strict=True) if m} == {0.5}
+    assert rollout_metrics([right, wrong], seconds=1.0)["episodes/inexact"] == 1
+
+
+async def test_rollout_carries_the_samplers_exact_flag_into_each_turn() -> None:
+    """`Sample.exact` reaches `Turn.exact` and survives the JSON round trip of rollout logs."""
+    policy = ScriptedPolicy(lambda history, turn: "<answer>x</answer>")
+    original = policy.sample
+
+    async def inexact(prompt_ids: list[int], *, max_new_tokens: int):
+        return dataclasses.replace(await original(prompt_ids, max_new_tokens=max_new_tokens), exact=False)
+
+    policy.sample = inexact  # type: ignore[method-assign]
+    task = RolloutTask(TASK.task_id, TASK.question, TOOLS)
+    async with ToolClient("http://tools", transport=fake_tool_server(page_knows_ada)) as tools:
+        episode = await rollout(task, policy, tools, policy.tokenizer, RolloutConfig())
+    assert [t.exact for t in episode.turns] == [False] and not episode.exact
+    assert not Episode.from_json(episode.to_json()).exact
+
+
+def test_filter_groups_fails_the_step_when_too_many_episodes_are_inexact() -> None:
+    """Inexact episodes count against the same limit as infra failures: a sampler that returns no ids must not
+    train silently on nothing."""
+    inexact = dataclasses.replace(fake_episode("a"), turns=[dataclasses.replace(_turn(), exact=False)])
+    groups = [[inexact, fake_episode("a")], [fake_episode("b"), fake_episode("b")]]
+    assert filter_groups(groups, TrainConfig(max_infra_failure_frac=0.25)) == groups
+    with pytest.raises(InfraFailure, match=r"2 of 4 episodes.*2 inexact"):
+        filter_groups([[inexact, inexact], groups[1]], TrainConfig(max_infra_failure_frac=0.25))
+
+
+def _turn():
+    from main_agent.types import Turn
+
+    return Turn([1], [-0.1], [], "x", "", [], [], [], 0, 0.0, 0.0)
 
 
 def test_drop_stale_counts_the_episodes_of_stale_groups() -> None:

@@ -124,7 +124,7 @@ def turns(draw: st.DrawFn) -> Turn:
 @given(
     turn_list=st.lists(turns(), max_size=3),
     reward=st.none() | st.floats(allow_nan=False),
-    stop=st.sampled_from(["answer", "max_turns", "max_context", "deadline", "infra_failed", "no_call"]),
+    stop=st.sampled_from(["answer", "max_turns", "max_context", "deadline", "infra_failed"]),
     answer=st.none() | st.text(max_size=20),
 )
 def test_round_trip_property(

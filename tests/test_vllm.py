@@ -223,3 +223,42 @@ async def test_evaluation_through_vllm_matches_transformers(smollm2_path: Path) 
             reports.append(await evaluate(str(smollm2_path), STUB_TASKS[:4], tools=tools, cfg=cfg))
     a, b = (dataclasses.replace(r, wall_s=0.0) for r in reports)
     assert a == b, (a, b)
+
+
+class _Engine:
+    """An AsyncLLM stand-in whose `generate` and `collective_rpc` raise what it is given."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    async def generate(self, request, params, *, request_id: str):
+        raise self.error
+        yield  # an async generator, as AsyncLLM.generate is
+
+    async def collective_rpc(self, method: str, *, kwargs: dict):
+        raise self.error
+
+    async def reset_prefix_cache(self) -> None:
+        return None
+
+
+async def test_engine_errors_become_policy_errors_and_bugs_propagate(smollm2_path: Path) -> None:
+    """vLLM's own errors (a dead engine, a failed generate, a failed worker call) are infrastructure: PolicyError,
+    an infra-failed episode. Anything else is a bug in our code and must surface, not be filtered away."""
+    from transformers import AutoTokenizer
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    from main_agent.policy import PolicyError
+    from main_agent.vllm_policy import VLLMPolicy
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    for error in (EngineGenerateError(), EngineDeadError(), Exception("worker failed: out of memory")):
+        policy = VLLMPolicy(_Engine(error), tokenizer, cfg=SamplingConfig())
+        with pytest.raises(PolicyError):
+            await policy.sample([1, 2, 3], max_new_tokens=4)
+        with pytest.raises(PolicyError):
+            await policy.reload_weights(smollm2_path)
+    for bug in (TypeError("bad argument"), KeyError("logprobs")):
+        policy = VLLMPolicy(_Engine(bug), tokenizer, cfg=SamplingConfig())
+        with pytest.raises(type(bug)):
+            await policy.sample([1, 2, 3], max_new_tokens=4)

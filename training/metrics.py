@@ -7,7 +7,7 @@ Keys of a metrics row (`metrics.jsonl`, one row per step):
     loss/pg, loss/kl, clip_frac, ratio_mean, grad_norm, update/tokens, update/skipped   the optimizer step
     optim/lr                                                           the learning rate of that step
     tools/<name>/calls, tools/<name>/error_rate, tools/cache_hit_rate, tools/calls_per_episode
-    episodes/collected, episodes/infra_failed, episodes/stale_dropped
+    episodes/collected, episodes/infra_failed, episodes/inexact (not trained on), episodes/stale_dropped
     context/main_tokens                                                mean length of an episode's token stream
     perf/episodes_per_s, perf/tokens_per_s, time/rollout, time/train   tokens = sampled completion tokens
     time/weight_sync                                                   pushing the weights to the sampler
@@ -83,6 +83,7 @@ def rollout_metrics(collected: Sequence[Episode], *, seconds: float) -> dict[str
     row: dict[str, float] = {
         "episodes/collected": len(collected),
         "episodes/infra_failed": sum(e.stop_reason == "infra_failed" for e in collected),
+        "episodes/inexact": sum(e.stop_reason != "infra_failed" and not e.exact for e in collected),
         "context/main_tokens": mean([e.context_tokens for e in collected]),
         "tools/calls_per_episode": mean([e.num_calls for e in collected]),
         "tools/cache_hit_rate": mean([float(r.cached) for r in results]),

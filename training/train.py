@@ -113,18 +113,26 @@ def group_to_sequences(episodes: Sequence[Episode], cfg: TrainConfig) -> list[Tr
         turns = tuple(TurnCredit(r, anchor(t)) for r, t in zip(e.turn_rewards, e.turns, strict=True))
         credits.append(EpisodeCredit(e.reward, turns))
     advantages = group_advantages(credits, cfg.credit_config)
-    return [to_sequence(e, a) for e, a in zip(episodes, advantages, strict=True) if e.turns]
+    trainable = zip(episodes, advantages, strict=True)
+    return [to_sequence(e, a) for e, a in trainable if e.turns and e.exact]
 
 
 def filter_groups(groups: Sequence[list[Episode]], cfg: TrainConfig) -> list[list[Episode]]:
-    """Groups without infrastructure failures; raise InfraFailure when the failed share exceeds the limit."""
+    """Groups without infrastructure failures; raise InfraFailure when the episodes that cannot be trained on
+    (infra-failed, or inexact: a sampler that re-tokenised or lost log-probs) exceed the limit.
+
+    An inexact episode keeps its group: its reward is a real outcome of the policy and serves the baseline, but
+    `group_to_sequences` lays none of its tokens into the loss (its log-probs are stand-ins)."""
     episodes = [e for g in groups for e in g]
     failed = [e for e in episodes if e.stop_reason == "infra_failed"]
-    if episodes and len(failed) / len(episodes) > cfg.max_infra_failure_frac:
-        reasons = "; ".join(sorted({str(e.infra_error) for e in failed})[:3])
+    inexact = [e for e in episodes if e.stop_reason != "infra_failed" and not e.exact]
+    if episodes and (len(failed) + len(inexact)) / len(episodes) > cfg.max_infra_failure_frac:
+        reasons = sorted({str(e.infra_error) for e in failed})[:3]
+        if inexact:
+            reasons.append(f"{len(inexact)} inexact (re-tokenised ids or missing log-probs)")
         raise InfraFailure(
-            f"{len(failed)} of {len(episodes)} episodes failed for infrastructure reasons "
-            f"(limit {cfg.max_infra_failure_frac:.0%}): {reasons}"
+            f"{len(failed) + len(inexact)} of {len(episodes)} episodes cannot be trained on "
+            f"(limit {cfg.max_infra_failure_frac:.0%}): {'; '.join(reasons)}"
         )
     return [list(g) for g in groups if not any(e.stop_reason == "infra_failed" for e in g)]
 
