@@ -5,7 +5,7 @@
 
 On the first `n` HotpotQA dev questions, one greedy policy plays two modes, one after the other, sharing one
 micro-batched `TransformersPolicy`:
-- delegated: a rollout with tools set up exactly as training does (`task_tool_client`: pages over loopback, an
+- delegated: a rollout with tools set up exactly as training does (`training.play.tool_session`: pages over loopback, an
   in-process tool server); the policy sees one "Page: <title> <url>" line per paragraph and must call page_qa.
   Main-context tokens are the episode's `context_tokens`. The untrained policy writes no call by itself, so by
   default its first turn opens with a page_qa call (`--no-prefix` for a warm-started policy).
@@ -42,9 +42,10 @@ from main_agent.policy import Policy, SamplingConfig, TransformersPolicy, load_m
 from main_agent.rollout import RolloutConfig
 from main_agent.types import Episode
 from subagents.models import resolve_model
-from training.evaluate import play_all, task_tool_client
+from training.play import play, tool_session
 from training.rewards import exact_match, token_f1
-from training.tasks import Task, load_family, write_pages
+from training.tasks import Task, load_family
+from training.tasks.multihop import write_pages
 
 logger = logging.getLogger("bench_context")
 
@@ -178,16 +179,17 @@ async def run_delegated(
     tasks: list[Task], policy: Policy, tokenizer, cfg: BenchConfig, *, work_dir: Path
 ) -> tuple[list[QuestionResult], float]:
     """Mode (a): rollouts that read pages through page_qa. Returns the results and the mode's wall time."""
-    async with task_tool_client(tasks, work_dir=work_dir) as (tools, ready):
+    async with tool_session(tasks, work_dir=work_dir) as (tools, ready):
         start = time.monotonic()
-        episodes = await play_all(
-            lambda _: policy,
-            tokenizer,
+        groups = await play(
             ready,
+            lambda _: policy,
             tools=tools,
+            tokenizer=tokenizer,
             cfg=cfg.rollout_config(),
             max_concurrent=cfg.max_concurrent,
         )
+        episodes = [group[0] for group in groups]
         wall = time.monotonic() - start
     return [from_episode(t, e) for t, e in zip(ready, episodes, strict=True)], wall
 

@@ -101,17 +101,17 @@ async def test_report_serialises_and_tabulates_side_by_side():
     assert len({len(line) for line in table.splitlines()}) == 1  # aligned columns
 
 
-async def test_task_tool_client_readies_a_mixed_task_list(shared_data, tmp_path):
+async def test_tool_session_readies_a_mixed_task_list(shared_data, tmp_path):
     """Multihop tasks get their loopback page lines and the pages are served; a plate task in the same list keeps
     its image line (the session must not blank other families' context)."""
     import httpx
 
     from training import tasks as task_data
-    from training.evaluate import task_tool_client
+    from training.play import tool_session
 
     multihop = task_data.load_family("multihop_pages", "dev", data_dir=shared_data, limit=1)
     plates = task_data.load_family("plate_reading", "dev", data_dir=shared_data, limit=1)
-    async with task_tool_client(
+    async with tool_session(
         [*multihop, *plates], work_dir=tmp_path, data_dir=shared_data, transport=fake_tool_server()
     ) as (_, ready):
         pages = [line.rsplit(" ", 1)[1] for line in ready[0].context.splitlines()]

@@ -15,17 +15,17 @@ from main_agent.types import Episode
 from tests.fakes import TOOLS, ByteChatTokenizer, fake_tool_server, ok_result
 from tool_server.client import ToolClient
 from training import tasks as task_data
+from training.play import play as play_tasks
+from training.play import rollout_task, tool_session
 from training.sft import (
     OraclePolicy,
     SFTConfig,
     generate_expert_episodes,
     load_sft_config,
     masked_nll,
-    padded_box,
     sft,
 )
-from training.tasks import Task, TaskMeta
-from training.train import rollout_task
+from training.tasks import Task, TaskMeta, multihop, plates, video
 
 PAGES = "\n".join(
     f"Page: {title} http://pages.test/hotpot-1/{i}.html"
@@ -40,45 +40,85 @@ MULTIHOP = Task(
     PAGES,
     TaskMeta(supporting_titles=("Paris", "France"), page_titles=("Paris", "Berlin", "France")),
 )
+MUSIQUE = Task(
+    "musique-1",
+    "multihop_pages",
+    "Who was the first president of the association which published the journal?",
+    ("page_qa",),
+    "G. Stanley Hall",
+    "\n".join(f"Page: P{i} http://pages.test/musique-1/{i}.html" for i in range(3)),
+    TaskMeta(
+        page_titles=("P0", "P1", "P2"),
+        hops=(("The Journal >> publisher", 2), ("Who was the first president of #1 ?", 0)),
+    ),
+)
 PLATE = Task(
     "plate-us-good",
     "plate_reading",
-    task_data.PLATE_QUESTION,
+    plates.QUESTION,
     ("image_ops",),
     "7ABC123",
     "Image: /data/good.jpg",
     TaskMeta(image_path="/data/good.jpg", plate_box=(400, 300, 70, 30)),
 )
 BLURRY = dataclasses.replace(PLATE, task_id="plate-us-blurry", context="Image: /data/blurry.jpg")
+LATE = dataclasses.replace(PLATE, task_id="plate-us-late", context="Image: /data/late.jpg")
 VIDEO = Task(
     "grid-bbaf2n",
     "video_qa",
-    task_data.SPEECH_QUESTION,
+    video.SPEECH_QUESTION,
     ("video_summary",),
     "bin blue at f two now",
     "Video: /data/grid/bbaf2n.mp4",
     TaskMeta(video_path="/data/grid/bbaf2n.mp4"),
 )
 # A byte tokenizer spends one token per character: budgets large enough for the oracle's longest turn.
-CFG = RolloutConfig(max_new_tokens=1024, max_context_tokens=16384)
+CFG = RolloutConfig(max_turns=10, max_new_tokens=1024, max_context_tokens=32768)
 SFT = SFTConfig(max_new_tokens=1024)
+# What find_text sees in every photo: a caption, the plate (the gold box is [400, 300, 470, 330]) and a sign.
+# late.jpg's plate region is boxed loosely too: a second region overlapping the plate, tried after the first.
+REGIONS = [
+    {"box": [100, 50, 300, 90], "score": 0.95, "label": "line"},
+    {"box": [405, 302, 468, 328], "score": 0.80, "label": "plate-like"},
+    {"box": [600, 400, 660, 420], "score": 0.70, "label": "plate-like"},
+]
+LOOSE = {"box": [380, 280, 520, 360], "score": 0.65, "label": "plate-like"}
+ANSWERS = {
+    "The Journal": "the American Psychological Association",
+    "American Psychological": "G. Stanley Hall",
+}
+
+
+def image_result(op: str, image_id: str, **fields: object) -> dict[str, object]:
+    """A result shaped like image_ops's Response (its observation and its structured payload)."""
+    payload = {"op": op, "image_id": image_id, "width": 1000, "height": 600, "text": "", "boxes": []}
+    payload.update(fields)
+    return {**ok_result(f"{image_id} 1000x600 ({op})", tokens_read=0), **payload}
 
 
 async def tools_handler(name: str, arguments: dict[str, object]) -> dict[str, object]:
-    """Observations shaped like the real sub-agents'. Images: good.jpg loads as img_a1, blurry.jpg as img_b1."""
+    """Results shaped like the real sub-agents', payload fields included. Photo X.jpg loads as img_X; an image's
+    zoom is its id plus "z" and the box's x0, an autocontrast its id plus "a"; reads of good.jpg's zooms and of
+    late.jpg's zoom on the loose region show the plate, every other read only "CALIFORNIA"."""
     if name == "page_qa":
-        return ok_result(
-            f'answer: France | quote: "Paris is the capital of France." | source: {arguments["url"]}'
-        )
+        question = str(arguments["question"])
+        answer = next((a for k, a in ANSWERS.items() if k in question), "France")
+        quote = f"{answer} is right." if answer != "France" else "Paris is the capital of France."
+        return {**ok_result(f'answer: {answer} | quote: "{quote}"'), "answer": answer, "quote": quote}
     if name == "video_summary":
-        return ok_result("The speaker says: bin blue at f two now [00:00.5]\n(video 3 s, 360x288, 8 frames)")
-    op, image = arguments["op"], str(arguments["image"])
+        answer = "The speaker says: bin blue at f two now [00:00.5]"
+        return {**ok_result(f"{answer}\n(video 3 s, 360x288, 8 frames)"), "answer": answer}
+    op, image = str(arguments["op"]), str(arguments["image"])
     if op == "load":
-        return ok_result(f"img_{'a1' if 'good' in image else 'b1'} 1000x600 (load)", tokens_read=0)
+        return image_result(op, "img_" + image.rsplit("/", 1)[-1].removesuffix(".jpg"))
+    if op == "find_text":
+        return image_result(op, image, boxes=REGIONS + ([LOOSE] if "late" in image else []))
     if op == "zoom":
-        return ok_result(f"{image}0 630x270 (zoom)", tokens_read=0)
-    text = "7ABC 123 / CALIFORNIA" if image.startswith("img_a1") else "CALIFORNIA"
-    return ok_result(f'{image} 384x165 read: "{text}"')
+        return image_result(op, f"{image}z{arguments['box'][0]}")  # type: ignore[index]
+    if op == "autocontrast":
+        return image_result(op, image + "a")
+    shows = image.startswith("img_good") or image == "img_latez300"  # late.jpg: the loose region only
+    return image_result(op, image, text="7ABC 123\nCALIFORNIA" if shows else "CALIFORNIA")
 
 
 def tools() -> ToolClient:
@@ -89,7 +129,8 @@ async def play(task: Task, *, trust_reference: bool = False) -> Episode:
     tokenizer = ByteChatTokenizer()
     async with tools() as client:
         policy = OraclePolicy(task, tokenizer, trust_reference=trust_reference)
-        return await rollout(rollout_task(task, TOOLS), policy, client, tokenizer, CFG)
+        task_view = rollout_task(task, TOOLS)
+        return await rollout(task_view, policy, client, tokenizer, CFG, on_turn=policy.observe)
 
 
 def calls(episode: Episode) -> list[list[tuple[str, dict[str, object]]]]:
@@ -101,8 +142,20 @@ def assert_clean(episode: Episode, task: Task) -> None:
     assert episode.stop_reason == "answer" and task_data.success(task, episode.answer), episode.answer
 
 
+def assert_seen_before_written(episode: Episode) -> None:
+    """Every id, path and URL the oracle writes occurs in what the policy had seen when it wrote it."""
+    tokenizer = ByteChatTokenizer()
+    seen = tokenizer.decode(episode.prompt_ids)
+    for turn in episode.turns:
+        for call in turn.calls:
+            for key in ("image", "url", "video"):
+                if key in call.arguments:
+                    assert str(call.arguments[key]) in seen, (key, call.arguments[key])
+        seen += tokenizer.decode(turn.completion_ids + turn.observation_ids)
+
+
 async def test_multihop_oracle_reads_the_supporting_pages_in_one_turn_then_answers():
-    """Turn 1 calls page_qa on exactly the supporting pages (concurrently); turn 2 answers the reference."""
+    """Without a decomposition: turn 1 asks exactly the supporting pages the whole question, concurrently."""
     episode = await play(MULTIHOP)
     question = MULTIHOP.question
     assert calls(episode) == [
@@ -113,19 +166,76 @@ async def test_multihop_oracle_reads_the_supporting_pages_in_one_turn_then_answe
         [],
     ]
     assert_clean(episode, MULTIHOP)
+    assert_seen_before_written(episode)
 
 
-async def test_plate_oracle_loads_zooms_on_the_padded_box_reads_then_answers():
-    """load -> zoom on the id load returned, box 3x the plate -> read the zoomed id -> the plate."""
+async def test_multihop_oracle_asks_hop_by_hop_filling_in_what_it_observed():
+    """With MuSiQue's decomposition: hop 1 ("X >> relation" written as a question) to its page, then hop 2 with
+    #1 replaced by the answer page_qa gave for hop 1, to hop 2's page; then the answer."""
+    episode = await play(MUSIQUE)
+    assert calls(episode) == [
+        [
+            (
+                "page_qa",
+                {
+                    "url": "http://pages.test/musique-1/2.html",
+                    "question": "What is the publisher of The Journal?",
+                },
+            )
+        ],
+        [
+            (
+                "page_qa",
+                {
+                    "url": "http://pages.test/musique-1/0.html",
+                    "question": "Who was the first president of the American Psychological Association ?",
+                },
+            )
+        ],
+        [],
+    ]
+    assert_clean(episode, MUSIQUE)
+
+
+def test_independent_hops_go_out_together():
+    """Hops whose placeholders are all answered are asked in the same turn; a hop needing #2 waits for it."""
+    hops = (("A >> x", 0), ("B >> y", 1), ("#1 and #2 ?", 2))
+    task = dataclasses.replace(MUSIQUE, meta=dataclasses.replace(MUSIQUE.meta, hops=hops))
+    first = multihop.oracle_reply(task, [], trust_reference=False)
+    assert (
+        first.count("<tool_call>") == 2 and "What is the x of A?" in first and "What is the y of B?" in first
+    )
+    assert multihop.hop_question("#1 and #2 ?", {1: "Ada", 2: "Bob"}) == "Ada and Bob ?"
+
+
+async def test_plate_oracle_finds_text_zooms_on_a_found_region_reads_then_answers():
+    """load -> find_text -> zoom on the region overlapping the plate, grown by its height -> read -> answer."""
     episode = await play(PLATE)
     assert calls(episode) == [
         [("image_ops", {"op": "load", "image": "/data/good.jpg"})],
-        [("image_ops", {"op": "zoom", "image": "img_a1", "box": [330, 270, 540, 360]})],
-        [("image_ops", {"op": "read", "image": "img_a10"})],
+        [("image_ops", {"op": "find_text", "image": "img_good"})],
+        [("image_ops", {"op": "zoom", "image": "img_good", "box": [379, 276, 494, 354]})],
+        [("image_ops", {"op": "read", "image": "img_goodz379"})],
         [],
     ]
     assert episode.answer == "7ABC123"
     assert_clean(episode, PLATE)
+    assert_seen_before_written(episode)
+
+
+async def test_plate_oracle_retries_with_autocontrast_then_the_next_region():
+    """A read without a plate-like line: autocontrast the zoom and read again; still none: zoom on the next
+    region that overlaps the plate, read, answer."""
+    episode = await play(LATE)
+    assert [c[0][1]["op"] for c in calls(episode)[:-1]] == [
+        "load", "find_text", "zoom", "read", "autocontrast", "read", "zoom", "read",
+    ]  # fmt: skip
+    assert calls(episode)[4] == [("image_ops", {"op": "autocontrast", "image": "img_latez379"})]
+    assert calls(episode)[6] == [
+        ("image_ops", {"op": "zoom", "image": "img_late", "box": [300, 200, 600, 440]})
+    ]
+    assert_clean(episode, LATE)
+    assert_seen_before_written(episode)
 
 
 async def test_video_oracle_summarises_with_the_question_then_answers():
@@ -139,7 +249,7 @@ async def test_video_oracle_summarises_with_the_question_then_answers():
 
 
 async def test_oracle_states_the_reference_only_when_an_observation_showed_it():
-    """A read that misses the plate makes the oracle answer what it read; such episodes are not kept,
+    """Reads that never show the plate make the oracle answer what it read; such episodes are not kept,
     unless the oracle is told to trust the reference."""
     blurry = await play(BLURRY)
     assert blurry.answer == "CALIFORNIA"
@@ -161,11 +271,11 @@ async def test_oracle_reply_is_cut_by_the_token_budget_like_any_policy():
     assert full.finish_reason == "stop" and full.ids[-1] == tokenizer.eos_token_id
 
 
-def test_padded_box_stays_inside_the_image():
-    """The 3x box is clamped to the image, and stays non-empty for a plate on the edge."""
-    assert padded_box((400, 300, 70, 30), width=1000, height=600) == [330, 270, 540, 360]
-    assert padded_box((10, 5, 70, 30), width=100, height=50) == [0, 0, 100, 50]
-    assert padded_box((999, 599, 70, 30), width=1000, height=600) == [929, 569, 1000, 600]
+def test_grown_region_stays_inside_the_image():
+    """A region grown by its height on every side is clamped to the image and stays non-empty on the edge."""
+    assert plates.grown([405, 302, 468, 328], width=1000, height=600) == [379, 276, 494, 354]
+    assert plates.grown([10, 5, 80, 35], width=100, height=50) == [0, 0, 100, 50]
+    assert plates.grown([990, 590, 1000, 600], width=1000, height=600) == [980, 580, 1000, 600]
 
 
 def test_sft_settings_read_overrides_as_toml():
@@ -246,7 +356,6 @@ async def test_oracle_reads_real_plates_through_the_real_tool_server(shared_data
     from transformers import AutoTokenizer
 
     from subagents.models import ModelNotFound, resolve_model
-    from training.evaluate import play_all, task_tool_client
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(
@@ -254,18 +363,22 @@ async def test_oracle_reads_real_plates_through_the_real_tool_server(shared_data
         )
     except ModelNotFound as exc:
         pytest.skip(str(exc))
-    plates = task_data.load_family("plate_reading", "train", data_dir=shared_data, limit=2)
-    async with task_tool_client(plates, work_dir=tmp_path, data_dir=shared_data) as (client, ready):
-        played = await play_all(
-            lambda task: OraclePolicy(task, tokenizer),
-            tokenizer,
+    photos = task_data.load_family("plate_reading", "train", data_dir=shared_data, limit=2)
+    async with tool_session(photos, work_dir=tmp_path, data_dir=shared_data) as (client, ready):
+        experts = {t.task_id: OraclePolicy(t, tokenizer) for t in ready}
+        groups = await play_tasks(
             ready,
+            lambda task: experts[task.task_id],
             tools=client,
-            cfg=RolloutConfig(max_new_tokens=320),
+            tokenizer=tokenizer,
+            cfg=RolloutConfig(max_turns=10, max_new_tokens=320, max_context_tokens=4096),
             max_concurrent=2,
+            on_turn_for=lambda task: experts[task.task_id].observe,
         )
+    played = [group[0] for group in groups]
     for episode in played:
-        assert [len(t.calls) for t in episode.turns] == [1, 1, 1, 0]
+        ops = [c.arguments["op"] for t in episode.turns for c in t.calls]
+        assert ops[:4] == ["load", "find_text", "zoom", "read"], ops
         assert episode.tool_errors == 0 and episode.num_parse_errors == 0 and episode.stop_reason == "answer"
     right = sum(task_data.success(t, e.answer) for t, e in zip(ready, played, strict=True))
-    print(f"oracle on 2 real plates: {right} right; reads:", [e.turns[2].observation_text for e in played])
+    print(f"oracle on 2 real plates: {right} right; calls:", [len(e.turns) for e in played])

@@ -14,9 +14,9 @@ import pytest
 from PIL import Image
 
 from training import tasks as T
-from training.tasks import Task, TaskMeta
+from training.tasks import Task, TaskMeta, multihop, video
 
-FAMILIES = tuple(T.TASK_FAMILIES)
+FAMILIES = tuple(T.FAMILIES)
 
 
 def all_splits(family: str, data: Path) -> dict[str, list[Task]]:
@@ -103,9 +103,11 @@ def test_jsonl_round_trip_is_lossless(shared_data: Path, tmp_path: Path) -> None
 def test_page_server_serves_written_pages(shared_data: Path, tmp_path: Path) -> None:
     """write_pages writes one HTML page per paragraph; the context's URLs fetch them over real loopback HTTP."""
     tasks = T.load_family("multihop_pages", "dev", data_dir=shared_data, limit=2)
-    assert T.write_pages(tasks, tmp_path, data_dir=shared_data) == sum(len(t.meta.page_paths) for t in tasks)
-    with T.PageServer(tmp_path) as server:
-        task = T.with_base_url(tasks[0], server.base_url)
+    assert multihop.write_pages(tasks, tmp_path, data_dir=shared_data) == sum(
+        len(t.meta.page_paths) for t in tasks
+    )
+    with multihop.PageServer(tmp_path) as server:
+        task = multihop.with_base_url(tasks[0], server.base_url)
         lines = task.context.splitlines()
         assert len(lines) == len(task.meta.page_paths)
         title, url = task.meta.page_titles[0], lines[0].rsplit(" ", 1)[1]
@@ -120,7 +122,7 @@ def test_page_server_serves_written_pages(shared_data: Path, tmp_path: Path) -> 
 
 def test_page_html_escapes_and_joins_sentences() -> None:
     """Titles and text are HTML-escaped; sentences are joined with single spaces."""
-    html = T.page_html(("A & <B>", ["First.", " Second <i>x</i>."]))
+    html = multihop.page_html(("A & <B>", ["First.", " Second <i>x</i>."]))
     assert "<title>A &amp; &lt;B&gt;</title>" in html and "<h1>A &amp; &lt;B&gt;</h1>" in html
     assert "<p>First. Second &lt;i&gt;x&lt;/i&gt;.</p>" in html
 
@@ -164,7 +166,7 @@ def test_prepare_videos_muxes_the_sentence_as_subtitles(shared_data: Path, tmp_p
         for t in T.load_family("video_qa", "train", data_dir=shared_data)
         if t.task_id.startswith("kinetics")
     ]
-    prepared = T.prepare_videos(tasks, tmp_path)
+    prepared = video.prepare_videos(tasks, tmp_path)
     assert prepared[-1] == tasks[-1]
     grid = prepared[0]
     out = Path(grid.meta.video_path or "")
@@ -175,7 +177,7 @@ def test_prepare_videos_muxes_the_sentence_as_subtitles(shared_data: Path, tmp_p
     ffmpeg_stderr("-i", str(out), "-map", "0:s:0", str(srt))
     assert grid.reference in srt.read_text() and "00:00:00,000 --> 00:00:03,000" in srt.read_text()
     mtime = out.stat().st_mtime_ns
-    assert T.prepare_videos(tasks, tmp_path) == prepared and out.stat().st_mtime_ns == mtime
+    assert video.prepare_videos(tasks, tmp_path) == prepared and out.stat().st_mtime_ns == mtime
 
 
 def test_mux_failure_raises_with_ffmpeg_message(tmp_path: Path) -> None:
@@ -183,7 +185,7 @@ def test_mux_failure_raises_with_ffmpeg_message(tmp_path: Path) -> None:
     bogus = tmp_path / "bogus.mpg"
     bogus.write_bytes(b"not a video")
     with pytest.raises(RuntimeError):
-        T.mux_subtitles(bogus, "hello", tmp_path / "out.mp4")
+        video.mux_subtitles(bogus, "hello", tmp_path / "out.mp4")
     assert not (tmp_path / "out.mp4").exists()
 
 
@@ -201,3 +203,17 @@ def test_reward_and_success_per_family() -> None:
         assert not T.success(text, "set white")
     for task in (plate, text):
         assert T.reward_for(task, None) == 0.0 and not T.success(task, None)
+
+
+def test_musique_tasks_carry_their_decomposition(shared_data: Path, tmp_path: Path) -> None:
+    """Every MuSiQue train question keeps its hops: a sub-question per hop (later hops name earlier answers as
+    #k) and the page that answers it; HotpotQA questions have none. Hops survive the JSON round trip."""
+    train = T.load_family("multihop_pages", "train", data_dir=shared_data)
+    musique = [t for t in train if t.task_id.startswith("musique-")]
+    assert len(musique) == 100 and all(2 <= len(t.meta.hops) <= 4 for t in musique)
+    assert all(0 <= page < len(t.meta.page_paths) for t in musique for _, page in t.meta.hops)
+    assert all(any("#" in question for question, _ in t.meta.hops[1:]) for t in musique)
+    assert not any(t.meta.hops for t in train if t.task_id.startswith("hotpotqa-"))
+    path = tmp_path / "musique.jsonl"
+    T.save_tasks(path, musique)
+    assert T.load_tasks(path) == musique

@@ -27,7 +27,8 @@ from training import train as train_module
 from training.checkpoint import CheckpointError, TrainState
 from training.config import ConfigError, TrainConfig, config_hash, load_train_config
 from training.metrics import read_metrics, rollout_metrics, step_line
-from training.run import embedded_config, next_tasks
+from training.play import embedded_server_config
+from training.run import next_tasks
 from training.tasks import Task, TaskMeta
 from training.train import (
     InfraFailure,
@@ -39,8 +40,11 @@ from training.train import (
 )
 from training.train_async import drop_stale, train_async
 
-TASK = Task("t1", "stub", "Who wrote the first program?", ("search", "page_qa"), "Ada Lovelace")
-STUB_TASKS = [Task(f"stub-{i}", "stub", f"What is {i} plus one?", ("search",), str(i + 1)) for i in range(5)]
+# Text-scored tasks with nothing to prepare: video_qa's reward (token F1) with the fake server's tools.
+TASK = Task("t1", "video_qa", "Who wrote the first program?", ("search", "page_qa"), "Ada Lovelace")
+STUB_TASKS = [
+    Task(f"stub-{i}", "video_qa", f"What is {i} plus one?", ("search",), str(i + 1)) for i in range(5)
+]
 
 
 def tiny_llama(vocab: int, **config):
@@ -270,7 +274,7 @@ def test_embedded_server_may_read_the_tasks_media_and_loopback_pages() -> None:
         "p", "plate_reading", "q", ("image_ops",), "AB12", meta=TaskMeta(image_path="/data/plates/a.jpg")
     )
     clip = Task("v", "video_qa", "q", ("video_summary",), "x", meta=TaskMeta(video_path="/data/grid/b.mpg"))
-    cfg = embedded_config([photo, clip])
+    cfg = embedded_server_config([photo, clip])
     assert cfg.fetch.allow_private_cidrs == ("127.0.0.0/8",)
     assert cfg.tools.image_ops.config.allowed_roots == ("/data/grid", "/data/plates")
     assert cfg.tools.video_summary.config.allowed_roots == ("/data/grid", "/data/plates")
@@ -313,7 +317,7 @@ def parity_score(episode: Episode, task: Task, weights) -> list:
 def tiny_config(run_dir: Path, policy: Path, **changes) -> TrainConfig:
     cfg = TrainConfig(
         policy=str(policy),
-        task="stub",
+        task="video_qa",
         steps=2,
         batch_tasks=2,
         group_size=2,

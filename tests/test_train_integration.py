@@ -128,7 +128,7 @@ def test_subagents_stay_frozen_across_training(
     app = create_app(cfg)
     with page_server() as page, serving(app) as url:
         tasks = [
-            Task(f"ada-{i}", "stub", q, ("page_qa",), "London", context=f"Page: Ada Lovelace {page}/ada")
+            Task(f"ada-{i}", "video_qa", q, ("page_qa",), "London", context=f"Page: Ada Lovelace {page}/ada")
             for i, q in enumerate(["Where was Ada Lovelace born?", "Who was Ada Lovelace's father?"])
         ]
         monkeypatch.setattr(task_data, "load_family", lambda *a, **k: tasks)

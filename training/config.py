@@ -78,8 +78,9 @@ class TrainConfig:
     """Turn credit's baseline: same turn index, or same call (anchor) anywhere in the group."""
     turn_rewards: TurnRewardWeights = field(default_factory=TurnRewardWeights)
     """Shaping weights per turn (`[turn_rewards]`); they train only with credit = "turn", and are always logged."""
-    max_turns: int = 4
-    """Policy turns per episode: a multihop question needs two or three page reads and an answer."""
+    max_turns: int = 10
+    """Policy turns per episode: a plate needs five (load, find_text, zoom, read, answer) and up to four more when
+    a read fails and is retried; a four-hop MuSiQue question asked hop by hop needs five."""
     max_calls_per_turn: int = 4
     """Calls beyond this in one turn are dropped with a note to the policy."""
     max_new_tokens: int = 320

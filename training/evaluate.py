@@ -22,7 +22,6 @@ What the report measures, over the episodes that did not fail for infrastructure
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -32,24 +31,22 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import httpx
 import torch
 
 from main_agent.policy import Policy, SamplingConfig, TransformersPolicy
-from main_agent.rollout import RolloutConfig, rollout
+from main_agent.rollout import RolloutConfig
 from main_agent.types import Episode
 from tool_server.client import ToolClient
 from training import tasks as task_data
 from training.config import TrainConfig
 from training.metrics import mean, save_rollouts
-from training.run import tool_session
+from training.play import play, tool_session
 from training.tasks import Task
-from training.train import rollout_task
 
 logger = logging.getLogger(__name__)
 
@@ -154,40 +151,21 @@ def format_table(reports: Sequence[EvalReport]) -> str:
     )
 
 
-async def play_all(
-    policy_for: Callable[[Task], Policy],
-    tokenizer,
-    tasks: Sequence[Task],
-    *,
-    tools: ToolClient,
-    cfg: RolloutConfig,
-    max_concurrent: int,
-) -> list[Episode]:
-    """One episode per task with the policy `policy_for(task)`, in task order, at most `max_concurrent` in flight."""
-    schemas = await tools.tools()
-    slots = asyncio.Semaphore(max_concurrent)
-
-    async def play(task: Task) -> Episode:
-        async with slots:
-            return await rollout(rollout_task(task, schemas), policy_for(task), tools, tokenizer, cfg)
-
-    return list(await asyncio.gather(*(play(t) for t in tasks)))
-
-
 async def evaluate_policy(
     policy: Policy, tokenizer, tasks: Sequence[Task], *, tools: ToolClient, cfg: EvalConfig, label: str
 ) -> tuple[EvalReport, list[Episode]]:
     """Play every task once with `policy` (already set to greedy decoding) and summarise."""
     torch.manual_seed(cfg.seed)
     start = time.monotonic()
-    episodes = await play_all(
-        lambda _: policy,
-        tokenizer,
+    groups = await play(
         tasks,
+        lambda _: policy,
         tools=tools,
+        tokenizer=tokenizer,
         cfg=cfg.rollout,
         max_concurrent=cfg.max_concurrent_episodes,
     )
+    episodes = [group[0] for group in groups]
     return summarise(tasks, episodes, policy=label, wall_s=time.monotonic() - start), episodes
 
 
@@ -242,23 +220,6 @@ async def evaluate(
     return report
 
 
-@contextlib.asynccontextmanager
-async def task_tool_client(
-    tasks: list[Task],
-    *,
-    work_dir: Path,
-    tools_url: str | None = None,
-    data_dir: Path | None = None,
-    transport: httpx.AsyncBaseTransport | None = None,
-) -> AsyncIterator[tuple[ToolClient, list[Task]]]:
-    """A tool client and the tasks ready to play, set up exactly as training does (`training.run.tool_session`):
-    multihop pages written under `work_dir` and served over loopback, GRID clips subtitled into `work_dir`, and,
-    without `tools_url` or `transport`, a tool server in this process allowed to reach both."""
-    settings = TrainConfig(run_dir=work_dir, tools_url=tools_url, data_dir=data_dir)
-    async with tool_session(settings, tasks, transport=transport) as (client, ready):
-        yield client, ready
-
-
 async def _run_eval(
     policy: str,
     tasks: list[Task],
@@ -269,10 +230,8 @@ async def _run_eval(
     episodes_out: Path | None,
 ) -> EvalReport:
     with tempfile.TemporaryDirectory(prefix="conductor-eval-") as work:
-        async with task_tool_client(tasks, work_dir=Path(work), tools_url=tools_url, data_dir=data_dir) as (
-            tools,
-            ready,
-        ):
+        session = tool_session(tasks, work_dir=Path(work), tools_url=tools_url, data_dir=data_dir)
+        async with session as (tools, ready):
             return await evaluate(policy, ready, tools=tools, cfg=cfg, episodes_out=episodes_out)
 
 

@@ -1,9 +1,10 @@
 """A training run's plumbing, shared by the sync and async loops: start or resume, tools, data order, bookkeeping.
 
     run = await start_run(cfg, resume=None, force=False)  # model, sampler (training/sampler.py), optimizer, tasks
-    async with tool_session(cfg, run.tasks) as (tools, tasks):
+    async with tool_session(run) as (tools, tasks):
         batch, state = next_tasks(tasks, run.state, cfg)   # seeded shuffle per epoch; the cursor is in `state`
-        ...                                                # collect, score, update, sync (train.py)
+        groups = await collect(run, tools, batch)           # training/play.py
+        ...                                                # score, update, sync (train.py)
         finish_step(run, step, row, state=state, episodes=..., stepped=...)   # log, rollouts, checkpoint
 
 Run directory: `metrics.jsonl`, `rollouts/step_N.jsonl`, `step_N/` checkpoints (training/checkpoint.py),
@@ -12,14 +13,13 @@ Run directory: `metrics.jsonl`, `rollouts/step_N.jsonl`, `step_N/` checkpoints (
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
 import logging
 import random
 import sys
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,8 +32,8 @@ from tqdm import tqdm
 from main_agent.policy import Policy, default_device, load_model_and_tokenizer
 from main_agent.types import Episode
 from tool_server.client import ToolClient
-from tool_server.config import ServerConfig, ToolSettings
 from training import checkpoint as ckpt
+from training import play
 from training import tasks as task_data
 from training.checkpoint import CheckpointError, TrainState
 from training.config import RESUME_KEYS, TrainConfig, config_hash, config_to_dict
@@ -155,56 +155,32 @@ def load_policy(cfg: TrainConfig) -> tuple[Model, object]:
     return model, tokenizer
 
 
-@contextlib.asynccontextmanager
-async def tool_session(
-    cfg: TrainConfig, tasks: list[Task], *, transport: httpx.AsyncBaseTransport | None = None
-) -> AsyncIterator[tuple[ToolClient, list[Task]]]:
-    """A tool client and the tasks ready to play: multihop pages served over loopback, GRID clips subtitled.
+def tool_session(run: Run, *, transport: httpx.AsyncBaseTransport | None = None):
+    """The run's tool client and tasks ready to play (training.play.tool_session), pages and clips under run_dir.
 
-    `transport` (tests) replaces the server; else `tools_url`, else a tool server in this process. The page
-    server binds 127.0.0.1, so with `tools_url` multihop tasks need that server on this machine.
-    """
-    async with contextlib.AsyncExitStack() as stack:
-        if any(t.family == "multihop_pages" for t in tasks):
-            pages = cfg.run_dir / "pages"
-            task_data.write_pages(tasks, pages, data_dir=cfg.data_dir)
-            server = stack.enter_context(task_data.PageServer(pages))
-            tasks = [
-                task_data.with_base_url(t, server.base_url) if t.family == "multihop_pages" else t
-                for t in tasks
-            ]
-        if any(t.meta.subtitle for t in tasks):
-            tasks = task_data.prepare_videos(tasks, cfg.run_dir / "videos")
-        limit = cfg.max_inflight_tool_calls
-        if transport is None and cfg.tools_url is None:
-            from tool_server.app import create_app
-
-            app = create_app(embedded_config(tasks))
-            await stack.enter_async_context(app.router.lifespan_context(app))
-            transport = httpx.ASGITransport(app=app)
-        client = ToolClient(cfg.tools_url or "http://embedded", transport=transport, max_concurrency=limit)
-        yield await stack.enter_async_context(client), tasks
-
-
-def embedded_config(tasks: Sequence[Task]) -> ServerConfig:
-    """Default tool-server settings, plus loopback fetches (the page server) and the tasks' media folders.
-
-    Limit: opening 127.0.0.0/8 lets the policy's page_qa reach any loopback service of this machine.
-    """
-    base = ServerConfig()
-    media = [t.meta.image_path or t.meta.video_path for t in tasks]
-    roots = tuple(sorted({str(Path(p).parent) for p in media if p}))
-
-    def with_roots(settings: ToolSettings) -> ToolSettings:
-        return dataclasses.replace(settings, config=dataclasses.replace(settings.config, allowed_roots=roots))
-
-    tools = dataclasses.replace(
-        base.tools,
-        image_ops=with_roots(base.tools.image_ops),
-        video_summary=with_roots(base.tools.video_summary),
+    `transport` (tests) replaces the server; else `tools_url`, else a tool server in this process."""
+    cfg = run.cfg
+    return play.tool_session(
+        run.tasks,
+        work_dir=cfg.run_dir,
+        tools_url=cfg.tools_url,
+        data_dir=cfg.data_dir,
+        max_inflight_calls=cfg.max_inflight_tool_calls,
+        transport=transport,
     )
-    return dataclasses.replace(
-        base, fetch=dataclasses.replace(base.fetch, allow_private_cidrs=("127.0.0.0/8",)), tools=tools
+
+
+def collect(run: Run, tools: ToolClient, tasks: Sequence[Task]) -> Awaitable[list[list[Episode]]]:
+    """G episodes of each task, all in flight together (at most `max_concurrent_episodes`): one group per task."""
+    cfg = run.cfg
+    return play.play(
+        tasks,
+        lambda _: run.policy,
+        tools=tools,
+        tokenizer=run.tokenizer,
+        cfg=cfg.rollout_config,
+        group_size=cfg.group_size,
+        max_concurrent=cfg.max_concurrent_episodes,
     )
 
 

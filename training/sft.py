@@ -3,12 +3,13 @@
     python -m training.sft [key=value ...]        e.g. tasks=["plate_reading"] limit=32 epochs=2 out_dir=runs/sft
 
 1. `OraclePolicy`, an expert written as code, plays the `Policy` protocol in the ordinary `rollout`, replying in the
-   call format of `main_agent.parse`. multihop_pages: concurrent page_qa calls on the supporting pages, in one
-   turn, then answer. plate_reading: load, zoom on the plate box padded to 3x, read, answer. video_qa: one
-   video_summary call with the question, then answer. The oracle knows the reference (it demonstrates, it does
-   not compete), but by default writes it only when an observation showed it (`grounded_answer`), so no
-   demonstration teaches stating what no tool showed; otherwise it answers its own reading, which then fails
-   the success filter. `trust_reference=True` answers the reference regardless (more data, less honest).
+   call format of `main_agent.parse` with its task family's `oracle_reply` (training/tasks/: multihop asks hop by
+   hop where the data decomposes the question; plates load, find text, zoom on a found region, read, retry; video
+   asks video_summary). Every argument it writes is derivable from what the policy has seen; the task's metadata
+   only chooses among those options. The oracle knows the reference (it demonstrates, it does not compete), but
+   by default writes it only when an observation showed it, so no demonstration teaches stating what no tool
+   showed; otherwise it answers its own reading, which then fails the success filter. `trust_reference=True`
+   answers the reference regardless (more data, less honest).
 2. `generate_expert_episodes` keeps the successful episodes (`tasks.success`).
 3. `sft` minimises the cross-entropy of the oracle's tokens only (the loss mask of `main_agent.tokens`: 0 on the
    prompt and every observation), on exactly the ids the rollout laid down.
@@ -23,7 +24,6 @@ import functools
 import json
 import logging
 import random
-import re
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -36,7 +36,7 @@ from torch import nn
 from main_agent.policy import Sample, load_model_and_tokenizer
 from main_agent.rollout import RolloutConfig
 from main_agent.tokens import collate, micro_batches, to_sequence
-from main_agent.types import Episode
+from main_agent.types import Episode, Turn
 from tool_server.client import ToolClient
 from tool_server.config import build
 from training import tasks as task_data
@@ -47,146 +47,46 @@ from training.evaluate import (
     evaluate_policy,
     format_table,
     greedy_policy,
-    play_all,
-    task_tool_client,
 )
 from training.loss import all_finite, token_logprobs
 from training.metrics import save_rollouts
-from training.rewards import contains_evidence, normalize_plate
+from training.play import play, tool_session
 from training.tasks import Task
 
 logger = logging.getLogger(__name__)
 
-_RESPONSE = re.compile(r"<tool_response>(.*?)</tool_response>", re.DOTALL)
-_IMAGE = re.compile(r"\b(img_[0-9a-f]+) (\d+)x(\d+)")
-_READ = re.compile(r'read: "(.*)"', re.DOTALL)
-_PAGE_ANSWER = re.compile(r"page_qa: answer: (.*?) \| quote:", re.DOTALL)
 MAX_GRAD_NORM = 1.0  # the usual clip for fine-tuning a small LM: one odd batch cannot wreck the weights
-NO_ANSWER = "unknown"  # what the oracle answers when the observations offer nothing
 
 
 # ---------------------------------------------------------------- the scripted expert
 
 
-def call_text(name: str, **arguments: object) -> str:
-    """One call in the policy's format (see main_agent.parse)."""
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}</tool_call>"
-
-
-def context_lines(task: Task, label: str) -> list[str]:
-    """The values of the `<label>: ...` lines of the task's context, as the policy sees them."""
-    prefix = f"{label}: "
-    return [line[len(prefix) :].strip() for line in task.context.splitlines() if line.startswith(prefix)]
-
-
-def grounded_answer(task: Task, bodies: list[str], guess: str, *, trust_reference: bool) -> str:
-    """The reference when the observation `bodies` hold it (or when trusted), else the oracle's `guess`.
-    Plates count as found when the text `read` returned holds the plate (letters and digits only)."""
-    if trust_reference:
-        return task.reference
-    if task.family == "plate_reading":
-        found = normalize_plate(task.reference) in normalize_plate(" ".join(read_lines(bodies)))
-    else:
-        found = contains_evidence("\n".join(bodies), task.reference)
-    return task.reference if found else guess
-
-
-def read_lines(bodies: list[str]) -> list[str]:
-    """The text lines of every image_ops `read` observation (`... read: "line / line"`)."""
-    reads = [m.group(1) for b in bodies if (m := _READ.search(b))]
-    return [line for text in reads for line in text.split(" / ")]
-
-
-def multihop_reply(task: Task, observations: list[list[str]], *, trust_reference: bool) -> str:
-    """Turn 0: page_qa on every supporting page, all in one turn. Then: answer."""
-    if not observations:
-        # "Page: <title> <url>" lines, as `tasks.with_base_url` writes them
-        urls = dict(line.rsplit(" ", 1) for line in context_lines(task, "Page") if " " in line)
-        if not urls:
-            raise ValueError(
-                f"task {task.task_id} lists no pages: give it a base URL with tasks.with_base_url"
-            )
-        titles = [t for t in task.meta.supporting_titles if t in urls] or list(urls)[:2]
-        return "\n".join(call_text("page_qa", url=urls[t], question=task.question) for t in titles[:4])
-    bodies = [b for turn in observations for b in turn]
-    answers = [m.group(1).strip() for b in bodies if (m := _PAGE_ANSWER.match(b))]
-    useful = [a for a in answers if a and "not in the page" not in a.lower()]
-    guess = useful[-1] if useful else NO_ANSWER
-    return f"<answer>{grounded_answer(task, bodies, guess, trust_reference=trust_reference)}</answer>"
-
-
-def plate_reply(task: Task, observations: list[list[str]], *, trust_reference: bool) -> str:
-    """Turn 0: load. 1: zoom on the padded plate box. 2: read the zoomed image. Then: answer.
-    A step whose observation lacks the image id it needs ends the episode with the best guess."""
-    images = context_lines(task, "Image")
-    if not images or task.meta.plate_box is None:
-        raise ValueError(f"task {task.task_id} has no image line in its context or no plate box")
-    turn = len(observations)
-    if turn == 0:
-        return call_text("image_ops", op="load", image=images[0])
-    found = _IMAGE.search(" ".join(observations[-1])) if turn < 3 else None
-    if found is not None and turn == 1:
-        box = padded_box(task.meta.plate_box, width=int(found.group(2)), height=int(found.group(3)))
-        return call_text("image_ops", op="zoom", image=found.group(1), box=box)
-    if found is not None and turn == 2:
-        return call_text("image_ops", op="read", image=found.group(1))
-    bodies = [b for obs in observations for b in obs]
-    guess = max(read_lines(bodies), key=lambda s: len(normalize_plate(s)), default=NO_ANSWER)
-    return f"<answer>{grounded_answer(task, bodies, guess, trust_reference=trust_reference)}</answer>"
-
-
-def padded_box(plate: tuple[int, int, int, int], *, width: int, height: int) -> list[int]:
-    """(x, y, w, h) grown by one plate size on every side (3x the box) as [x0, y0, x1, y1] inside the image:
-    the crop `image_ops` documents as reading twice as many plates as the full photo at the reader's 384 px."""
-    x, y, w, h = plate
-    x0, y0 = max(0, min(x - w, width - 1)), max(0, min(y - h, height - 1))
-    return [x0, y0, max(x0 + 1, min(x + 2 * w, width)), max(y0 + 1, min(y + 2 * h, height))]
-
-
-def video_reply(task: Task, observations: list[list[str]], *, trust_reference: bool) -> str:
-    """Turn 0: video_summary with the question. Then: answer."""
-    videos = context_lines(task, "Video")
-    if not videos:
-        raise ValueError(f"task {task.task_id} has no video line in its context")
-    if not observations:
-        return call_text("video_summary", video=videos[0], question=task.question)
-    bodies = [b.removeprefix("video_summary: ") for obs in observations for b in obs]
-    guess = bodies[-1].splitlines()[0].strip() if bodies and bodies[-1].strip() else NO_ANSWER
-    return f"<answer>{grounded_answer(task, bodies, guess, trust_reference=trust_reference)}</answer>"
-
-
-REPLIES = {"multihop_pages": multihop_reply, "plate_reading": plate_reply, "video_qa": video_reply}
-
-
 class OraclePolicy:
     """A scripted expert for one task, playing the `Policy` protocol: one instance per episode.
 
-    It reads what came back after its previous reply (the ids past what it has already seen, decoded) and keeps
-    the `<tool_response>` bodies of each turn; its next reply is a function of the task and those observations.
+    It watches its episode's turns (`observe`, the rollout's per-turn hook) and answers each `sample` with its
+    family's `oracle_reply(task, turns)`, which reads the structured results of earlier calls, never their text.
     Log-probs are reported as 0.0: an expert has no sampler, and SFT does not use them.
     """
 
     def __init__(self, task: Task, tokenizer, *, trust_reference: bool = False) -> None:
-        if task.family not in REPLIES:
-            raise ValueError(f"no oracle for task family {task.family!r}; known: {sorted(REPLIES)}")
+        self.family = task_data.family_of(task)
         self.task = task
         self.tokenizer = tokenizer
         self.trust_reference = trust_reference
         self.version = 0
         self.eos_token_id = int(tokenizer.eos_token_id)
-        self.observations: list[list[str]] = []
-        self._seen = 0  # ids of the conversation already read: prompt and own replies so far
+        self.turns: list[Turn] = []
+
+    def observe(self, turn: Turn) -> None:
+        self.turns.append(turn)
 
     async def sample(self, prompt_ids: list[int], *, max_new_tokens: int) -> Sample:
-        if self._seen:
-            new = self.tokenizer.decode(prompt_ids[self._seen :], skip_special_tokens=True)
-            self.observations.append(_RESPONSE.findall(new))
-        reply = REPLIES[self.task.family](self.task, self.observations, trust_reference=self.trust_reference)
+        reply = self.family.oracle_reply(self.task, self.turns, trust_reference=self.trust_reference)
         ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.eos_token_id]
         if len(ids) > max_new_tokens:  # the rollout's budget binds the expert too; a cut reply usually fails
             ids = ids[:max_new_tokens]
             reply = self.tokenizer.decode(ids, skip_special_tokens=True)
-        self._seen = len(prompt_ids) + len(ids)
         return Sample(ids, [0.0] * len(ids), reply, "stop" if ids[-1] == self.eos_token_id else "length")
 
     async def aclose(self) -> None:
@@ -197,11 +97,17 @@ async def generate_expert_episodes(
     tasks: Sequence[Task], tools: ToolClient, tokenizer, cfg: SFTConfig
 ) -> list[Episode]:
     """The oracle's successful episodes, in task order; the kept and played counts per family are logged."""
-    oracle = functools.partial(OraclePolicy, tokenizer=tokenizer, trust_reference=cfg.trust_reference)
-    slots = cfg.max_concurrent_episodes
-    episodes = await play_all(
-        oracle, tokenizer, tasks, tools=tools, cfg=cfg.rollout_config, max_concurrent=slots
+    experts = {t.task_id: OraclePolicy(t, tokenizer, trust_reference=cfg.trust_reference) for t in tasks}
+    groups = await play(
+        tasks,
+        lambda task: experts[task.task_id],
+        tools=tools,
+        tokenizer=tokenizer,
+        cfg=cfg.rollout_config,
+        max_concurrent=cfg.max_concurrent_episodes,
+        on_turn_for=lambda task: experts[task.task_id].observe,
     )
+    episodes = [group[0] for group in groups]
     played = Counter(t.family for t in tasks)
     kept = [(t, e) for t, e in zip(tasks, episodes, strict=True) if task_data.success(t, e.answer)]
     counts = Counter(t.family for t, _ in kept)
@@ -337,12 +243,8 @@ async def _demonstrate_and_learn(cfg: SFTConfig, model: nn.Module, tokenizer) ->
     policy = greedy_policy(model, tokenizer, eval_cfg)
     work = cfg.out_dir / "work"
     reports: list[EvalReport] = []
-    async with task_tool_client(
-        [*train, *dev], work_dir=work, tools_url=cfg.tools_url, data_dir=cfg.data_dir
-    ) as (
-        tools,
-        ready,
-    ):
+    session = tool_session([*train, *dev], work_dir=work, tools_url=cfg.tools_url, data_dir=cfg.data_dir)
+    async with session as (tools, ready):
         train, dev = ready[: len(train)], ready[len(train) :]
 
         async def check(label: str) -> None:

@@ -31,11 +31,8 @@ import httpx
 import torch
 from torch import nn
 
-from main_agent.policy import Policy
-from main_agent.rollout import RolloutTask, rollout
 from main_agent.tokens import Batch, TrainSequence, collate, micro_batches, to_sequence
 from main_agent.types import Episode, Turn
-from tool_server.client import ToolClient
 from training import tasks as task_data
 from training.advantages import EpisodeCredit, TurnCredit, group_advantages
 from training.config import TrainConfig, load_train_config
@@ -49,7 +46,7 @@ from training.rewards import (
     contains_evidence,
     turn_reward,
 )
-from training.run import Run, finish_step, next_tasks, progress, seed_step, start_run, tool_session
+from training.run import Run, collect, finish_step, next_tasks, progress, seed_step, start_run, tool_session
 from training.sampler import sync_weights
 from training.tasks import Task
 
@@ -260,31 +257,6 @@ def _skip(reason: str) -> UpdateStats:
 # ---------------------------------------------------------------- rollouts
 
 
-async def collect(
-    tasks: Sequence[Task], policy: Policy, tools: ToolClient, tokenizer, cfg: TrainConfig
-) -> list[list[Episode]]:
-    """G episodes of each task, all in flight together (at most `max_concurrent_episodes`): one group per task."""
-    schemas = await tools.tools()
-    slots = asyncio.Semaphore(cfg.max_concurrent_episodes)
-
-    async def play(task: Task) -> Episode:
-        async with slots:
-            return await rollout(rollout_task(task, schemas), policy, tools, tokenizer, cfg.rollout_config)
-
-    episodes = await asyncio.gather(*(play(t) for t in tasks for _ in range(cfg.group_size)))
-    g = cfg.group_size
-    return [list(episodes[i * g : (i + 1) * g]) for i in range(len(tasks))]
-
-
-def rollout_task(task: Task, schemas: Sequence[dict[str, object]]) -> RolloutTask:
-    """The rollout's view of a task: only the tools it names, in the server's order."""
-    mine = [s for s in schemas if s["function"]["name"] in task.tools]  # type: ignore[index]
-    missing = set(task.tools) - {s["function"]["name"] for s in mine}  # type: ignore[index]
-    if missing:
-        raise ValueError(f"task {task.task_id} needs tools {sorted(missing)} the tool server does not offer")
-    return RolloutTask(task.task_id, task.question, mine, context=task.context)
-
-
 def step_row(
     step: int,
     version: int,
@@ -316,12 +288,12 @@ def step_row(
 async def train_loop(run: Run, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
     """Steps state.step+1 .. steps, one after the other: collect, learn, sync."""
     cfg = run.cfg
-    async with tool_session(cfg, run.tasks, transport=transport) as (tools, tasks):
+    async with tool_session(run, transport=transport) as (tools, tasks):
         for step in progress(run):
             batch, state = next_tasks(tasks, run.state, cfg)
             seed_step(cfg, step)
             t0 = time.monotonic()
-            groups = await collect(batch, run.policy, tools, run.tokenizer, cfg)
+            groups = await collect(run, tools, batch)
             t1 = time.monotonic()
             scored = score_groups(groups, batch, cfg)
             stats = update(run.model, run.optimizer, scored.sequences, cfg, ref_model=run.ref_model)

@@ -33,10 +33,10 @@ from main_agent.types import Episode
 from tool_server.client import ToolClient
 from training.checkpoint import TrainState
 from training.config import TrainConfig, load_train_config
-from training.run import Run, finish_step, next_tasks, progress, seed_step, tool_session
+from training.run import Run, collect, finish_step, next_tasks, progress, seed_step, tool_session
 from training.sampler import sync_weights
 from training.tasks import Task
-from training.train import collect, drive, parse_cli, score_groups, step_row, update
+from training.train import drive, parse_cli, score_groups, step_row, update
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ async def produce(
             await synced.wait_for(finished(run, step - 2))
             seed_step(cfg, step)
             t0 = time.monotonic()
-            groups = await collect(batch_tasks, run.policy, tools, run.tokenizer, cfg)
+            groups = await collect(run, tools, batch_tasks)
         await queue.put(Batch(step, batch_tasks, state, groups, time.monotonic() - t0))
 
 
@@ -93,7 +93,7 @@ async def next_batch(queue: asyncio.Queue[Batch], producer: asyncio.Task[None]) 
 async def train_loop(run: Run, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
     """Steps state.step+1 .. steps; the producer collects the next step's groups while this one trains."""
     cfg = run.cfg
-    async with tool_session(cfg, run.tasks, transport=transport) as (tools, tasks):
+    async with tool_session(run, transport=transport) as (tools, tasks):
         queue: asyncio.Queue[Batch] = asyncio.Queue(maxsize=1)
         synced = asyncio.Condition()
         producer = asyncio.create_task(produce(run, tools, tasks, queue, synced), name="rollout-producer")

@@ -1,0 +1,115 @@
+"""Playing tasks: the one place training, evaluation and the SFT expert turn tasks into episodes.
+
+    async with tool_session(tasks, work_dir=..., tools_url=None) as (tools, ready):   # server + prepared tasks
+        groups = await play(ready, lambda task: policy, tools=tools, tokenizer=tok, cfg=rollout_cfg,
+                            group_size=4, max_concurrent=8)                             # [task][episode]
+
+`play` runs `group_size` episodes of every task, all in flight together up to `max_concurrent` (the in-process
+policy batches their turns into one generate), and returns them grouped per task in task order, whatever finishes
+first. `policy_for(task)` gives each episode its policy (one shared sampler while training and evaluating; one
+scripted expert per episode for SFT, which also watches its turns through `on_turn_for`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+
+import httpx
+
+from main_agent.policy import Policy
+from main_agent.rollout import ProgressHook, RolloutConfig, RolloutTask, rollout
+from main_agent.types import Episode
+from tool_server.client import ToolClient
+from training import tasks as task_data
+from training.tasks import Task
+
+
+def rollout_task(task: Task, schemas: Sequence[dict[str, object]]) -> RolloutTask:
+    """The rollout's view of a task: only the tools it names, in the server's order."""
+    mine = [s for s in schemas if s["function"]["name"] in task.tools]  # type: ignore[index]
+    missing = set(task.tools) - {s["function"]["name"] for s in mine}  # type: ignore[index]
+    if missing:
+        raise ValueError(f"task {task.task_id} needs tools {sorted(missing)} the tool server does not offer")
+    return RolloutTask(task.task_id, task.question, mine, context=task.context)
+
+
+async def play(
+    tasks: Sequence[Task],
+    policy_for: Callable[[Task], Policy],
+    *,
+    tools: ToolClient,
+    tokenizer,
+    cfg: RolloutConfig,
+    group_size: int = 1,
+    max_concurrent: int,
+    on_turn_for: Callable[[Task], ProgressHook] | None = None,
+) -> list[list[Episode]]:
+    """`group_size` episodes of each task, at most `max_concurrent` in flight; one list per task, in order."""
+    schemas = await tools.tools()
+    slots = asyncio.Semaphore(max_concurrent)
+
+    async def one(task: Task) -> Episode:
+        async with slots:
+            hook = on_turn_for(task) if on_turn_for is not None else None
+            job = rollout_task(task, schemas)
+            return await rollout(job, policy_for(task), tools, tokenizer, cfg, on_turn=hook)
+
+    episodes = await asyncio.gather(*(one(t) for t in tasks for _ in range(group_size)))
+    return [list(episodes[i * group_size : (i + 1) * group_size]) for i in range(len(tasks))]
+
+
+@contextlib.asynccontextmanager
+async def tool_session(
+    tasks: Sequence[Task],
+    *,
+    work_dir: Path,
+    tools_url: str | None = None,
+    data_dir: Path | None = None,
+    max_inflight_calls: int = 8,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> AsyncIterator[tuple[ToolClient, list[Task]]]:
+    """A tool client and the tasks ready to play (`tasks.prepared` under `work_dir`).
+
+    `transport` (tests) replaces the server; else `tools_url`, else a tool server in this process allowed to read
+    the tasks' media and their loopback pages (`embedded_server_config`). The page server binds 127.0.0.1, so
+    with `tools_url` multihop tasks need that server on this machine.
+    """
+    with task_data.prepared(tasks, work_dir, data_dir=data_dir) as ready:
+        async with contextlib.AsyncExitStack() as stack:
+            if transport is None and tools_url is None:
+                from tool_server.app import create_app
+
+                app = create_app(embedded_server_config(ready))
+                await stack.enter_async_context(app.router.lifespan_context(app))
+                transport = httpx.ASGITransport(app=app)
+            url = tools_url or "http://embedded"
+            client = ToolClient(url, transport=transport, max_concurrency=max_inflight_calls)
+            yield await stack.enter_async_context(client), ready
+
+
+def embedded_server_config(tasks: Sequence[Task]):
+    """Default tool-server settings, plus loopback fetches (the page server) and the tasks' media folders.
+
+    Limit: opening 127.0.0.0/8 lets the policy's page_qa reach any loopback service of this machine.
+    """
+    from tool_server.config import ServerConfig, ToolSettings
+
+    base = ServerConfig()
+    media = [t.meta.image_path or t.meta.video_path for t in tasks]
+    roots = tuple(sorted({str(Path(p).parent) for p in media if p}))
+
+    def with_roots(settings: ToolSettings) -> ToolSettings:
+        return dataclasses.replace(settings, config=dataclasses.replace(settings.config, allowed_roots=roots))
+
+    tools = dataclasses.replace(
+        base.tools,
+        image_ops=with_roots(base.tools.image_ops),
+        video_summary=with_roots(base.tools.video_summary),
+    )
+    return dataclasses.replace(
+        base, fetch=dataclasses.replace(base.fetch, allow_private_cidrs=("127.0.0.0/8",)), tools=tools
+    )

@@ -1,0 +1,86 @@
+"""Task families: one module each, with the same five names, listed in `FAMILIES`.
+
+    load(data_dir, split, *, limit=None) -> list[Task]     the split's tasks in a fixed order
+    reward(answer, reference) -> float                      final reward in [0, 1]
+    success(answer, reference) -> bool                      whether the answer is right
+    prepared(tasks, work_dir, *, data_dir=None)             context manager: the tasks ready to play
+    oracle_reply(task, turns, *, trust_reference) -> str    the scripted expert's next reply (SFT)
+
+    tasks = load_family("plate_reading", "dev", limit=16)
+    with prepared(tasks, work_dir) as ready:               # pages served, clips subtitled, as each family needs
+        ...
+
+Adding a family is one module and one entry here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from training.tasks import multihop, plates, video
+from training.tasks.task import SPLITS, Task, TaskMeta, data_root, hash_split, load_tasks, save_tasks
+
+__all__ = [
+    "FAMILIES",
+    "SPLITS",
+    "Task",
+    "TaskMeta",
+    "data_root",
+    "family_of",
+    "hash_split",
+    "load_family",
+    "load_tasks",
+    "prepared",
+    "reward_for",
+    "save_tasks",
+    "success",
+]
+
+FAMILIES = {
+    multihop.NAME: multihop,
+    plates.NAME: plates,
+    video.NAME: video,
+}
+
+
+def load_family(
+    name: str, split: str, *, data_dir: Path | None = None, limit: int | None = None
+) -> list[Task]:
+    """The tasks of one family and split, in a fixed order; `limit` keeps the first ones."""
+    if name not in FAMILIES:
+        raise ValueError(f"unknown task family {name!r}; known: {sorted(FAMILIES)}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; known: {SPLITS}")
+    return FAMILIES[name].load(data_root(data_dir), split, limit=limit)
+
+
+def family_of(task: Task):
+    """The module of the task's family; ValueError naming the known ones for any other."""
+    if task.family not in FAMILIES:
+        raise ValueError(f"task {task.task_id}: unknown family {task.family!r}; known: {sorted(FAMILIES)}")
+    return FAMILIES[task.family]
+
+
+def reward_for(task: Task, answer: str | None) -> float:
+    """The family's final reward in [0, 1]; no answer (a budget ran out) scores 0."""
+    return 0.0 if answer is None else family_of(task).reward(answer, task.reference)
+
+
+def success(task: Task, answer: str | None) -> bool:
+    """Whether the answer is right by the family's rule; no answer is wrong."""
+    return answer is not None and family_of(task).success(answer, task.reference)
+
+
+@contextlib.contextmanager
+def prepared(tasks: Sequence[Task], work_dir: Path, *, data_dir: Path | None = None) -> Iterator[list[Task]]:
+    """Every task ready to play, in the given order: each family present prepares its own (multihop pages
+    served on loopback while this is open, GRID clips subtitled under `work_dir`)."""
+    ready = {t.task_id: t for t in tasks}
+    with contextlib.ExitStack() as stack:
+        for name in sorted({t.family for t in tasks}):
+            mine = [t for t in tasks if t.family == name]
+            done = stack.enter_context(family_of(mine[0]).prepared(mine, work_dir, data_dir=data_dir))
+            ready.update((t.task_id, t) for t in done)
+        yield [ready[t.task_id] for t in tasks]
