@@ -27,6 +27,7 @@ import openai
 
 from subagents.batching import GenerationError
 from subagents.common import approx_tokens
+from subagents.models import ModelNotFound
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,16 @@ class LLM(Protocol):
 
 
 def build_llm(cfg: BackendConfig) -> LLM:
-    """The backend `cfg` names, loaded and ready. Raises BackendError if it cannot be built here."""
+    """The backend `cfg` names, loaded and ready. Raises BackendError if it cannot be built here: that
+    includes a name that is neither built in nor a checkpoint (ModelNotFound) and a folder transformers
+    cannot load (OSError, ValueError), so callers (startup, POST /admin/backends) handle one error type."""
+    try:
+        return _construct(cfg)
+    except (ModelNotFound, OSError, ValueError) as exc:
+        raise BackendError(f"cannot build {cfg.backend} model {cfg.model!r}: {exc}", retryable=False) from exc
+
+
+def _construct(cfg: BackendConfig) -> LLM:
     if cfg.backend == "transformers":
         return TransformersLLM(cfg)
     elif cfg.backend == "openai":

@@ -19,9 +19,11 @@ This module imports nothing else from the project.
 
 from __future__ import annotations
 
+import stat
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
@@ -42,6 +44,7 @@ ErrorKind = Literal[
     "backend_error",  # the model behind the sub-agent failed (refused connection, 5xx, context length ...)
     "not_found",  # an id, file or page that does not exist
     "overloaded",  # the per-tool concurrency cap and queue deadline were hit
+    "internal",  # a bug in the tool server or a sub-agent (logged server-side with its traceback)
 ]
 
 # The kinds a caller may retry unchanged: the outside world may behave differently next time.
@@ -109,6 +112,33 @@ async def guarded(response_type: type[R], body: Callable[[], Awaitable[R]]) -> R
         response = response_type(ok=False, error=exc.error)
     response.latency_ms = (time.perf_counter() - start) * 1000
     return response
+
+
+def local_file(raw: str, roots: Sequence[str], *, what: str) -> tuple[Path, int]:
+    """The resolved path and size of the regular file `raw` names under one of `roots` (relative names start
+    in the first; symlinks are resolved, so a link out of the roots is refused), or a ToolFailure.
+
+    Every OS error on the caller's path (a name too long, a symlink loop, no permission) is the caller's
+    problem, `not_found` or `invalid_args`, told with the OS reason and never the server's absolute path."""
+    if not roots:
+        raise ToolFailure("invalid_args", f"this server reads no local {what} files (allowed_roots is empty)")
+    folders = [Path(root).resolve() for root in roots]
+    shown = raw[:80]
+    try:
+        path = (folders[0] / raw).resolve()  # an absolute `raw` replaces the root
+        if not any(path.is_relative_to(folder) for folder in folders):
+            raise ToolFailure("invalid_args", f"{what} paths must be under {', '.join(map(str, folders))}")
+        status = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        raise ToolFailure("not_found", f"no such {what} file: {shown!r}") from None
+    except RuntimeError:  # pathlib's symlink-loop error, whose text names the server path
+        raise ToolFailure("invalid_args", f"symlink loop in the {what} path {shown!r}") from None
+    except (OSError, ValueError) as exc:  # ENAMETOOLONG, EACCES, a NUL byte ...
+        reason = exc.strerror if isinstance(exc, OSError) else exc  # strerror: the reason without the path
+        raise ToolFailure("invalid_args", f"cannot open the {what} path {shown!r}: {reason}") from None
+    if not stat.S_ISREG(status.st_mode):  # directories, FIFOs (opening one would block), devices
+        raise ToolFailure("invalid_args", f"not a regular file: {shown!r}")
+    return path, status.st_size
 
 
 def truncate(text: str, limit: int) -> str:

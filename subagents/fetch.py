@@ -155,13 +155,15 @@ def check_address(ip: IPAddress, allow: Sequence[Network]) -> None:
         raise ToolFailure("blocked_url", f"{ip} is a cloud metadata address")
     if any(ip.version == net.version and ip in net for net in allow):
         return
-    if isinstance(ip, ipaddress.IPv6Address):
+    # `::1` and `::` lie inside ::/96 (IPv4-compatible) but carry no IPv4 address: judged as what they are.
+    if isinstance(ip, ipaddress.IPv6Address) and not (ip.is_loopback or ip.is_unspecified):
         if any(ip in net for net in _TRANSITION_V6):
             raise ToolFailure("blocked_url", f"{ip} embeds an IPv4 address behind a translation prefix")
         if ip in _SIX_TO_FOUR:
             ip = _embedded_ipv4(ip) or ip
-    if not _is_public(ip):
-        raise ToolFailure("blocked_url", f"{ip} is not a public address")
+    kind = _special_kind(ip)
+    if kind is not None:
+        raise ToolFailure("blocked_url", f"{ip} is not a public address ({kind})")
 
 
 def _embedded_ipv4(ip: IPAddress) -> ipaddress.IPv4Address | None:
@@ -175,13 +177,20 @@ def _embedded_ipv4(ip: IPAddress) -> ipaddress.IPv4Address | None:
     return None
 
 
-def _is_public(ip: IPAddress) -> bool:
-    # `is_global` alone admits multicast and (before Python 3.12.4) several special-purpose ranges.
-    special = ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast
-    special = special or ip.is_reserved or ip.is_unspecified
-    if isinstance(ip, ipaddress.IPv6Address):
-        special = special or ip.is_site_local
-    return ip.is_global and not special
+def _special_kind(ip: IPAddress) -> str | None:
+    """What keeps `ip` off the public internet ('loopback', 'private' ...; most specific first, as 127.0.0.1
+    is also `is_private`), or None. `is_global` alone admits multicast and, before 3.12.4, special ranges."""
+    kinds = {
+        "loopback": ip.is_loopback,
+        "unspecified": ip.is_unspecified,
+        "link-local": ip.is_link_local,
+        "multicast": ip.is_multicast,
+        "site-local": isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local,
+        "private": ip.is_private,
+        "reserved": ip.is_reserved,
+        "special-purpose": not ip.is_global,
+    }
+    return next((kind for kind, applies in kinds.items() if applies), None)
 
 
 async def resolve_host(host: str, port: int) -> list[str]:
@@ -259,11 +268,11 @@ class Fetcher:
         self._resolver = resolver or resolve_host
         self._allow = tuple(ipaddress.ip_network(c) for c in cfg.allow_private_cidrs)
         self._roots = tuple(Path(r).resolve() for r in cfg.allow_file_roots)
-        timeout = httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s)
-        # Redirects stay manual (httpx's default). trust_env=False: no proxy from the environment (it would
-        # resolve names itself) and no .netrc credentials.
-        transport = transport or _default_transport()
-        self._client = httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False)
+        self._timeout = httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s).as_dict()
+        # Straight to the transport, no httpx.AsyncClient: a client builds the next request of every 3xx even
+        # when not following it, raising InvalidURL on a Location like `mailto:x@y` before `_redirect_target`
+        # can judge it, and keeps a cookie jar across fetches. No env proxy or .netrc: trust_env=False.
+        self._transport = transport or _default_transport()
 
     async def fetch(self, url: str) -> FetchedPage:
         """GET `url` within `total_timeout_s`; raises ToolFailure on any failure, including HTTP >= 400."""
@@ -278,7 +287,7 @@ class Fetcher:
             raise
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self._transport.aclose()
 
     async def _fetch(self, url: str) -> FetchedPage:
         target = validate_url(url)
@@ -319,14 +328,17 @@ class Fetcher:
         headers = {
             "Host": target.url.netloc.decode("ascii"),
             "User-Agent": self.cfg.user_agent,
+            "Accept": "*/*",
             "Accept-Encoding": ", ".join(_DECODERS),
         }
         # SNI and certificate verification use the name; the socket goes to the checked address.
         sni = {"sni_hostname": target.host} if target.ip is None and target.url.scheme == "https" else {}
         pinned = target.url.copy_with(host=str(ip))
-        request = self._client.build_request("GET", pinned, headers=headers, extensions=sni)
+        request = httpx.Request("GET", pinned, headers=headers, extensions={"timeout": self._timeout, **sni})
         log.debug("GET %s via %s", target.url, ip)
-        return await self._client.send(request, stream=True)
+        response = await self._transport.handle_async_request(request)
+        response.request = request
+        return response
 
     async def _page(self, url: str, target: ParsedTarget, response: httpx.Response) -> FetchedPage:
         _check_status(response, target.url)
@@ -359,15 +371,19 @@ class Fetcher:
 
 
 def _redirect_target(current: ParsedTarget, location: str) -> ParsedTarget:
-    """The next hop: re-validated, and never a non-web scheme (a remote server must not open local files)."""
+    """The next hop: re-validated, never a non-web scheme (a remote server must not open local files), and
+    never `http:127.0.0.1:8080/x` (a scheme but no host: browsers read a path there, other clients a host)."""
+    shown = location[:200]
     try:
-        joined = current.url.join(location)
+        given = httpx.URL(location)
+        joined = current.url.join(given)
     except httpx.InvalidURL as exc:
-        raise ToolFailure("fetch_failed", f"bad redirect Location {location!r}", retryable=False) from exc
-    target = validate_url(str(joined))
-    if target.url.scheme not in _WEB_SCHEMES:
-        raise ToolFailure("blocked_url", f"redirect to {target.url.scheme}:// refused")
-    return target
+        raise ToolFailure("fetch_failed", f"bad redirect Location {shown!r}", retryable=False) from exc
+    if given.scheme and given.scheme not in _WEB_SCHEMES:
+        raise ToolFailure("blocked_url", f"redirect to a {given.scheme}: URL refused (http and https only)")
+    if given.scheme and not given.host:
+        raise ToolFailure("fetch_failed", f"redirect Location {shown!r} has no host", retryable=False)
+    return validate_url(str(joined))
 
 
 def _read_file(path: Path, cap: int) -> bytes:

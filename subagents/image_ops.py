@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 from PIL import Image, ImageOps, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from subagents.common import Runtime, ToolFailure, ToolResponse, guarded
+from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, local_file
 
 if TYPE_CHECKING:  # imported lazily at run time: onnxruntime start-up is ~1 s
     from rapidocr import RapidOCR
@@ -52,11 +52,12 @@ DESCRIPTION = (
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")  # for GIF and TIFF only frame 0 is read
 Op = Literal["load", "crop", "zoom", "rotate", "flip", "autocontrast", "find_text", "read"]
 _DATA_URI = re.compile(r"data:image/[\w.+-]+;base64,", re.IGNORECASE)
+_WEB_URL = re.compile(r"https?://", re.IGNORECASE)  # schemes are case-insensitive (RFC 3986): HTTP:// too
 _SCHEME = re.compile(r"^[a-zA-Z][\w+.-]*:")  # ftp:, file:, javascript: ... anything but a plain path
 
 
 class Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict: "3" is no number (ints for floats pass)
     op: Op
     image: str = Field(min_length=1, description="load: file path, http(s) URL or data URI; else an image id")
     box: list[Annotated[float, Field(ge=0, allow_inf_nan=False)]] | None = Field(
@@ -158,7 +159,7 @@ async def source_bytes(source: str, cfg: Config, rt: Runtime) -> bytes:
     """The encoded bytes `load` names: a data URI, an http(s) URL (via the fetcher) or a local file."""
     if source[:5].lower() == "data:":
         return data_uri_bytes(source, cfg)
-    if source.startswith(("http://", "https://")):
+    if _WEB_URL.match(source):
         return (await rt.fetcher.fetch(source)).body  # the fetcher caps the body; decode() caps it again
     if _SCHEME.match(source):
         raise ToolFailure("invalid_args", "load takes a local path, an http(s) URL or a data:image/... URI")
@@ -180,22 +181,13 @@ def data_uri_bytes(uri: str, cfg: Config) -> bytes:
 
 
 def read_local(raw: str, cfg: Config) -> bytes:
-    """The bytes of a regular file under `cfg.allowed_roots` (symlinks resolved), or a ToolFailure."""
-    if not cfg.allowed_roots:
-        raise ToolFailure("invalid_args", "this server reads no local image files (allowed_roots is empty)")
-    roots = [Path(root).resolve() for root in cfg.allowed_roots]
+    """The bytes of a regular file under `cfg.allowed_roots` (checked by `local_file`), or a ToolFailure."""
+    path, _ = local_file(raw, cfg.allowed_roots, what="image")
     try:
-        path = (roots[0] / raw).resolve()  # an absolute `raw` replaces the root
-    except (OSError, RuntimeError, ValueError) as exc:  # symlink loops, names too long, NUL bytes
-        raise ToolFailure("invalid_args", f"cannot resolve the image path: {exc}") from None
-    if not any(path.is_relative_to(root) for root in roots):
-        raise ToolFailure("invalid_args", f"image paths must be under {', '.join(map(str, roots))}")
-    if not path.exists():
-        raise ToolFailure("not_found", f"no such image file: {raw}")
-    if not path.is_file():  # directories, FIFOs, devices
-        raise ToolFailure("invalid_args", f"not a regular file: {raw}")
-    with path.open("rb") as file:
-        return file.read(cfg.max_bytes + 1)  # one byte more than decode() accepts: it says too_large
+        with path.open("rb") as file:
+            return file.read(cfg.max_bytes + 1)  # one byte more than decode() accepts: it says too_large
+    except OSError as exc:  # no read permission, or the file went away since the check
+        raise ToolFailure("invalid_args", f"cannot read image {raw[:80]!r}: {exc.strerror}") from None
 
 
 def decode(data: bytes, cfg: Config) -> Image.Image:
@@ -250,11 +242,11 @@ def transform(image: Image.Image, request: Request, cfg: Config) -> Image.Image:
         if request.box is None:
             raise ToolFailure("invalid_args", "crop needs a box [x0,y0,x1,y1]")
         return image.crop(pixel_box(request.box, image.size))
-    if request.op == "zoom":
-        region = image.crop(pixel_box(request.box, image.size))
-        size = (round(region.width * request.factor), round(region.height * request.factor))
+    if request.op == "zoom":  # the output cap is checked from the box, before any pixel is copied
+        left, top, right, bottom = box = pixel_box(request.box, image.size)
+        size = (round((right - left) * request.factor), round((bottom - top) * request.factor))
         check_pixels(size, cfg.max_output_pixels, what="the zoomed image")
-        return region.resize(size, Image.Resampling.LANCZOS)
+        return image.crop(box).resize(size, Image.Resampling.LANCZOS)
     if request.op == "rotate":
         cos, sin = abs(math.cos(math.radians(request.degrees))), abs(math.sin(math.radians(request.degrees)))
         size = (round(image.width * cos + image.height * sin), round(image.width * sin + image.height * cos))

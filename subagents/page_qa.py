@@ -46,7 +46,7 @@ _ANSWER_PREFIX = re.compile(r"^((the\s+)?(short\s+)?answer(\s+is)?\s*:\s*)+", re
 
 
 class Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict, like the other sub-agents: no coercion
     url: str = Field(min_length=1, max_length=2048, description="http(s) URL of the page to read")
     question: str = Field(min_length=2, max_length=400, description="what to find out from the page")
 

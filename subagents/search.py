@@ -42,7 +42,7 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
 class Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict: "3" is not a number of documents
     query: str = Field(min_length=1, max_length=300, description="keywords to look for")
     k: int = Field(default=5, ge=1, le=10, description="how many documents to return")
 

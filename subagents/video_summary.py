@@ -22,18 +22,17 @@ import logging
 import math
 import re
 import shutil
-import stat
 import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from subagents import media
 from subagents.backends import BackendError, Message
-from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, truncate
+from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, local_file, truncate
 from subagents.media import Cue
 
 if TYPE_CHECKING:  # imported lazily at run time: onnxruntime start-up is ~1 s
@@ -58,6 +57,7 @@ SYSTEM_PROMPT = (
 
 
 class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # like the other sub-agents: no guessing at input
     video: str = Field(description="Path of a local video file (relative paths start in the video folder).")
     question: str | None = Field(
         default=None, max_length=500, description="What to find out; omit for a short summary."
@@ -199,25 +199,11 @@ def resolve_video(raw: str, cfg: Config) -> Path:
     """The resolved path of a regular file under `cfg.allowed_roots`, or a ToolFailure saying why not."""
     if not raw or raw.startswith("-") or "|" in raw or "\0" in raw or _PROTOCOL.match(raw):
         raise ToolFailure("invalid_args", f"video must be a plain local file path, not {raw[:80]!r}")
-    if not cfg.allowed_roots:
-        raise ToolFailure("invalid_args", "this server reads no local video files (allowed_roots is empty)")
-    roots = [Path(root).resolve() for root in cfg.allowed_roots]
-    try:
-        path = (roots[0] / raw).resolve()  # an absolute `raw` replaces the root
-    except (OSError, RuntimeError) as exc:  # symlink loops, names too long
-        raise ToolFailure("invalid_args", f"cannot resolve the video path: {exc}") from None
-    if not any(path.is_relative_to(root) for root in roots):
-        raise ToolFailure("invalid_args", f"video must be under {', '.join(map(str, roots))}")
-    try:
-        status = path.stat()
-    except (FileNotFoundError, NotADirectoryError):
-        raise ToolFailure("not_found", f"no such video file: {raw}") from None
-    if not stat.S_ISREG(status.st_mode):
-        raise ToolFailure("invalid_args", f"not a regular file: {raw}")
-    if status.st_size == 0:
-        raise ToolFailure("unsupported_media", f"the video file is empty: {raw}")
-    if status.st_size > cfg.max_file_bytes:
-        raise ToolFailure("too_large", f"the video is {status.st_size} bytes, over {cfg.max_file_bytes}")
+    path, size = local_file(raw, cfg.allowed_roots, what="video")
+    if size == 0:
+        raise ToolFailure("unsupported_media", f"the video file is empty: {raw[:80]!r}")
+    if size > cfg.max_file_bytes:
+        raise ToolFailure("too_large", f"the video is {size} bytes, over {cfg.max_file_bytes}")
     return path
 
 

@@ -272,6 +272,37 @@ async def test_redirect_targets_are_revalidated(location: str, tmp_path: Path) -
     assert len(net.requests) == 1
 
 
+@pytest.mark.parametrize(
+    ("location", "kind"),
+    [
+        ("mailto:x@y", "blocked_url"),
+        ("javascript:alert(1)", "blocked_url"),
+        ("data:text/html,hi", "blocked_url"),
+        ("http:127.0.0.1:8080/x", "fetch_failed"),
+        ("HTTP:127.0.0.1:8080/x", "fetch_failed"),
+        ("http://[::1", "fetch_failed"),
+    ],
+)
+async def test_unusable_redirect_locations_are_tool_failures(location: str, kind: str) -> None:
+    """A Location httpx cannot build a request from (no host, a non-web scheme, malformed) is a structured
+    failure, not an httpx.InvalidURL escaping the fetcher; nothing is requested after the redirect."""
+    net = Net(redirect_to(location))
+    assert await failure(net, "http://example.com/") == kind
+    assert len(net.requests) == 1
+
+
+async def test_schemes_are_case_insensitive() -> None:
+    """`HTTP://` and `HTTPS://` are http and https (RFC 3986), for the first URL and for a redirect."""
+
+    def upper_case_redirect(request: httpx.Request) -> httpx.Response:
+        return ok(request) if request.url.path == "/b" else redirect_to("HTTPS://Example.com/b")(request)
+
+    net = Net(upper_case_redirect)
+    page = await net.fetcher.fetch("HTTP://example.com/a")
+    assert page.final_url == "https://example.com/b"
+    assert [str(r.url) for r in net.requests] == [f"http://{PUBLIC}/a", f"https://{PUBLIC}/b"]
+
+
 def chain(request: httpx.Request) -> httpx.Response:
     """/r/N redirects to /r/N-1 (relative); /r/0 is the page."""
     hops = int(request.url.path.rsplit("/", 1)[-1])
@@ -465,6 +496,39 @@ async def test_real_loopback_server_needs_an_explicit_allow(http_port: int) -> N
         await default.fetch(f"http://localhost:{http_port}/page")
     await default.aclose()
     assert info.value.error.kind == "blocked_url"
+
+
+class IPv6Server(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+async def test_ipv6_loopback_is_fetched_when_allowed_and_named_for_what_it_is_when_not() -> None:
+    """Over a real [::1] socket: allowing ::1/128 fetches the IPv6 literal; without it the refusal says
+    "loopback" (not "embeds an IPv4 address": ::1 lies in ::/96 but carries none), and :: says unspecified."""
+    try:
+        server = IPv6Server(("::1", 0), PageHandler)
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    url = f"http://[::1]:{server.server_address[1]}/page"
+    allowed, default = Fetcher(FetchConfig(allow_private_cidrs=("::1/128",))), Fetcher(FetchConfig())
+    try:
+        page = await allowed.fetch(url)
+        with pytest.raises(ToolFailure) as info:
+            await default.fetch(url)
+    finally:
+        await allowed.aclose()
+        await default.aclose()
+        server.shutdown()
+        server.server_close()
+    assert (page.status, page.final_url) == (200, url)
+    assert (info.value.error.kind, info.value.error.message) == (
+        "blocked_url",
+        "::1 is not a public address (loopback)",
+    )
+    with pytest.raises(ToolFailure, match=r"^blocked_url: :: is not a public address \(unspecified\)$"):
+        check_address(ipaddress.ip_address("::"), ())
 
 
 def self_signed(name: str) -> tuple[bytes, bytes]:

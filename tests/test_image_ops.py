@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import math
+import os
 import random
 import re
 import struct
@@ -255,6 +257,32 @@ async def test_local_paths_must_be_regular_files_under_an_allowed_root(tmp_path:
     assert no_roots.error is not None and no_roots.error.kind == "invalid_args"
 
 
+async def test_os_errors_on_a_local_path_are_invalid_args_without_the_server_path(tmp_path: Path) -> None:
+    """A name too long for the OS, a path through a file, a symlink loop and an unreadable file are each
+    a structured error (never an OSError escaping `load`), and the message shows no server folder."""
+    (tmp_path / "file.png").write_bytes(encoded(marked()))
+    (tmp_path / "loop.png").symlink_to(tmp_path / "loop.png")
+    (tmp_path / "locked.png").write_bytes(encoded(marked()))
+    (tmp_path / "locked.png").chmod(0)
+    cases = {"a" * 300 + ".png": "invalid_args", "file.png/x.png": "not_found", "loop.png": "invalid_args"}
+    if os.geteuid() != 0:  # root reads any file
+        cases["locked.png"] = "invalid_args"
+    for source, kind in cases.items():
+        response = await call(runtime(), Config(allowed_roots=(str(tmp_path),)), op="load", image=source)
+        assert response.error is not None and response.error.kind == kind, (source[:20], response.error)
+        assert str(tmp_path) not in response.error.message, response.error.message
+
+
+async def test_upper_case_url_schemes_are_fetched() -> None:
+    """`HTTP://` and `HTTPS://` are URLs (schemes are case-insensitive), handed to the fetcher as given."""
+    sources = ["HTTP://x.test/a.png", "HTTPS://x.test/a.png"]
+    fetcher = FakeFetcher(dict.fromkeys(sources, encoded(marked())))
+    rt = runtime(fetcher=fetcher)
+    for source in sources:
+        assert (await call(rt, CFG, op="load", image=source)).width == 60, source
+    assert fetcher.urls == sources
+
+
 # ---------------------------------------------------------------- pixel operations
 
 
@@ -321,6 +349,21 @@ async def test_zoom_upscales_the_box_by_the_factor_within_the_output_cap() -> No
     assert refused.error is not None and refused.error.kind == "too_large"
 
 
+async def test_a_refused_zoom_copies_no_pixels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The output cap is checked from the box before cropping: a zoom past max_output_pixels never crops."""
+    rt = runtime()
+    cfg = Config(max_output_pixels=100_000)
+    big = await loaded(rt, cfg, Image.new("RGB", (200, 200)))
+    crops: list[tuple[int, ...]] = []
+    real_crop = Image.Image.crop
+    monkeypatch.setattr(Image.Image, "crop", lambda self, box=None: crops.append(box) or real_crop(self, box))
+    refused = await call(rt, cfg, op="zoom", image=big.image_id, box=[0, 0, 200, 200], factor=2)
+    assert refused.error is not None and refused.error.kind == "too_large"
+    assert crops == []
+    zoomed = await call(rt, cfg, op="zoom", image=big.image_id, box=[0, 0, 100, 100], factor=2)
+    assert (zoomed.width, zoomed.height) == (200, 200) and crops == [(0, 0, 100, 100)]
+
+
 async def test_rotate_turns_anticlockwise_and_expands_the_canvas_within_the_cap() -> None:
     """90 degrees swaps the sides and moves the top-left corner to the bottom-left; 45 degrees grows the
     canvas to hold the corners; an output over max_output_pixels is too_large."""
@@ -385,6 +428,26 @@ def test_request_validation_refuses_bad_arguments(args: dict[str, object]) -> No
     fail pydantic validation (the server turns that into invalid_args)."""
     with pytest.raises(ValidationError):
         Request.model_validate(args)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"op": "crop", "image": "img_1", "box": ["1", "2", "3", "4"]},
+        {"op": "crop", "image": "img_1", "box": [True, 0, 5, 5]},
+        {"op": "zoom", "image": "img_1", "factor": "3"},
+        {"op": "rotate", "image": "img_1", "degrees": "90"},
+    ],
+)
+def test_numbers_given_as_strings_are_refused_not_coerced(args: dict[str, object]) -> None:
+    """Numeric fields are strict: "3" or true is a type mistake the policy must see (invalid_args), in
+    JSON as from Python; an int where a float is expected still passes."""
+    with pytest.raises(ValidationError):
+        Request.model_validate(args)
+    with pytest.raises(ValidationError):
+        Request.model_validate_json(json.dumps(args))
+    ints = Request.model_validate_json('{"op": "zoom", "image": "i", "box": [0, 0, 5, 5], "factor": 2}')
+    assert (ints.box, ints.factor) == ([0.0, 0.0, 5.0, 5.0], 2.0)
 
 
 def test_the_tool_schema_is_flat() -> None:

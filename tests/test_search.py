@@ -148,6 +148,14 @@ def test_k_is_bounded(k: int) -> None:
         search.Request(query="x", k=k)
 
 
+@pytest.mark.parametrize("k", ['"3"', "3.0", "true"])
+def test_k_must_be_a_json_integer(k: str) -> None:
+    """k is strict: a string, a float or a boolean is a type mistake the policy sees, not coerced to 3."""
+    with pytest.raises(pydantic.ValidationError):
+        search.Request.model_validate_json(f'{{"query": "x", "k": {k}}}')
+    assert search.Request.model_validate_json('{"query": "x", "k": 3}').k == 3
+
+
 @pytest.mark.parametrize(
     ("query", "expected"),
     [

@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pydantic
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
@@ -159,6 +160,26 @@ def test_relative_paths_start_in_the_first_root_and_absolute_ones_may_use_any(tm
     cfg = config(first, second)
     assert vs.resolve_video("v.mp4", cfg) == (first / "v.mp4").resolve()
     assert vs.resolve_video(str(second / "v.mp4"), cfg) == (second / "v.mp4").resolve()
+
+
+def test_os_errors_on_the_path_are_structured_without_the_server_path(tmp_path: Path) -> None:
+    """A name too long for the OS, a path through a file and a symlink loop are `invalid_args` or
+    `not_found` (never an OSError escaping), and the message does not show the server's folder."""
+    (tmp_path / "file.mp4").write_bytes(b"video")
+    (tmp_path / "loop.mp4").symlink_to(tmp_path / "loop.mp4")
+    cases = {"v" * 300 + ".mp4": "invalid_args", "file.mp4/x.mp4": "not_found", "loop.mp4": "invalid_args"}
+    for name, kind in cases.items():
+        with pytest.raises(ToolFailure) as info:
+            vs.resolve_video(name, config(tmp_path))
+        assert info.value.error.kind == kind, (name[:20], info.value.error)
+        assert str(tmp_path) not in info.value.error.message
+
+
+@pytest.mark.parametrize("extra", [{"videos": "a.mp4"}, {"question": "q", "frames": 4}])
+def test_unknown_request_fields_are_refused(extra: dict[str, object]) -> None:
+    """Like the other sub-agents, a misspelt or invented argument is an error the policy sees, not ignored."""
+    with pytest.raises(pydantic.ValidationError):
+        vs.Request.model_validate({"video": "a.mp4", **extra})
 
 
 def test_no_roots_means_no_local_files(tmp_path: Path) -> None:
