@@ -3,24 +3,37 @@
 Two kinds of outcome, kept apart on purpose:
 - `CallResult`: the tool ran (or refused the arguments). Errors here (`ok=False`) are the policy's business:
   they become observations it reads.
-- `ToolServerError`: the infrastructure failed (server unreachable, 5xx after retries, the whole-call
-  deadline ran out, a response that is not the protocol). The rollout marks the episode `infra_failed`;
-  it is never turned into reward.
+- `ToolServerError`: the infrastructure failed (server unreachable, any httpx transport error, 5xx after
+  retries, the whole-call deadline ran out, a response that is not the protocol). The rollout marks the
+  episode `infra_failed`; it is never turned into reward. No httpx exception leaves this module.
 
 Budgets: httpx timeouts are per phase (connect, read, write, pool); a total deadline per call bounds the
-sum, including retries. One retry layer, on transient failures only: connection errors and 502/503/504,
-and 429 after the server's Retry-After (bounded).
+sum, including retries and the waits between them.
+
+Retries: one layer (tenacity), at most MAX_RETRIES more attempts, on transient failures only:
+- connection failures (ConnectError, ConnectTimeout, PoolTimeout): nothing reached the server;
+- a connection that broke without an answer (ReadError, WriteError, CloseError, RemoteProtocolError):
+  mostly a kept-alive connection the server had already closed (uvicorn closes it after a 500, and idle
+  ones after its keep-alive timeout) handed out again by the pool. If it broke mid-call the call may have
+  run; repeating it is still safe, as sub-agents are frozen and deterministic and the only state a call
+  leaves is one more image in its session's bounded image store;
+- HTTP 502/503/504 (a proxy, or a server restarting), and 429 after its Retry-After (at most
+  MAX_RETRY_AFTER_S).
+A read or write timeout is not retried: the server may still be running the call, so a repeat would
+double the load on a server already too slow for the budget and could not finish within the deadline.
+Other statuses are not retried either: the same request would fail the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
+import tenacity
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +42,15 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=180.0, write=30.0, pool=30.0)
 # Whole-call budget including retries: a rollout turn must not hang on one call.
 DEFAULT_DEADLINE_S = 240.0
-# Transient failures are retried this many times (so at most 3 attempts), with jittered backoff.
+# Transient failures are retried this many times (so at most 3 attempts): a restarting server or a stale
+# pooled connection recovers within one retry; more would only spend the deadline.
 MAX_RETRIES = 2
+# Jittered exponential backoff: a uniform wait in [0, BACKOFF_S * 2**(n-1)] before retry n, so clients
+# that failed together do not come back together.
 BACKOFF_S = 0.5
-MAX_RETRY_AFTER_S = 10.0  # never sleep longer than this on a server's Retry-After
-TRANSIENT_STATUS = frozenset({502, 503, 504})
+MAX_RETRY_AFTER_S = 10.0  # never sleep longer than this on a server's Retry-After (or a backoff)
+RETRIED_STATUS = frozenset({429, 502, 503, 504})
+RETRIED_ERRORS = (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 class ToolServerError(Exception):
@@ -62,14 +79,16 @@ class CallResult:
     payload: Mapping[str, object]
 
     @classmethod
-    def from_json(cls, name: str, data: Mapping[str, object]) -> CallResult:
+    def from_json(cls, name: str, data: object) -> CallResult:
+        if not isinstance(data, dict):
+            raise ToolServerError(f"malformed response for {name}: not a JSON object")
         err = data.get("error")
-        error = (
-            CallError(str(err["kind"]), str(err["message"]), bool(err.get("retryable")))
-            if isinstance(err, dict)
-            else None
-        )
         try:
+            error = (
+                CallError(str(err["kind"]), str(err["message"]), bool(err.get("retryable")))
+                if isinstance(err, dict)
+                else None
+            )
             return cls(
                 name=name,
                 ok=bool(data["ok"]),
@@ -123,10 +142,12 @@ class ToolClient:
     async def tools(self) -> list[dict[str, object]]:
         """The OpenAI function schemas the server publishes (the policy's prompt is built from these)."""
         response = await self._request("GET", "/v1/tools", session=None, body=None)
-        return response.json()
+        tools: list[dict[str, object]] = _json(response)
+        return tools
 
     async def health(self) -> dict[str, object]:
-        return (await self._request("GET", "/health", session=None, body=None)).json()
+        health: dict[str, object] = _json(await self._request("GET", "/health", session=None, body=None))
+        return health
 
     async def call(
         self, name: str, arguments: Mapping[str, object], *, session: str = "default"
@@ -136,62 +157,76 @@ class ToolClient:
             response = await self._request("POST", f"/v1/tools/{name}", session=session, body=dict(arguments))
         if response.status_code == 404:
             return _unknown_tool(name)
-        return CallResult.from_json(name, response.json())
-
-    async def call_many(
-        self, calls: list[tuple[str, Mapping[str, object]]], *, session: str = "default"
-    ) -> list[CallResult]:
-        """Run several calls concurrently (bounded by the client's concurrency cap), results in order."""
-        return list(await asyncio.gather(*(self.call(n, a, session=session) for n, a in calls)))
+        return CallResult.from_json(name, _json(response))
 
     async def _request(self, method: str, path: str, *, session: str | None, body: object) -> httpx.Response:
+        """One call under the deadline and the retry policy (module docstring); ToolServerError otherwise."""
         headers = {"X-Conductor-Session": session} if session else {}
+        where = f"{method} {path}"
         try:
             async with asyncio.timeout(self.deadline_s):
-                return await self._with_retries(method, path, headers=headers, body=body)
+                return await _retrying()(self._attempt, method, path, headers=headers, body=body)
         except TimeoutError as exc:
-            raise ToolServerError(
-                f"{method} {path}: no answer within the {self.deadline_s:.0f} s deadline"
-            ) from exc
+            raise ToolServerError(f"{where}: no answer within the {self.deadline_s:.0f} s deadline") from exc
+        except _RetriedStatus as exc:
+            answer = f"HTTP {exc.response.status_code}: {exc.response.text[:300]}"
+            raise ToolServerError(f"{where}: {answer} (after {MAX_RETRIES + 1} attempts)") from exc
+        except httpx.TimeoutException as exc:  # a read or write timeout: never retried (module docstring)
+            raise ToolServerError(f"{where}: timed out: {exc!r}") from exc
+        except httpx.RequestError as exc:  # every other transport error, retried first where transient
+            raise ToolServerError(f"{where}: tool server unreachable: {exc!r}") from exc
 
-    async def _with_retries(
+    async def _attempt(
         self, method: str, path: str, *, headers: dict[str, str], body: object
     ) -> httpx.Response:
-        for attempt in range(MAX_RETRIES + 1):
-            last = attempt == MAX_RETRIES
-            try:
-                response = await self._http.request(method, path, headers=headers, json=body)
-            except (
-                httpx.ConnectError,
-                httpx.RemoteProtocolError,
-                httpx.ConnectTimeout,
-                httpx.PoolTimeout,
-            ) as exc:
-                if last:
-                    raise ToolServerError(f"{method} {path}: tool server unreachable: {exc!r}") from exc
-                await asyncio.sleep(_backoff(attempt))
-                continue
-            except (
-                httpx.TimeoutException
-            ) as exc:  # a read/write timeout: the call may have run; do not repeat it
-                raise ToolServerError(f"{method} {path}: timed out: {exc!r}") from exc
-            if response.status_code < 400 or response.status_code == 404:
-                return response
-            if last or response.status_code not in TRANSIENT_STATUS | {429}:
-                raise ToolServerError(f"{method} {path}: HTTP {response.status_code}: {response.text[:300]}")
-            await asyncio.sleep(_retry_delay(response, attempt))
-        raise AssertionError("unreachable")
+        """One exchange: a final response (< 400, or 404), else _RetriedStatus or ToolServerError."""
+        response = await self._http.request(method, path, headers=headers, json=body)
+        if response.status_code < 400 or response.status_code == 404:
+            return response
+        if response.status_code in RETRIED_STATUS:
+            raise _RetriedStatus(response)
+        raise ToolServerError(f"{method} {path}: HTTP {response.status_code}: {response.text[:300]}")
 
 
-def _backoff(attempt: int) -> float:
-    return BACKOFF_S * (2**attempt) * (0.5 + random.random())
+class _RetriedStatus(Exception):
+    """An answer worth another attempt (RETRIED_STATUS); carries it for its Retry-After and the last error."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(f"HTTP {response.status_code}")
+        self.response = response
 
 
-def _retry_delay(response: httpx.Response, attempt: int) -> float:
-    header = response.headers.get("Retry-After", "")
-    if header.replace(".", "", 1).isdigit():
-        return min(float(header), MAX_RETRY_AFTER_S)
-    return _backoff(attempt)
+_backoff = tenacity.wait_random_exponential(multiplier=BACKOFF_S, max=MAX_RETRY_AFTER_S)
+
+
+def _wait(state: tenacity.RetryCallState) -> float:
+    """The pause before the next attempt: a 429's Retry-After (at most MAX_RETRY_AFTER_S), else backoff."""
+    failure = state.outcome.exception() if state.outcome is not None else None
+    if isinstance(failure, _RetriedStatus):
+        header = failure.response.headers.get("Retry-After", "")
+        if header.replace(".", "", 1).isdigit():  # seconds; the HTTP-date form falls back to backoff
+            return min(float(header), MAX_RETRY_AFTER_S)
+    return _backoff(state)
+
+
+def _retrying() -> tenacity.AsyncRetrying:
+    """The retry policy, built per call: a tenacity controller keeps the state of the call it runs."""
+    return tenacity.AsyncRetrying(
+        retry=tenacity.retry_if_exception_type((*RETRIED_ERRORS, _RetriedStatus)),
+        stop=tenacity.stop_after_attempt(MAX_RETRIES + 1),
+        wait=_wait,
+        before_sleep=tenacity.before_sleep_log(logger, logging.INFO),
+        reraise=True,
+    )
+
+
+def _json(response: httpx.Response) -> Any:
+    """The body as JSON; a body that is not JSON is a broken server, not a tool result."""
+    try:
+        return response.json()
+    except ValueError as exc:
+        where = f"{response.request.method} {response.request.url.path}"
+        raise ToolServerError(f"{where}: the answer is not JSON: {response.text[:200]!r}") from exc
 
 
 def _unknown_tool(name: str) -> CallResult:
