@@ -77,13 +77,19 @@ def serve(
 
     from tool_server.app import serve as run_server
     from tool_server.config import ConfigError, load_config
+    from tool_server.limits import UnsafeBind
 
     _setup_logging(verbose)
     try:
         cfg = load_config(config)
     except (ConfigError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--config") from exc
-    run_server(dataclasses.replace(cfg, host=host or cfg.host, port=port if port is not None else cfg.port))
+    cfg = dataclasses.replace(cfg, host=host or cfg.host, port=port if port is not None else cfg.port)
+    try:
+        run_server(cfg)
+    except UnsafeBind as exc:  # refused before anything was bound: a setting to fix, said in one line
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
 
 
 @app.command()

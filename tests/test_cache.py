@@ -45,13 +45,16 @@ def key(question: str = "Who?", *, model: str = "m1", tool: str = "page_qa") -> 
     return cache_key(tool, model, Question(url="http://a.example/", question=question))
 
 
-def test_key_normalises_whitespace_and_field_order() -> None:
-    """Requests that differ only in surrounding whitespace or key order share one entry."""
-    a = cache_key("page_qa", "m", Question(url=" http://a.example/", question="Who?\n", k=3))
+def test_key_is_the_exact_request_whatever_the_field_order() -> None:
+    """Key order does not matter, but any other difference does: "ok.mp4\n" or " http://..." may name
+    something else (or nothing), so whitespace is never stripped."""
+    a = cache_key("page_qa", "m", Question(url="http://a.example/", question="Who?", k=3))
     b = cache_key(
         "page_qa", "m", Question.model_validate({"k": 3, "question": "Who?", "url": "http://a.example/"})
     )
     assert a == b
+    assert a != cache_key("page_qa", "m", Question(url="http://a.example/", question="Who?\n", k=3))
+    assert a != cache_key("page_qa", "m", Question(url=" http://a.example/", question="Who?", k=3))
 
 
 def test_key_separates_tool_model_settings_and_request() -> None:

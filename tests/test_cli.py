@@ -62,6 +62,20 @@ def test_serve_rejects_an_unknown_config_key(tmp_path):
     assert out.returncode != 0 and "chunk_charz" in out.stderr
 
 
+def test_serve_refuses_an_unsafe_bind_in_one_line(tmp_path):
+    """Binding off loopback with no token is refused before anything is bound or loaded: one line on
+    stderr naming the problem and the fix, exit code 2, no traceback."""
+    config = tmp_path / "server.toml"
+    config.write_text('[server]\ntoken_env = "CONDUCTOR_TEST_NO_SUCH_TOKEN"\n')
+    out = conductor("serve", "--config", str(config), "--host", "0.0.0.0", "--port", str(unused_port()))
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert errors == [
+        "error: refusing to bind 0.0.0.0: not loopback and no token; "
+        "set $CONDUCTOR_TEST_NO_SUCH_TOKEN or token_file"
+    ]
+
+
 def test_train_names_a_bad_setting_without_a_traceback():
     """A training setting that cannot work is refused up front with the rule it breaks."""
     out = conductor("train", "--set", "sampler=server")

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
+import logging
+import resource
+import socket
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -11,11 +15,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from subagents.backends import BackendConfig, BackendError
-from tests.tool_server_fakes import FakeFactory, fake_subagents, make_config, running, with_limits
-from tool_server.app import create_app, serve
+from subagents.backends import BackendConfig, BackendError, build_llm
+from tests.tool_server_fakes import FakeFactory, fake_subagents, make_config, running, serving, with_limits
+from tool_server.app import create_app, serve, uvicorn_config
 from tool_server.config import ServerConfig, ToolLimits, ToolsConfig
 from tool_server.limits import is_loopback
 
@@ -144,6 +149,94 @@ async def test_streamed_body_over_limit_is_413() -> None:
     assert reply.status_code == 413
 
 
+# ---------------------------------------------------------------- idle, slow and vanishing clients
+
+
+def closed_by_server(sock: socket.socket, *, within_s: float) -> bool:
+    """Whether the server closes `sock` (EOF or reset) within `within_s` seconds."""
+    sock.settimeout(within_s)
+    try:
+        return sock.recv(1024) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def health_on(sock: socket.socket, port: int) -> bytes:
+    """GET /health on an open socket; the raw response (its JSON body ends with '}')."""
+    sock.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+    data = b""
+    while not data.endswith(b"}"):
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def test_idle_and_slow_connections_are_closed_and_never_block_other_clients() -> None:
+    """600 sockets that open and send nothing (more than the old 512-connection cap) leave /health at 200;
+    the server closes each of them, and a slow sender trickling a header, after request_timeout_s, while a
+    kept-alive connection idle for longer than that between two requests still serves the second."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2000:  # 600 client and 600 server sockets in this one process
+        if hard != resource.RLIM_INFINITY and hard < 2000:
+            pytest.skip(f"open-file limit {soft}/{hard} is too low for 1200 sockets")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2000, hard))
+    cfg = make_config(port=0, request_timeout_s=1.0)
+    app = app_for(cfg)
+    with (
+        serving(app, config=uvicorn_config(cfg, app)) as url,
+        httpx.Client(base_url=url, timeout=5) as client,
+    ):
+        port = int(url.rsplit(":", 1)[1])
+        kept = socket.create_connection(("127.0.0.1", port))
+        assert health_on(kept, port).startswith(b"HTTP/1.1 200")
+        opened = time.monotonic()
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(600)]
+        slow = socket.create_connection(("127.0.0.1", port))
+        try:
+            assert client.get("/health").status_code == 200
+            for _ in range(2):  # a byte of a header now and then: alive, but never a whole request
+                slow.sendall(b"G")
+                time.sleep(0.3)
+            assert closed_by_server(slow, within_s=3)
+            assert all(closed_by_server(s, within_s=max(0.1, opened + 5 - time.monotonic())) for s in idle)
+            assert time.monotonic() - opened < 6
+            assert health_on(kept, port).startswith(b"HTTP/1.1 200")  # idle > request_timeout_s, kept alive
+            assert client.get("/metrics").status_code == 200
+        finally:
+            for sock in [*idle, slow, kept]:
+                sock.close()
+
+
+def test_a_client_gone_mid_request_is_a_logged_disconnect_not_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client that sends half a body and hangs up is logged as one info line (no error, no traceback)
+    and counted as `cancelled` in /metrics."""
+    uvicorn_logger = logging.getLogger("uvicorn")  # uvicorn's own loggers do not propagate to the root
+    uvicorn_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO), serving(app_for(make_config())) as url:
+            port = int(url.rsplit(":", 1)[1])
+            body = json.dumps({"text": "x" * 100}).encode()
+            head = (
+                f"POST /v1/tools/search HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json"
+            )
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(f"{head}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:20])
+                time.sleep(0.3)
+            time.sleep(0.5)
+            metrics = httpx.get(f"{url}/metrics", timeout=5).json()["tools"]["search"]
+    finally:
+        uvicorn_logger.removeHandler(caplog.handler)
+    assert metrics["errors_by_kind"] == {"cancelled": 1}
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+    assert "client disconnected during POST /v1/tools/search" in caplog.text
+
+
 # ---------------------------------------------------------------- overload
 
 
@@ -224,6 +317,29 @@ async def test_swap_changes_cache_key(token_cfg: ServerConfig) -> None:
         "fake:B",
         False,
     )
+
+
+async def test_swap_to_an_unknown_model_or_a_bad_path_is_422(token_cfg: ServerConfig, tmp_path: Path) -> None:
+    """With the real model factory, a model name that is not built in, a missing folder and a folder that is
+    not a loadable checkpoint are each a 422 saying what is wrong, not a 500; the tool keeps its backend."""
+
+    def real_for_swaps(cfg: BackendConfig) -> Any:  # the start-up model stays fake: no weights needed
+        return FakeFactory()(cfg) if cfg.model == BackendConfig().model else build_llm(cfg)
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("not json")
+    async with running(app_for(token_cfg, real_for_swaps), headers=AUTH) as client:  # type: ignore[arg-type]
+        replies = [
+            await client.post("/admin/backends/search", json={"model": model})
+            for model in ("no-such-model", str(tmp_path / "missing"), str(broken))
+        ]
+        still = (await client.post("/v1/tools/search", json={"text": "x"})).json()
+    for reply in replies:
+        assert (reply.status_code, reply.json()["error"]["kind"]) == (422, "backend_error"), reply.text
+    assert "neither a built-in model" in replies[0].json()["error"]["message"]
+    assert "missing" in replies[1].json()["error"]["message"]
+    assert still["model"] == "fake:smollm2-135m-instruct"
 
 
 async def test_swap_with_bad_config_keeps_old_backend(token_cfg: ServerConfig) -> None:

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import jsonschema
@@ -26,13 +28,14 @@ from tests.tool_server_fakes import (
     fake_subagents,
     make_config,
     page_server,
+    redirect_server,
     running,
     serving,
     with_limits,
 )
 from tool_server.app import create_app
 from tool_server.config import ToolLimits, ToolsConfig
-from tool_server.host import tool_schema
+from tool_server.host import INTERNAL_MESSAGE, tool_schema
 
 # ---------------------------------------------------------------- schemas
 
@@ -183,6 +186,43 @@ async def test_batch_runs_concurrently_and_keeps_order() -> None:
     assert "unknown tool 'nope'" in results[4]["observation"]
 
 
+async def test_a_bug_in_one_batch_item_is_that_items_internal_result(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An exception escaping one call of a batch becomes that call's own `internal` result (no exception text,
+    traceback in the server log); the batch answers 200 and the other calls keep their results."""
+    calls = [
+        {"name": "search", "arguments": {"text": "before", "delay_s": 0.2}},
+        {"name": "page_qa", "arguments": {"text": "x", "crash": True}},
+        {"name": "image_ops", "arguments": {"text": "after"}},
+    ]
+    async with running(fake_app()) as client:
+        reply = await client.post("/v1/batch", json={"calls": calls})
+        metrics = (await client.get("/metrics")).json()["tools"]["page_qa"]
+    results = reply.json()["results"]
+    assert reply.status_code == 200
+    assert [r.get("echo") for r in (results[0], results[2])] == ["before", "after"]
+    assert results[1]["ok"] is False
+    assert results[1]["error"] == {"kind": "internal", "message": INTERNAL_MESSAGE, "retryable": False}
+    assert "a bug in the fake" not in reply.text and "Traceback" not in reply.text
+    logged = [r for r in caplog.records if r.exc_info and "page_qa" in r.getMessage()]
+    assert len(logged) == 1 and "a bug in the fake sub-agent" in caplog.text
+    assert metrics["errors_by_kind"] == {"internal": 1}
+
+
+async def test_cache_keys_on_the_exact_request() -> None:
+    """A request differing only in whitespace ("ok.mp4\n" names no file) is computed, not served the
+    answer cached for "ok.mp4"; the exact same request is still a hit."""
+    calls: Counter[str] = Counter()
+    async with running(fake_app(calls)) as client:
+        first = (await client.post("/v1/tools/video_summary", json={"text": "ok.mp4"})).json()
+        other = (await client.post("/v1/tools/video_summary", json={"text": "ok.mp4\n"})).json()
+        again = (await client.post("/v1/tools/video_summary", json={"text": "ok.mp4"})).json()
+    assert (first["cached"], other["cached"], other["echo"]) == (False, False, "ok.mp4\n")
+    assert (again["cached"], again["echo"]) == (True, "ok.mp4")
+    assert calls["video_summary"] == 2
+
+
 async def test_batch_size_is_bounded() -> None:
     """More calls than max_batch_calls in one batch is refused outright."""
     calls = [{"name": "search", "arguments": {"text": "x"}}] * 3
@@ -253,6 +293,32 @@ async def test_mcp_client_lists_and_calls_tools_over_loopback() -> None:
     assert bad.is_error is True and "invalid_args" in bad_text.text
 
 
+MCP_HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+
+
+async def mcp_call(client: httpx.AsyncClient, name: str, arguments: dict[str, Any]) -> httpx.Response:
+    """One tools/call over /mcp as raw JSON-RPC (stateless JSON mode: one POST, one JSON answer)."""
+    message = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "tools/call",
+        "params": {"name": name, "arguments": arguments},
+    }
+    return await client.post("/mcp", json=message, headers=MCP_HEADERS)
+
+
+async def test_mcp_bug_is_an_internal_result_without_exception_text() -> None:
+    """A bug escaping a call over MCP is an is_error result of kind `internal` with a short message; the
+    exception text never reaches the client (the SDK would send str(exc) as the JSON-RPC error message)."""
+    async with running(fake_app()) as client:
+        reply = await mcp_call(client, "page_qa", {"text": "x", "crash": True})
+    result = reply.json()["result"]
+    assert result["isError"] is True
+    assert result["structuredContent"]["error"]["kind"] == "internal"
+    assert result["content"][0]["text"] == f"error (internal): {INTERNAL_MESSAGE}"
+    assert "a bug in the fake" not in reply.text and "RuntimeError" not in reply.text
+
+
 @pytest.mark.parametrize(
     ("headers", "status"),
     [({"Host": "evil.example:8700"}, 421), ({"Origin": "http://evil.example"}, 403)],
@@ -279,6 +345,54 @@ async def test_lifespan_builds_corpus_when_configured(tmp_path: Path) -> None:
         host = app.state.host
         assert host.corpus is not None and len(host.corpus) == 1
         assert str(tmp_path) in host.fetcher.cfg.allow_file_roots
+
+
+ROUTES = [
+    ("GET", "/health"),
+    ("GET", "/v1/tools"),
+    ("GET", "/metrics"),
+    ("POST", "/v1/tools/search"),
+    ("POST", "/v1/batch"),
+    ("GET", "/v1/images/img_1"),
+    ("POST", "/admin/backends/search"),
+    ("POST", "/mcp"),
+]
+
+
+def test_every_route_refuses_a_foreign_host_or_origin_over_real_sockets() -> None:
+    """DNS-rebinding guard on every route, not only /mcp: over real loopback HTTP a foreign Host (or the
+    right name at another port) is 421 and a foreign Origin 403, each with a JSON error; loopback names
+    in any case, with the connection's port, and their http:// origins pass."""
+    with serving(fake_app()) as url, httpx.Client(base_url=url, timeout=10) as client:
+        port = int(url.rsplit(":", 1)[1])
+        for method, path in ROUTES:
+            for headers, status, kind in [
+                ({"Host": f"evil.example:{port}"}, 421, "bad_host"),
+                ({"Host": f"localhost:{port + 1}"}, 421, "bad_host"),
+                ({"Origin": "http://evil.example"}, 403, "bad_origin"),
+                ({"Origin": "null"}, 403, "bad_origin"),
+            ]:
+                reply = client.request(method, path, json={"text": "x"}, headers=headers)
+                assert (reply.status_code, reply.json()["error"]["kind"]) == (status, kind), (path, headers)
+        for host in (f"127.0.0.1:{port}", f"LocalHost:{port}", f"[::1]:{port}"):
+            assert client.get("/health", headers={"Host": host}).status_code == 200, host
+        origin = {"Origin": f"http://localhost:{port}"}
+        assert client.post("/v1/tools/search", json={"text": "x"}, headers=origin).json()["echo"] == "x"
+
+
+async def test_allowed_hosts_and_origins_extend_the_policy_and_in_process_calls_are_exempt() -> None:
+    """allowed_hosts / allowed_origins (any case) are accepted; a request with no socket behind it (an
+    ASGITransport client on "http://embedded", as `conductor ask` and training use) needs neither."""
+    app = fake_app(allowed_hosts=("GPU-Box:8700",), allowed_origins=("https://Dash.example",))
+    async with running(app) as client:  # base URL http://127.0.0.1:8700: judged like a socket
+        assert (await client.get("/health", headers={"Host": "gpu-box:8700"})).status_code == 200
+        assert (await client.get("/health", headers={"Host": "gpu-box:8701"})).status_code == 421
+        for origin in ("https://dash.example", "http://gpu-box:8700"):
+            assert (await client.get("/health", headers={"Origin": origin})).status_code == 200, origin
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://embedded") as embedded:
+            reply = await embedded.post("/v1/tools/search", json={"text": "in process"})
+    assert reply.status_code == 200 and reply.json()["echo"] == "in process"
 
 
 # ---------------------------------------------------------------- real sub-agents, fake model
@@ -309,6 +423,64 @@ def test_real_page_qa_over_http_quotes_the_page() -> None:
     assert (
         len(factory.built) == 1 and "When was Ada Lovelace born?" in factory.built[0].prompts[0][-1].content
     )
+
+
+UNUSABLE_LOCATIONS = ["mailto:x@y", "javascript:alert(1)", "data:text/html,hi", "http:127.0.0.1:8080/x"]
+
+
+def test_redirects_to_unusable_locations_are_results_alone_and_in_a_batch() -> None:
+    """A page redirecting to mailto:, javascript:, data: or a host-less http: Location gives page_qa a
+    blocked_url / fetch_failed result over real HTTP, never a 500, and a batch of them keeps every result."""
+    with (
+        redirect_server() as redirects,
+        page_server() as pages,
+        serving(real_app(FakeFactory(answer="1815"))) as url,
+        httpx.Client(base_url=url, timeout=30) as client,
+    ):
+        questions = [
+            {"url": f"{redirects}/go?{urlencode({'to': loc})}", "question": "When?"}
+            for loc in UNUSABLE_LOCATIONS
+        ]
+        single = [client.post("/v1/tools/page_qa", json=q) for q in questions]
+        calls = [{"name": "page_qa", "arguments": q} for q in questions]
+        calls.append(
+            {"name": "page_qa", "arguments": {"url": f"{pages}/ada", "question": "When was she born?"}}
+        )
+        batch = client.post("/v1/batch", json={"calls": calls})
+    assert [r.status_code for r in single] == [200] * 4 and batch.status_code == 200
+    kinds = [r.json()["error"]["kind"] for r in single]
+    assert kinds == ["blocked_url", "blocked_url", "blocked_url", "fetch_failed"]
+    results = batch.json()["results"]
+    assert [r["error"]["kind"] for r in results[:4]] == kinds and results[4]["ok"] is True
+
+
+def test_overlong_paths_are_invalid_args_over_rest_and_mcp_without_server_paths(tmp_path: Path) -> None:
+    """A 300-character file name for image_ops `load` or video_summary is `invalid_args` (not a 500 from
+    ENAMETOOLONG) over REST, and over MCP an is_error result; neither names the server's folders."""
+    tools = ToolsConfig()
+    roots = (str(tmp_path),)
+    tools = replace(tools, image_ops=replace(tools.image_ops, config=ImageConfig(allowed_roots=roots)))
+    video = replace(tools.video_summary.config, allowed_roots=roots)
+    tools = replace(tools, video_summary=replace(tools.video_summary, config=video))
+    calls = [
+        ("image_ops", {"op": "load", "image": "a" * 300 + ".png"}),
+        ("video_summary", {"video": "v" * 300}),
+    ]
+    with serving(real_app(FakeFactory(), tools=tools, port=0)) as url:
+
+        async def over_mcp() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                return [await mcp_call(client, name, args) for name, args in calls]
+
+        rest = [httpx.post(f"{url}/v1/tools/{name}", json=args, timeout=30) for name, args in calls]
+        mcp = asyncio.run(over_mcp())
+    for reply in rest:
+        assert reply.status_code == 200 and reply.json()["error"]["kind"] == "invalid_args", reply.text
+        assert "name too long" in reply.json()["error"]["message"]
+    for reply in mcp:
+        result = reply.json()["result"]
+        assert result["isError"] is True and result["structuredContent"]["error"]["kind"] == "invalid_args"
+    assert all(str(tmp_path) not in reply.text for reply in [*rest, *mcp])
 
 
 @pytest.mark.slow

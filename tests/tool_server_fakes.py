@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import uvicorn
@@ -136,9 +137,11 @@ async def running(app: FastAPI, *, headers: dict[str, str] | None = None) -> Asy
 
 
 @contextmanager
-def serving(app: FastAPI) -> Iterator[str]:
-    """The app behind real uvicorn on 127.0.0.1 and a free port, in a thread; yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+def serving(app: FastAPI, *, config: uvicorn.Config | None = None) -> Iterator[str]:
+    """The app behind real uvicorn on 127.0.0.1 and a free port (or as `config` says), in a thread; yields
+    the base URL."""
+    config = config or uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30  # lifespan with fake models takes well under a second
@@ -163,6 +166,31 @@ and the reformer Anne Isabella Milbanke.</p>
 <p>Her notes on the engine include what is recognised as the first algorithm intended to be carried out by
 such a machine, which computed Bernoulli numbers.</p>
 </article></body></html>"""
+
+
+@contextmanager
+def redirect_server() -> Iterator[str]:
+    """A loopback HTTP server answering GET /go?to=<location> with a 302 to that (unchecked) Location."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            location = parse_qs(urlsplit(self.path).query).get("to", ["/"])[0]
+            self.send_response(302)
+            self.send_header("Location", location)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: object) -> None:  # keep test output clean
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @contextmanager

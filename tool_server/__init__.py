@@ -1,8 +1,8 @@
 """The HTTP tool server: hosts the frozen sub-agents behind /v1/tools, /v1/batch and an MCP endpoint.
 
 config.py      ServerConfig and load_config(path): the TOML file, typed, unknown keys refused
-cache.py       ResultCache: frozen results keyed by (tool, model id, normalised request), single-flight
-limits.py      bearer-token auth, body-size cap, per-tool concurrency gate, per-tool metrics
+cache.py       ResultCache: frozen results keyed by (tool, model id, exact request), single-flight
+limits.py      Host/Origin guard, bearer-token auth, body-size cap, request deadline, per-tool gate, metrics
 host.py        ToolHost: what the running server holds and how one call goes through it; tool_schema
 app.py         create_app(cfg) -> FastAPI and serve(cfg); the routes
 mcp_server.py  the same tools over MCP (Streamable HTTP, stateless) mounted at /mcp

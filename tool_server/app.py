@@ -12,10 +12,16 @@ Routes (bodies are JSON):
 Outcome policy. A policy's mistake is an observation, not an HTTP error: arguments that fail validation
 give 200 with `{"ok": false, "error": {"kind": "invalid_args", ...}}`, as do the sub-agents' own
 structured errors. HTTP errors are for the caller's program or the infrastructure: 404 unknown tool,
-401/403 auth, 413 body too large, 429 + Retry-After when a tool's queue deadline passes (in a batch or over
-MCP that call's result is an `overloaded` error instead), and 500 `{"error": {"kind": "internal"}}`
-(no traceback; logged) when a bug escapes a sub-agent. Header `X-Conductor-Session` names the caller's
-image session (default "default"); the rollout sends one per episode.
+401/403 auth, 413 body too large, 429 + Retry-After when a tool's queue deadline passes, and 500
+`{"error": {"kind": "internal"}}` (no traceback; logged) when a bug escapes a sub-agent. In a batch or over
+MCP each call is independent: an overload or an escaped bug is that call's own `overloaded` or `internal`
+result, and the other calls keep theirs. Header `X-Conductor-Session` names the caller's image session
+(default "default"); the rollout sends one per episode.
+
+Every route, /mcp included, answers only requests addressed to this server (limits.HostGuardMiddleware:
+Host 127.0.0.1/localhost/[::1] at the connection's port or in `allowed_hosts`, else 421; a foreign Origin
+403); in-process calls (httpx.ASGITransport, no socket) are exempt. A client that goes away before its
+request is read whole is logged as a disconnect (one info line) and counted `cancelled`, not as a bug.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -31,19 +38,23 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
+from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 
 from subagents import SUBAGENTS
 from subagents.backends import LLM, BackendConfig, BackendError, build_llm
 from subagents.common import ToolResponse, fail
 from tool_server.config import TOOL_NAMES, ServerConfig, build
-from tool_server.host import SESSION_HEADER, SubAgent, ToolHost, tool_schema
+from tool_server.host import INTERNAL_MESSAGE, SESSION_HEADER, SubAgent, ToolHost, tool_schema
 from tool_server.limits import (
     AuthMiddleware,
     BodyLimitMiddleware,
+    HostGuardMiddleware,
     Overloaded,
+    is_loopback,
     load_token,
     require_token_off_loopback,
+    timed_h11,
 )
 from tool_server.mcp_server import build_mcp
 
@@ -88,7 +99,10 @@ def create_app(
     app.include_router(router)
     app.router.routes.append(Route("/mcp", endpoint=mcp.app, include_in_schema=False))  # an ASGI app
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
-    app.add_middleware(AuthMiddleware, token=token)  # added last = outermost: no body read before auth
+    app.add_middleware(AuthMiddleware, token=token)  # outside the body limit: no body read before auth
+    hosts = {"allowed_hosts": cfg.allowed_hosts, "allowed_origins": cfg.allowed_origins}
+    app.add_middleware(HostGuardMiddleware, port=cfg.port, **hosts)  # added last = outermost
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(Exception, _internal_error)
     return app
 
@@ -115,8 +129,14 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     """A bug escaped: 500 with a kind and no traceback (Starlette re-raises after this, so the server logs
     the traceback)."""
     logger.error("internal error on %s %s: %r", request.method, request.url.path, exc)
-    message = "internal error in the tool server (logged server-side)"
-    return JSONResponse({"error": {"kind": "internal", "message": message}}, status_code=500)
+    return JSONResponse({"error": {"kind": "internal", "message": INTERNAL_MESSAGE}}, status_code=500)
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client went away before its request was read whole (or was cut off by the request deadline):
+    nothing is broken, so one info line and no traceback. The answer is never delivered."""
+    logger.info("client disconnected during %s %s", request.method, request.url.path)
+    return Response(status_code=400)
 
 
 def _dump(response: ToolResponse) -> dict[str, Any]:
@@ -140,8 +160,14 @@ async def call_tool(name: str, request: Request) -> Response:
     if name not in host.subagents:
         raise HTTPException(404, f"unknown tool {name!r}; tools: {', '.join(host.subagents)}")
     session = request.headers.get(SESSION_HEADER, "default")
+    started = time.perf_counter()
     try:
-        response = await host.call(name, await request.body(), session=session)
+        body = await request.body()
+    except ClientDisconnect:  # counted with the calls whose caller went away, then logged by _client_gone
+        host.metrics[name].record(seconds=time.perf_counter() - started, error="cancelled")
+        raise
+    try:
+        response = await host.call(name, body, session=session)
     except Overloaded as exc:
         return _overloaded_json(exc)
     return JSONResponse(_dump(response))
@@ -153,9 +179,9 @@ async def call_batch(batch: BatchRequest, request: Request) -> dict[str, list[di
     if len(batch.calls) > host.cfg.max_batch_calls:
         raise HTTPException(422, f"{len(batch.calls)} calls in one batch; at most {host.cfg.max_batch_calls}")
     session = request.headers.get(SESSION_HEADER, "default")
-    async with asyncio.TaskGroup() as group:  # a bug in one call cancels the rest and answers 500
-        tasks = [group.create_task(_batch_item(host, call, session)) for call in batch.calls]
-    return {"results": [_dump(task.result()) for task in tasks]}
+    # Each item is its own result (call_as_result answers a bug as `internal`), so none can fail the batch.
+    results = await asyncio.gather(*(_batch_item(host, call, session) for call in batch.calls))
+    return {"results": [_dump(result) for result in results]}
 
 
 async def _batch_item(host: ToolHost, call: BatchCall, session: str) -> ToolResponse:
@@ -214,18 +240,24 @@ def _backend_config(body: bytes) -> BackendConfig:
 
 
 # Uvicorn limits. Keep-alive: the rollout client reuses connections between turns a few seconds apart.
-# Concurrency: beyond this many open connections uvicorn answers 503 at once rather than queueing
-# (per-tool gates already bound the work; this bounds sockets and memory).
+# Concurrency: at this many open connections (idle ones included) or running requests uvicorn answers 503
+# at once. Idle and slow sockets are closed after `request_timeout_s` (TimedH11Protocol), so the cap only
+# has to stay far above what a burst of them can hold meanwhile (a few hundred) and above the real peak
+# (rollout clients pool <= 16 connections each), and below the file-descriptor limit (20000 here; one fd per
+# connection, the rest for fetches, models and ffmpeg; with the common 1024 the OS refuses first, so
+# raise `ulimit -n`). The work itself is bounded by the per-tool gates, not by this number.
 TIMEOUT_KEEP_ALIVE_S = 30
-LIMIT_CONCURRENCY = 512
+LIMIT_CONCURRENCY = 2048
 GRACEFUL_SHUTDOWN_S = 30  # in-flight model calls get this long to finish on Ctrl-C
 
 
 def uvicorn_config(cfg: ServerConfig, app: FastAPI) -> uvicorn.Config:
+    """uvicorn settings for `app`: the h11 protocol with `cfg.request_timeout_s` and the limits above."""
     return uvicorn.Config(
         app,
         host=cfg.host,
         port=cfg.port,
+        http=timed_h11(cfg.request_timeout_s),
         timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S,
         limit_concurrency=LIMIT_CONCURRENCY,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
@@ -234,6 +266,9 @@ def uvicorn_config(cfg: ServerConfig, app: FastAPI) -> uvicorn.Config:
 
 
 def serve(cfg: ServerConfig) -> None:
-    """Run the server until interrupted (blocking)."""
+    """Run the server until interrupted (blocking). Raises limits.UnsafeBind before binding anything."""
+    app = create_app(cfg)
+    if not is_loopback(cfg.host) and not cfg.allowed_hosts:
+        logger.warning("bound to %s with no allowed_hosts: any Host but loopback names gets 421", cfg.host)
     logger.info("tool server on http://%s:%d (MCP at /mcp)", cfg.host, cfg.port)
-    uvicorn.Server(uvicorn_config(cfg, create_app(cfg))).run()
+    uvicorn.Server(uvicorn_config(cfg, app)).run()

@@ -1,12 +1,14 @@
-"""A cache of frozen sub-agent results, keyed by (tool, model id, normalised request).
+"""A cache of frozen sub-agent results, keyed by (tool, model id, settings, exact validated request).
 
 Frozen sub-agents decode greedily, so the same request to the same model gives the same answer; RL runs
 ask the same thing many times (a group of G episodes for one task often opens with the same search or
 page question). Properties:
 
 - Key: tool name, the model id of the backend that answered (a hot-swapped model never sees its
-  predecessor's answers), a fingerprint of the tool's settings, and the request as
-  `model_dump(mode="json")` with sorted keys and whitespace-stripped strings.
+  predecessor's answers), a fingerprint of the tool's settings, and the validated request as
+  `model_dump(mode="json")` with sorted keys and nothing else changed: no normalisation, since two requests
+  that differ at all may have different answers (`"ok.mp4\n"` names no file; stripping it once served
+  `ok.mp4`'s summary for it).
 - Only successful responses are stored: an error (a fetch that failed, a timeout) may not recur.
 - Memory: an LRU bounded by `max_entries`. Disk (optional): one JSON file per entry, named by the SHA-256
   of the key, written atomically (temp file + os.replace), so concurrent servers and crashes never leave a
@@ -57,19 +59,9 @@ class CacheStats:
         return self.hits / total if total else 0.0
 
 
-def _normalise(value: Any) -> Any:
-    if isinstance(value, str):
-        return value.strip()
-    if isinstance(value, dict):
-        return {key: _normalise(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_normalise(item) for item in value]
-    return value
-
-
 def cache_key(tool: str, model_id: str, request: BaseModel, *, settings: str = "") -> str:
-    """The cache key: one line each for tool, model, settings fingerprint and canonical request JSON."""
-    body = json.dumps(_normalise(request.model_dump(mode="json")), sort_keys=True, separators=(",", ":"))
+    """The cache key: one line each for tool, model, settings fingerprint and the exact request as JSON."""
+    body = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     fingerprint = hashlib.sha256(settings.encode()).hexdigest()[:16]
     return f"{tool}\n{model_id}\n{fingerprint}\n{body}"
 

@@ -119,10 +119,17 @@ class ServerConfig:
     max_batch_calls: int = 32
     """Most calls in one /v1/batch request: a group of 8 episodes with a few parallel calls each."""
     allowed_hosts: tuple[str, ...] = ()
-    """Extra Host header values the MCP endpoint accepts (DNS-rebinding guard), e.g. "gpu-box:8700".
-    127.0.0.1:<port> and localhost:<port> are always accepted."""
+    """Extra Host header values every route (REST and /mcp) accepts, e.g. "gpu-box:8700" (DNS-rebinding
+    guard, limits.HostGuardMiddleware; compared case-insensitively, exact host:port). 127.0.0.1:<port>,
+    localhost:<port> and [::1]:<port> are always accepted; a server reached by any other name or address
+    (bound off loopback, behind a port forward) must list it here, or clients get 421."""
     allowed_origins: tuple[str, ...] = ()
-    """Extra Origin header values the MCP endpoint accepts, e.g. "http://gpu-box:8700"."""
+    """Extra Origin header values every route accepts, e.g. "https://dashboard.example". An Origin of
+    http:// plus an accepted Host value is always accepted; any other Origin gets 403 (no Origin: fine)."""
+    request_timeout_s: float = 10.0
+    """A connection must send each request whole (headers and body) within this many seconds of opening,
+    or of its next request's first byte, or it is closed: idle and slow-sending sockets cannot pile up
+    and hold the server's connection slots. Real clients send their <= 2 MB body in well under a second."""
     fetch: FetchConfig = field(default_factory=FetchConfig)
     """SSRF-guarded page fetching shared by page_qa and image loading (`[fetch]`)."""
     cache: CacheConfig = field(default_factory=CacheConfig)

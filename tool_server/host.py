@@ -36,6 +36,8 @@ from tool_server.limits import Overloaded, ToolGate, ToolMetrics
 logger = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-Conductor-Session"
+# What a caller learns of a bug: the kind and this sentence; the traceback goes to the server log only.
+INTERNAL_MESSAGE = "internal error in the tool server (logged server-side)"
 
 # Tools whose results are served from the cache. image_ops is left out on purpose: its calls write into
 # the caller's per-session image store (a load creates an image id, a zoom a new one), so a stored answer
@@ -219,8 +221,9 @@ class ToolHost:
         except Overloaded:
             error = "overloaded"
             raise
-        except asyncio.CancelledError:  # the caller went away (client disconnect, batch sibling failed)
+        except asyncio.CancelledError:  # the caller went away (its deadline passed, the server is stopping)
             error = "cancelled"
+            logger.debug("%s call cancelled: its caller went away", name)
             raise
         finally:
             self.metrics[name].record(seconds=time.perf_counter() - start, error=error)
@@ -228,11 +231,16 @@ class ToolHost:
         return response
 
     async def call_as_result(self, name: str, arguments: Mapping[str, Any], *, session: str) -> ToolResponse:
-        """Like `call`, but an overload refusal is an `overloaded` result (batch items, MCP) not an exception."""
+        """Like `call`, but every outcome is a result (batch items, MCP): an overload refusal is `overloaded`,
+        and a bug escaping the call is this call's own `internal` result, its traceback logged here, so one
+        bad call never fails the calls sent with it and no exception text reaches the caller."""
         try:
             return await self.call(name, arguments, session=session)
         except Overloaded as exc:
             return fail(self.subagents[name].Response, "overloaded", str(exc))
+        except Exception:  # the boundary of one call: the bug is logged whole and answered as `internal`
+            logger.exception("internal error in a %s call", name)
+            return fail(self.subagents[name].Response, "internal", INTERNAL_MESSAGE)
 
     async def _call(
         self, module: SubAgent, arguments: bytes | Mapping[str, Any], *, session: str

@@ -1,4 +1,7 @@
-"""What protects the tool server: bearer-token auth, a body-size cap, per-tool concurrency gates, metrics.
+"""What protects the tool server: Host/Origin checks, bearer-token auth, a body-size cap, a request deadline
+per connection, per-tool concurrency gates, metrics.
+
+Host/Origin rules (HostGuardMiddleware, every route and /mcp): see its docstring; 421 / 403 otherwise.
 
 Auth rules (AuthMiddleware):
 - A token comes from `$<token_env>` or the first line of `token_file`. Binding anything but loopback
@@ -6,6 +9,9 @@ Auth rules (AuthMiddleware):
 - Once a token is configured it guards every route except GET /health (liveness probes carry no secret).
   Missing or wrong: 401 with `WWW-Authenticate: Bearer`. Compared with `hmac.compare_digest`.
 - /admin/* always needs the token, loopback or not; with no token configured admin is disabled (403).
+
+Connection rule (TimedH11Protocol): a connection must deliver each request whole within
+`request_timeout_s`, so idle and slow-sending sockets are closed instead of holding the server's slots.
 
 Overload rule (ToolGate): each tool runs at most `max_concurrency` calls; a call waits at most
 `queue_timeout_s` for a slot, then `Overloaded` (HTTP 429 + Retry-After). Nothing waits unboundedly.
@@ -20,18 +26,22 @@ import json
 import math
 import os
 from collections import Counter, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
+import h11
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tool_server.config import ServerConfig, ToolLimits
 
 # Latencies kept per tool for p50/p95: a thousand recent calls give stable percentiles in bounded memory.
 LATENCY_WINDOW = 1000
 OPEN_PATHS = frozenset({"/health"})
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")  # the Host names a loopback server is reached by
 
 
 class Overloaded(Exception):
@@ -62,10 +72,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class UnsafeBind(RuntimeError):
+    """The configuration would serve the tools beyond this machine without a token."""
+
+
 def require_token_off_loopback(cfg: ServerConfig, token: str | None) -> None:
     """Refuse to serve beyond this machine without a token: the tools fetch URLs and run models."""
     if token is None and not is_loopback(cfg.host):
-        raise RuntimeError(
+        raise UnsafeBind(
             f"refusing to bind {cfg.host}: not loopback and no token; set ${cfg.token_env} or token_file"
         )
 
@@ -80,6 +94,124 @@ async def _send_json(send: Send, status: int, body: dict[str, object], headers: 
 
 def _error(kind: str, message: str) -> dict[str, object]:
     return {"error": {"kind": kind, "message": message}}
+
+
+class HostGuardMiddleware:
+    """One Host/Origin policy for every route, /mcp included: the DNS-rebinding guard.
+
+    A web page the operator opens can point its own name at 127.0.0.1 and drive the tools through the
+    operator's browser, which then sends that name as Host and the page's origin as Origin. So:
+    - Host must be 127.0.0.1:<port>, localhost:<port> or [::1]:<port> (case-insensitive; <port> is the port
+      the connection arrived on, so a server bound to port 0 takes whichever port it got, and the bare names
+      on port 80), or one of `allowed_hosts`; else 421.
+    - Origin, when present, must be http:// plus one of those Host values, or one of `allowed_origins`;
+      else 403.
+    In-process calls (httpx.ASGITransport, Starlette's TestClient) have no socket, so no browser behind
+    them: their ASGI `server` holds the client's base-URL host ("embedded", "testserver") where a socket
+    server puts the IP address it listens on, and the policy is skipped for them. A scope with no `server`
+    at all (a unix socket) gets the policy, with the configured port.
+    """
+
+    def __init__(
+        self, app: ASGIApp, *, port: int, allowed_hosts: Sequence[str], allowed_origins: Sequence[str]
+    ) -> None:
+        self.app = app
+        self._port = port
+        self._hosts = frozenset(host.lower() for host in allowed_hosts)
+        self._origins = frozenset(origin.lower() for origin in allowed_origins)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or _in_process(scope):
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        hosts = self._hosts_for(scope)
+        host, origin = headers.get("host", "").lower(), headers.get("origin")
+        if host not in hosts:
+            message = f"Host {host[:100]!r} is not this server (see allowed_hosts)"
+            await _send_json(send, 421, _error("bad_host", message), {})
+        elif origin is not None and not self._origin_allowed(origin.lower(), hosts):
+            message = f"Origin {origin[:100]!r} may not call this server (see allowed_origins)"
+            await _send_json(send, 403, _error("bad_origin", message), {})
+        else:
+            await self.app(scope, receive, send)
+
+    def _hosts_for(self, scope: Scope) -> frozenset[str]:
+        """The Host values this request may carry: the loopback names at its port, plus `allowed_hosts`."""
+        server = scope.get("server")
+        port = server[1] if server and server[1] is not None else self._port
+        named = [f"{name}:{port}" for name in LOOPBACK_NAMES]
+        if port == (443 if scope.get("scheme") == "https" else 80):  # a default port may be left out
+            named += LOOPBACK_NAMES
+        return self._hosts.union(named)
+
+    def _origin_allowed(self, origin: str, hosts: frozenset[str]) -> bool:
+        return origin in self._origins or (origin.startswith("http://") and origin[len("http://") :] in hosts)
+
+
+def _in_process(scope: Scope) -> bool:
+    """Whether the request came through no socket: ASGI `server` names a host instead of an IP address."""
+    server = scope.get("server")
+    if not server:
+        return False
+    try:
+        ipaddress.ip_address(server[0])
+    except ValueError:
+        return True
+    return False
+
+
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a request deadline: a connection must deliver each request whole (headers
+    and body) within `request_timeout_s` of opening, or of the first byte of its next request after a
+    kept-alive response; past it the connection is closed. Between requests uvicorn's keep-alive timeout
+    applies as before.
+
+    Why: uvicorn 0.54 has no header or body timeout (its `timeout_keep_alive` starts only after a
+    response), so a socket that never completes a request was held for ever, and counted against
+    `limit_concurrency`: 520 idle sockets made every route answer 503. Use `timed_h11(seconds)`.
+    """
+
+    request_timeout_s: float = 10.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._request_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):  # a request has begun and is not whole yet
+            self._arm()
+        else:
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._request_timer is None:
+            self._request_timer = self.loop.call_later(self.request_timeout_s, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._request_timer is not None:
+            self._request_timer.cancel()
+            self._request_timer = None
+
+    def _timed_out(self) -> None:
+        self._request_timer = None
+        if not self.transport.is_closing():
+            self.logger.debug("closing %s: no whole request within %g s", self.client, self.request_timeout_s)
+            self.transport.close()
+
+
+def timed_h11(request_timeout_s: float) -> type[TimedH11Protocol]:
+    """A `TimedH11Protocol` with this deadline, to pass as `uvicorn.Config(http=...)`."""
+    return type("TimedH11Protocol", (TimedH11Protocol,), {"request_timeout_s": request_timeout_s})
 
 
 class AuthMiddleware:

@@ -5,10 +5,15 @@ share the endpoint and no session state outlives a request. Tool results carry t
 the full Response as `structured_content`, and `is_error` for a failed call (the policy reads the error
 like any observation). An unknown tool name is a protocol error (INVALID_PARAMS).
 
-DNS-rebinding guard (SDK TransportSecuritySettings): the Host header must be 127.0.0.1:<port> or
-localhost:<port> (any port when the server binds port 0) or one of `allowed_hosts`; an Origin header, when
-present, must be the matching http:// origin or one of `allowed_origins`. Otherwise 421 / 403. This stops a
-web page the operator visits from driving the tools through a rebound DNS name.
+Errors carry a kind and a short message, never exception text: a bug escaping a call is an `internal`
+result (ToolHost.call_as_result logs its traceback). An exception raised out of `call_tool` would reach
+the wire as the SDK's JSON-RPC error with `str(exc)` as its message (OS errors name server paths).
+
+DNS-rebinding guard: limits.HostGuardMiddleware, which the app puts in front of every route, /mcp
+included, so REST and MCP follow one Host/Origin policy (Host 127.0.0.1, localhost or [::1] at the
+connection's port, or one of `allowed_hosts`, else 421; a foreign Origin 403). The SDK's own check
+(TransportSecuritySettings) is switched off: its lists could drift from ours, and it compares Host
+case-sensitively.
 """
 
 from __future__ import annotations
@@ -34,16 +39,6 @@ class McpEndpoint:
 
     manager: StreamableHTTPSessionManager
     app: StreamableHTTPASGIApp
-
-
-def security_settings(cfg: ServerConfig) -> TransportSecuritySettings:
-    """Host/Origin allow-lists: loopback at the configured port (any port for port 0) plus configured extras."""
-    port = "*" if cfg.port == 0 else str(cfg.port)
-    hosts = [f"127.0.0.1:{port}", f"localhost:{port}", *cfg.allowed_hosts]
-    origins = [f"http://127.0.0.1:{port}", f"http://localhost:{port}", *cfg.allowed_origins]
-    return TransportSecuritySettings(
-        enable_dns_rebinding_protection=True, allowed_hosts=hosts, allowed_origins=origins
-    )
 
 
 def build_mcp(
@@ -76,7 +71,8 @@ def build_mcp(
         app=server,
         json_response=True,
         stateless=True,
-        security_settings=security_settings(cfg),
+        # Host/Origin are checked by limits.HostGuardMiddleware in front of /mcp (see the module docstring).
+        security_settings=TransportSecuritySettings(enable_dns_rebinding_protection=False),
         max_request_body_size=cfg.max_body_bytes,
     )
     return McpEndpoint(manager=manager, app=StreamableHTTPASGIApp(manager))
