@@ -37,11 +37,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from conductor.models import resolve_model
 from main_agent.parse import ANSWER_CLOSE, ANSWER_OPEN, parse_completion
 from main_agent.policy import Policy, SamplingConfig, TransformersPolicy, load_model_and_tokenizer
 from main_agent.rollout import RolloutConfig
 from main_agent.types import Episode
-from subagents.models import resolve_model
 from training.play import play, tool_session
 from training.rewards import exact_match, token_f1
 from training.tasks import Task, load_family

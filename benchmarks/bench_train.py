@@ -188,8 +188,8 @@ def run_loop(mode: str, bench: BenchConfig) -> LoopResult:
 
 def prepare_batch(bench: BenchConfig, path: Path) -> None:
     """Random ids, the starting model's log-probs of the completions, advantages ~ N(0, 1); saved to `path`."""
+    from conductor.models import resolve_model
     from main_agent.policy import load_model_and_tokenizer
-    from subagents.models import resolve_model
     from training.loss import token_logprobs
 
     model, _ = load_model_and_tokenizer(resolve_model(POLICY))
@@ -243,9 +243,9 @@ def throughput(side: SideResult, bench: BenchConfig) -> dict[str, float]:
 
 def our_side(bench: BenchConfig, path: Path) -> SideResult:
     """`training.train.update` on the saved batch, in this (child) process."""
+    from conductor.models import resolve_model
     from main_agent.policy import load_model_and_tokenizer
     from main_agent.tokens import TrainSequence, micro_batches
-    from subagents.models import resolve_model
     from training.train import update
 
     model, _ = load_model_and_tokenizer(resolve_model(POLICY))
@@ -271,8 +271,8 @@ def trl_side(bench: BenchConfig, path: Path) -> SideResult:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
+    from conductor.models import resolve_model
     from main_agent.policy import load_model_and_tokenizer
-    from subagents.models import resolve_model
 
     model, tokenizer = load_model_and_tokenizer(resolve_model(POLICY))
     per, n_micro = layout(bench)

@@ -147,7 +147,7 @@ async def tool_client(opts: AskOptions) -> AsyncIterator[ToolClient]:
 
 def load_policy(opts: AskOptions) -> tuple[Policy, object]:
     """The policy and its tokenizer (the endpoint policy still renders prompts with the local tokenizer)."""
-    from subagents.models import ModelNotFound, resolve_model
+    from conductor.models import ModelNotFound, resolve_model
 
     sampling = SamplingConfig(temperature=opts.temperature)
     try:

@@ -28,7 +28,8 @@ from typing import Literal, Protocol
 
 import httpx
 
-from subagents.batching import GenerationError, MicroBatcher, left_pad
+from conductor.batching import GenerationError, MicroBatcher, left_pad
+from conductor.models import default_device
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class TransformersPolicy:
     @classmethod
     def load(cls, ref: str, *, cfg: SamplingConfig = SamplingConfig()) -> TransformersPolicy:
         """Load a built-in model name, a local checkpoint dir, or a LoRA adapter dir."""
-        from subagents.models import resolve_model
+        from conductor.models import resolve_model
 
         path = resolve_model(ref)
         model, tokenizer = load_model_and_tokenizer(path)
@@ -141,13 +142,6 @@ class TransformersPolicy:
         ids, logprobs = ids[:end], logprobs[:end]
         finish = "stop" if ids and ids[-1] == self.eos_token_id else "length"
         return Sample(ids, logprobs, self.tokenizer.decode(ids, skip_special_tokens=True), finish)
-
-
-def default_device() -> str:
-    """ "cuda" when a GPU is visible, else "cpu"."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def load_model_and_tokenizer(path: Path):

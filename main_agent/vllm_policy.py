@@ -26,8 +26,8 @@ import itertools
 import logging
 from pathlib import Path
 
+from conductor.models import VLLM_CPU_KV_CACHE_BYTES
 from main_agent.policy import WORKER_EXTENSION, PolicyError, Sample, SamplingConfig, finish_sample
-from subagents.vllm_backend import VLLM_CPU_KV_CACHE_BYTES
 
 logger = logging.getLogger(__name__)
 

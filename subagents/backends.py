@@ -25,9 +25,9 @@ from typing import Literal, Protocol
 
 import openai
 
-from subagents.batching import GenerationError
+from conductor.batching import GenerationError
+from conductor.models import ModelNotFound
 from subagents.common import approx_tokens
-from subagents.models import ModelNotFound
 
 logger = logging.getLogger(__name__)
 
@@ -157,8 +157,8 @@ class TransformersLLM:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        from subagents import models
-        from subagents.batching import MicroBatcher
+        from conductor import models
+        from conductor.batching import MicroBatcher
 
         if cfg.multimodal:
             raise BackendError("the transformers backend is text-only; use openai or vllm", retryable=False)
@@ -166,7 +166,7 @@ class TransformersLLM:
         torch.manual_seed(cfg.seed)
         self.model_id = f"transformers:{cfg.model}"
         self.multimodal = False
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = models.default_device()
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
         self.model.to(self.device).eval()  # type: ignore[arg-type]  # transformers mistypes the wrapped `to`
@@ -210,7 +210,7 @@ class TransformersLLM:
         import torch
         from transformers import GenerationConfig
 
-        from subagents.batching import left_pad
+        from conductor.batching import left_pad
 
         input_ids, attention_mask = left_pad(prompts, pad_id=self.pad_id)  # [batch, width]
         width = input_ids.shape[1]

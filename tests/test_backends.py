@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conductor.batching import GenerationError, MicroBatcher
 from subagents.backends import BackendConfig, BackendError, Message, OpenAILLM, TransformersLLM, build_llm
-from subagents.batching import GenerationError, MicroBatcher
 from tests.fake_openai_server import Script, create_openai_app, serve, unused_port
 
 PNG = base64.b64decode(

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def conductor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(REPO / "conductor.py"), *args],
+        [sys.executable, "-m", "conductor.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -355,7 +355,7 @@ async def test_oracle_reads_real_plates_through_the_real_tool_server(shared_data
     and each episode ends with an answer (right or not: the print says how many were right)."""
     from transformers import AutoTokenizer
 
-    from subagents.models import ModelNotFound, resolve_model
+    from conductor.models import ModelNotFound, resolve_model
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(

@@ -41,10 +41,11 @@ from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 
+from conductor.settings import build
 from subagents import SUBAGENTS
 from subagents.backends import LLM, BackendConfig, BackendError, build_llm
 from subagents.common import ToolResponse, fail
-from tool_server.config import TOOL_NAMES, ServerConfig, build
+from tool_server.config import TOOL_NAMES, ServerConfig
 from tool_server.host import INTERNAL_MESSAGE, SESSION_HEADER, SubAgent, ToolHost, tool_schema
 from tool_server.limits import (
     AuthMiddleware,

@@ -18,12 +18,12 @@ See examples/server.toml for a documented file.
 from __future__ import annotations
 
 import tomllib
-import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, Generic, TypeVar, get_type_hints
 
+from conductor.settings import ConfigError, build, coerce
 from subagents import image_ops, page_qa, search, video_summary
 from subagents.backends import BackendConfig
 from subagents.fetch import FetchConfig
@@ -32,10 +32,6 @@ C = TypeVar("C")
 D = TypeVar("D")
 
 TOOL_NAMES = ("page_qa", "image_ops", "video_summary", "search")
-
-
-class ConfigError(ValueError):
-    """The TOML file names a key that does not exist or gives a value of the wrong type."""
 
 
 @dataclass(frozen=True)
@@ -165,11 +161,6 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
     )
 
 
-def build(cls: type[D], table: Mapping[str, Any], section: str) -> D:
-    """An instance of dataclass `cls` from a TOML table, keys and value types checked."""
-    return cls(**_values(cls, table, section))
-
-
 def _tool(config_type: type[C], data: Mapping[str, Any], name: str) -> ToolSettings[C]:
     table = _table(data, name, f"[{name}]")
     own = {key: value for key, value in table.items() if key not in ("model", "limits")}
@@ -193,42 +184,10 @@ def _values(
     valid = tuple(f.name for f in fields(cls) if f.name not in skip)
     _check_keys(table, valid, section)
     hints = get_type_hints(cls)
-    return {key: _coerce(value, hints[key], f"{section} {key}") for key, value in table.items()}
+    return {key: coerce(value, hints[key], f"{section} {key}") for key, value in table.items()}
 
 
 def _check_keys(table: Mapping[str, Any], valid: tuple[str, ...], section: str) -> None:
     for key in table:
         if key not in valid:
             raise ConfigError(f"unknown key {key!r} in {section}; valid keys: {', '.join(valid)}")
-
-
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    """`value` converted to `hint` where TOML cannot express it (tuple, Path); ConfigError if it cannot fit."""
-    origin, args = get_origin(hint), get_args(hint)
-    if origin in (Union, types.UnionType):
-        errors = []
-        for option in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, option, where)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError("; ".join(errors))
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, args))}")
-        return value
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected an array, got {value!r}")
-        return tuple(_coerce(item, args[0], where) for item in value)
-    return _coerce_scalar(value, hint, where)
-
-
-def _coerce_scalar(value: Any, hint: Any, where: str) -> Any:
-    if hint is Path and isinstance(value, str):
-        return Path(value)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint in (int, float, str, bool, Path) and (type(value) is not hint):
-        raise ConfigError(f"{where}: expected {hint.__name__}, got {value!r}")
-    return value

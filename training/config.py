@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from conductor.settings import ConfigError, build
 from main_agent.rollout import RolloutConfig
-from tool_server.config import ConfigError, build
 from training.advantages import CreditConfig
 from training.rewards import TurnRewardWeights
 

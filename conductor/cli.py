@@ -42,7 +42,7 @@ def models_prepare(
     force: Annotated[bool, typer.Option(help="Convert again even if a checkpoint exists.")] = False,
 ) -> None:
     """Convert the built-in SmolLM2-135M-Instruct GGUF into a dense HF checkpoint under $CONDUCTOR_HOME."""
-    from subagents import models
+    from conductor import models
 
     _setup_logging(False)
     try:
@@ -55,7 +55,7 @@ def models_prepare(
 @models_app.command("list")
 def models_list() -> None:
     """Show each built-in model and whether it is prepared."""
-    from subagents import models
+    from conductor import models
 
     for name, status, where in models.list_models():
         typer.echo(f"{name:24s} {status:13s} {where}")
@@ -205,8 +205,8 @@ def train(
     ] = False,
 ) -> None:
     """Train the orchestrator policy with multi-turn RL against the frozen tool server."""
+    from conductor.settings import ConfigError
     from main_agent.policy import PolicyError
-    from tool_server.config import ConfigError
     from training.checkpoint import CheckpointError
     from training.config import load_train_config
     from training.train import InfraFailure

@@ -1,0 +1,6 @@
+"""Conductor's bottom layer and its command line.
+
+settings.py, models.py and batching.py are the machinery the four runtime packages (main_agent, subagents,
+tool_server, training) share; they import none of those packages. cli.py is the one top: the `conductor`
+command, which imports the runtime packages inside each subcommand.
+"""
