@@ -326,21 +326,18 @@ async def test_batched_greedy_matches_unbatched(smollm2: TransformersLLM) -> Non
 
 
 @pytest.mark.slow
-async def test_concurrent_requests_are_much_faster_than_sequential(smollm2: TransformersLLM) -> None:
-    """Eight concurrent calls share batches and finish at least twice as fast as eight sequential calls."""
+async def test_concurrent_requests_share_batches_and_answer_as_alone(smollm2: TransformersLLM) -> None:
+    """Eight concurrent calls are served in shared batches, and each gets the answer it gets alone (greedy). How
+    much faster that is, is a benchmark's business (benchmarks/bench_subagents.py), not a timed test's."""
     prompts = [f"Count from {i} to {i + 5}." for i in range(8)]
-    await smollm2.generate(USER, max_new_tokens=2)  # warm-up, so first-call costs do not flatter the ratio
-    start = time.perf_counter()
-    for p in prompts:
-        await smollm2.generate([Message("user", p)], max_new_tokens=24)
-    sequential = time.perf_counter() - start
-    start = time.perf_counter()
-    await asyncio.gather(*(smollm2.generate([Message("user", p)], max_new_tokens=24) for p in prompts))
-    concurrent = time.perf_counter() - start
-    print(
-        f"8 sequential: {sequential:.2f} s, 8 concurrent: {concurrent:.2f} s, x{sequential / concurrent:.1f}"
+    alone = [(await smollm2.generate([Message("user", p)], max_new_tokens=24)).text for p in prompts]
+    before = len(smollm2.batcher.batch_sizes)
+    together = await asyncio.gather(
+        *(smollm2.generate([Message("user", p)], max_new_tokens=24) for p in prompts)
     )
-    assert sequential / concurrent >= 2, f"sequential {sequential:.2f} s vs concurrent {concurrent:.2f} s"
+    sizes = smollm2.batcher.batch_sizes[before:]
+    assert sum(sizes) == 8 and max(sizes) >= 4, sizes
+    assert [g.text for g in together] == alone
 
 
 @pytest.mark.slow
