@@ -4,21 +4,29 @@
     conductor serve --config FILE        the tool server with the frozen sub-agents
     conductor ask "QUESTION" [...]       the research assistant: one episode, shown live
     conductor trace EPISODES.jsonl       render episodes as a self-contained HTML trace
-    conductor train [CONFIG] [...]       multi-turn RL of the main policy (sync, or --async)
-    conductor sft [--set key=value ...]  warm start from scripted-oracle episodes
+    conductor train [CONFIG] [--set k=v]  multi-turn RL of the main policy (sync, or --async)
+    conductor sft [CONFIG] [--set k=v]   warm start from scripted-expert episodes
     conductor eval --policy P --task T   success, tool use and context size on a split
     conductor plot RUN_DIR               PNG curves from a run's metrics.jsonl
 
-Each command is a thin wrapper: parse options, configure logging, call one library function.
+Each command is a thin wrapper: parse options, configure logging, call one library function, print what it
+returned. Settings come from a TOML file and `--set key=value` overrides (conductor/settings.py).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
+
+from conductor.models import DEFAULT_MODEL
+
+T = TypeVar("T")
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Train and run tool-using orchestrator agents."
@@ -100,16 +108,19 @@ def ask(
     ] = None,
     image: Annotated[Path | None, typer.Option(help="An image the policy may inspect.")] = None,
     video: Annotated[Path | None, typer.Option(help="A video the policy may summarise.")] = None,
-    corpus: Annotated[Path | None, typer.Option(help="Folder to index for search (embedded server).")] = None,
+    corpus: Annotated[
+        Path | None, typer.Option(help="Folder to index for search (in-process tools).")
+    ] = None,
     policy: Annotated[
-        str, typer.Option(help="Policy model: built-in name, checkpoint or adapter dir.")
-    ] = "smollm2-135m-instruct",
+        str,
+        typer.Option(help="Policy model: built-in name, checkpoint or adapter dir (its tokenizer is used)."),
+    ] = DEFAULT_MODEL,
     policy_url: Annotated[
-        str | None, typer.Option(help="OpenAI-compatible endpoint serving the policy.")
+        str | None, typer.Option(help="OpenAI-compatible endpoint serving the policy (e.g. vLLM serve).")
     ] = None,
     policy_model: Annotated[
-        str, typer.Option(help="Model name served at --policy-url.")
-    ] = "smollm2-135m-instruct",
+        str | None, typer.Option(help="Model name served at --policy-url (default: the first it lists).")
+    ] = None,
     tools_url: Annotated[
         str | None, typer.Option(help="A running tool server (default: start one in-process).")
     ] = None,
@@ -128,11 +139,15 @@ def ask(
 ) -> None:
     """Answer a question with the policy and the frozen sub-agents, showing every call."""
     from main_agent.ask import AskOptions
+    from main_agent.policy import SamplingConfig
 
     if verbose:
         _setup_logging(verbose)
     else:
         logging.basicConfig(level=logging.WARNING)
+    sampling = SamplingConfig(temperature=0.0)  # greedy: the assistant answers the same way each time
+    if policy_url:
+        sampling = SamplingConfig(backend="server", url=policy_url, model=policy_model, temperature=0.0)
     opts = AskOptions(
         question=question,
         urls=tuple(url or ()),
@@ -140,8 +155,7 @@ def ask(
         video=video,
         corpus=corpus,
         policy=policy,
-        policy_url=policy_url,
-        policy_model=policy_model,
+        sampling=sampling,
         tools_url=tools_url,
         max_turns=max_turns,
         tools=tuple(tool or ()),
@@ -154,8 +168,8 @@ def _run_ask(opts, *, json_out: bool, trace: Path | None) -> None:
     """One episode with the live view (or JSON), then the optional HTML trace; user errors exit with 2."""
     import asyncio
 
+    from conductor import display
     from main_agent import ask as assistant
-    from main_agent import display
 
     view = None if json_out else display.LiveView(opts.question)
     try:
@@ -194,7 +208,8 @@ def train(
         Path | None, typer.Argument(help="Training TOML config (default: the CPU defaults).")
     ] = None,
     set_: Annotated[
-        list[str] | None, typer.Option("--set", help="Override one field: key=value (repeatable).")
+        list[str] | None,
+        typer.Option("--set", help="Override one setting: key=value, e.g. credit.mode=turn."),
     ] = None,
     resume: Annotated[
         Path | None, typer.Option(help="Continue this run directory from its newest checkpoint.")
@@ -205,70 +220,103 @@ def train(
     ] = False,
 ) -> None:
     """Train the orchestrator policy with multi-turn RL against the frozen tool server."""
-    from conductor.settings import ConfigError
-    from main_agent.policy import PolicyError
-    from training.checkpoint import CheckpointError
-    from training.config import load_train_config
-    from training.train import InfraFailure
+    from tqdm import tqdm
+
+    from training.config import config_hash, load_train_config
+    from training.metrics import step_line
 
     _setup_logging(False)
-    try:
-        cfg = load_train_config(config, list(set_ or ()))
-    except (ConfigError, FileNotFoundError) as exc:
-        raise typer.BadParameter(str(exc), param_hint="CONFIG / --set") from exc
+    cfg = _settings(lambda: load_train_config(config, list(set_ or ())))
     if async_:
         from training.train_async import train_async as loop
     else:
         from training.train import train as loop
-    try:
-        run_dir = loop(cfg, resume=resume, force=force)
-    except (
-        CheckpointError,
-        PolicyError,
-        InfraFailure,
-    ) as exc:  # what a user can fix, said without a traceback
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from exc
+    bar = tqdm(total=cfg.steps, unit="step", desc=f"train {config_hash(cfg)}", file=sys.stderr)
+
+    def on_step(row) -> None:  # one fixed-shape line per step above the progress bar
+        bar.n = int(row["step"])
+        bar.refresh()
+        tqdm.write(step_line(row))
+
+    with bar:
+        run_dir = _user_errors(lambda: loop(cfg, resume=resume, force=force, on_step=on_step))
     typer.echo(f"run directory: {run_dir}")
 
 
 @app.command()
 def sft(
+    config: Annotated[
+        Path | None, typer.Argument(help="SFT TOML config (default: the CPU defaults).")
+    ] = None,
     set_: Annotated[
-        list[str] | None, typer.Option("--set", help="Override one SFT setting: key=value.")
+        list[str] | None, typer.Option("--set", help="Override one setting: key=value, e.g. limit=48.")
     ] = None,
 ) -> None:
-    """Fine-tune the policy on successful scripted-oracle episodes run through the real tool server."""
+    """Fine-tune the policy on successful scripted-expert episodes run through the real tool server."""
+    from training.evaluate import format_table
     from training.sft import load_sft_config, run_sft
 
     _setup_logging(False)
-    typer.echo(f"SFT checkpoint: {run_sft(load_sft_config(list(set_ or ())))}")
+    cfg = _settings(lambda: load_sft_config(list(set_ or ()), config))
+    report = _user_errors(lambda: run_sft(cfg))
+    reports = [r for r in (report.before, report.after) if r is not None]
+    typer.echo(format_table(reports) if reports else "no evaluation (eval_n=0)")
+    typer.echo(
+        f"{report.expert_episodes} expert episodes of {report.expert_tasks} tasks; model: {report.model_dir}"
+    )
 
 
 @app.command("eval")
 def eval_cmd(
-    policy: Annotated[
-        str, typer.Option(help="Built-in name, checkpoint or adapter dir.")
-    ] = "smollm2-135m-instruct",
+    config: Annotated[Path | None, typer.Argument(help="Evaluation TOML config (optional).")] = None,
+    policy: Annotated[str | None, typer.Option(help="Built-in name, checkpoint or adapter dir.")] = None,
     task: Annotated[
-        str, typer.Option(help="Task family: multihop_pages, plate_reading, video_qa.")
-    ] = "plate_reading",
-    split: Annotated[str, typer.Option(help="train, dev or test.")] = "dev",
+        str | None, typer.Option(help="Task family: multihop_pages, plate_reading, video_qa.")
+    ] = None,
+    split: Annotated[str | None, typer.Option(help="train, dev or test.")] = None,
     n: Annotated[
-        int, typer.Option(help="Number of task instances (the first n, same for every policy).")
-    ] = 100,
+        int | None, typer.Option(help="The first n tasks of the split (the same for every policy).")
+    ] = None,
     out: Annotated[Path | None, typer.Option(help="Write the report here as JSON.")] = None,
-    sampler: Annotated[
-        str, typer.Option(help="transformers (in process) or vllm (the vllm extra; dense checkpoints).")
-    ] = "transformers",
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override one setting: key=value, e.g. sampling.backend=vllm."),
+    ] = None,
 ) -> None:
     """Evaluate a policy with greedy decoding on fixed task instances; prints a table, writes JSON."""
-    from training.evaluate import EvalConfig, run_eval
+    from training.evaluate import load_eval_config, run_eval
 
-    if sampler not in ("transformers", "vllm"):
-        raise typer.BadParameter(f"{sampler!r}: expected transformers or vllm", param_hint="--sampler")
+    flags = {"policy": policy, "task": task, "split": split, "n": n}
+    given = [f"{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
     _setup_logging(False)
-    run_eval(policy, task, split, n, out, cfg=EvalConfig(sampler=sampler))  # type: ignore[arg-type]
+    cfg = _settings(lambda: load_eval_config(config, [*given, *(set_ or ())]))
+    typer.echo(_user_errors(lambda: run_eval(cfg, out)).table())
+
+
+def _settings(load: Callable[[], T]) -> T:
+    """Settings from a file and --set overrides; a mistake in them is one line and exit code 2."""
+    from conductor.settings import ConfigError
+
+    try:
+        return load()
+    except (ConfigError, FileNotFoundError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="CONFIG / --set") from exc
+
+
+def _user_errors(work: Callable[[], T]) -> T:
+    """Run a command's work; what a user can fix (a missing model or checkpoint, an unreachable server, a
+    failing sampler, too many infrastructure failures) is one line and exit code 1, without a traceback."""
+    from conductor.models import ModelNotFound
+    from main_agent.policy import PolicyError
+    from tool_server.client import ToolServerError
+    from training.checkpoint import CheckpointError
+    from training.train import InfraFailure
+
+    try:
+        return work()
+    except (CheckpointError, ModelNotFound, PolicyError, InfraFailure, ToolServerError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
 
 
 @app.command()

@@ -67,28 +67,45 @@ def parse_override(text: str) -> tuple[str, object]:
 
 
 def build(
-    cls: type[D], table: Mapping[str, Any], section: str, *, moved: Mapping[str, str] | None = None
+    cls: type[D],
+    table: Mapping[str, Any],
+    section: str,
+    *,
+    moved: Mapping[str, str] | None = None,
+    base: D | None = None,
 ) -> D:
     """An instance of dataclass `cls` from a table: keys and types checked, nested dataclasses built from
-    sub-tables. `moved` maps dotted old keys to their new dotted place; `section` names the table in errors."""
+    sub-tables. Keys left out keep `base`'s values (default: the class's defaults); a sub-table starts from its
+    field's own default, so an evaluation's greedy `[sampling]` stays greedy when only its backend is set.
+    `moved` maps dotted old keys to their new dotted place; `section` names the table in errors."""
     moved = moved or {}
     hints = get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     values: dict[str, Any] = {}
     for key, value in table.items():
         where = f"{section} {key}" if section != "the settings" else key
-        if key not in names:
-            raise ConfigError(_unknown(key, names, section, moved))
+        if key not in fields:
+            raise ConfigError(_unknown(key, list(fields), section, moved))
         if _is_settings(hints[key]):
             if not isinstance(value, Mapping):
                 raise ConfigError(_not_table(key, value, section, moved))
-            values[key] = build(hints[key], value, _sub(section, key), moved=_nested(moved, key))
+            start = getattr(base, key) if base is not None else _default(fields[key])
+            values[key] = build(hints[key], value, _sub(section, key), moved=_nested(moved, key), base=start)
         else:
             values[key] = coerce(value, hints[key], where)
     try:
-        return cls(**values)
+        return dataclasses.replace(base, **values) if base is not None else cls(**values)  # type: ignore[type-var]
     except (TypeError, ValueError) as exc:  # a dataclass's own checks (__post_init__) on the values given
         raise ConfigError(f"{section}: {exc}") from exc
+
+
+def _default(spec: dataclasses.Field) -> Any:
+    """A field's default value (None when it has none: the table then starts from its class's defaults)."""
+    if spec.default is not dataclasses.MISSING:
+        return spec.default
+    if spec.default_factory is not dataclasses.MISSING:
+        return spec.default_factory()
+    return None
 
 
 def _is_settings(hint: Any) -> bool:

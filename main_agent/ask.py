@@ -1,8 +1,8 @@
 """The research assistant behind `conductor ask`: one episode of the policy against the tool server.
 
-Embedded default: with no `tools_url`, the tool server runs in this process (its ASGI app driven through
-httpx, no port opened) on the built-in model, with search over `corpus` (default: examples/corpus) and
-local access limited to the folders of the files the user attached.
+Embedded default: with no `tools_url`, the tool server runs in this process (tool_server.embedded: its ASGI app
+driven through httpx, no port opened) on the built-in model, with search over `corpus` (default:
+examples/corpus) and local access limited to the folders of the files the user attached.
 """
 
 from __future__ import annotations
@@ -12,22 +12,16 @@ import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
+from conductor.models import DEFAULT_MODEL, ModelNotFound
 from main_agent.parse import CALL_CLOSE, CALL_OPEN
-from main_agent.policy import (
-    OpenAIPolicy,
-    Policy,
-    SamplingConfig,
-    TransformersPolicy,
-    load_model_and_tokenizer,
-)
+from main_agent.policy import SamplingConfig, load_policy
 from main_agent.rollout import ProgressHook, RolloutConfig, RolloutTask, rollout
 from main_agent.types import Episode
 from tool_server.client import ToolClient, ToolServerError
+from tool_server.embedded import ToolAccess, open_tools
 
 logger = logging.getLogger(__name__)
 
@@ -53,19 +47,16 @@ class AskOptions:
     video: Path | None = None
     """A video the policy may summarise with video_summary."""
     corpus: Path | None = None
-    """Folder indexed for search (embedded server only); default: the project's example corpus."""
-    policy: str = "smollm2-135m-instruct"
-    """Built-in model name, local checkpoint or LoRA adapter dir for the in-process policy."""
-    policy_url: str | None = None
-    """OpenAI-compatible completions endpoint for the policy (e.g. vLLM serve); overrides `policy`."""
-    policy_model: str = "smollm2-135m-instruct"
-    """The model name the endpoint serves (with `policy_url`)."""
+    """Folder indexed for search (in-process tool server only); default: the project's example corpus."""
+    policy: str = DEFAULT_MODEL
+    """Built-in model name, local checkpoint or LoRA adapter dir (its tokenizer renders the prompts)."""
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
+    """Who samples the policy: in this process (default), or a server at `sampling.url` (e.g. vLLM serve).
+    Temperature 0 decodes greedily: the assistant answers the same way each time."""
     tools_url: str | None = None
     """A running tool server; None starts one in-process."""
     max_turns: int = 6
     """Policy turns before giving up."""
-    temperature: float = 0.0
-    """0 decodes greedily: the assistant answers the same way each time."""
     require_call: bool = True
     """Open the first turn with a tool call (see FIRST_TURN_PREFIX); off for policies trained on the format,
     which write the whole call themselves (a forced prefix can split tokens they would have merged)."""
@@ -100,73 +91,27 @@ def attachments(opts: AskOptions) -> str:
     return "\n".join(lines)
 
 
-def embedded_config(opts: AskOptions):
-    """Server settings for the in-process tool server: defaults plus access to what the user attached."""
-    from tool_server.config import ServerConfig, ToolsConfig
-
-    base = ServerConfig()
-    tools = base.tools
-    corpus = str(opts.corpus) if opts.corpus else None
-    media_roots = tuple(str(p.parent) for p in (opts.image, opts.video) if p is not None)
-    return dataclasses.replace(
-        base,  # the server adds the corpus folder to the fetcher's file roots itself
-        tools=ToolsConfig(
-            page_qa=tools.page_qa,
-            image_ops=_with_roots(tools.image_ops, media_roots),
-            video_summary=_with_roots(tools.video_summary, media_roots),
-            search=dataclasses.replace(
-                tools.search, config=dataclasses.replace(tools.search.config, corpus_dir=corpus)
-            ),
-        ),
-    )
-
-
-def _with_roots(settings, roots: tuple[str, ...]):
-    return dataclasses.replace(settings, config=dataclasses.replace(settings.config, allowed_roots=roots))
-
-
 @contextlib.asynccontextmanager
 async def tool_client(opts: AskOptions) -> AsyncIterator[ToolClient]:
-    """A client for `opts.tools_url`, or for a tool server started in this process."""
-    if opts.tools_url:
-        async with ToolClient(opts.tools_url) as client:
-            try:
-                await client.health()
-            except ToolServerError as exc:
-                raise AskError(f"--tools-url {opts.tools_url}: {exc}") from exc
-            yield client
-        return
-    from tool_server.app import create_app
-
-    app = create_app(embedded_config(opts))
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with ToolClient("http://embedded", transport=transport) as client:
-            yield client
-
-
-def load_policy(opts: AskOptions) -> tuple[Policy, object]:
-    """The policy and its tokenizer (the endpoint policy still renders prompts with the local tokenizer)."""
-    from conductor.models import ModelNotFound, resolve_model
-
-    sampling = SamplingConfig(temperature=opts.temperature)
-    try:
-        path = resolve_model(opts.policy)
-    except ModelNotFound as exc:
-        raise AskError(str(exc)) from exc
-    if opts.policy_url:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        return OpenAIPolicy(opts.policy_url, opts.policy_model, tokenizer, cfg=sampling), tokenizer
-    model, tokenizer = load_model_and_tokenizer(path)
-    return TransformersPolicy(model, tokenizer, cfg=sampling), tokenizer
+    """A client for `opts.tools_url`, or for a tool server started in this process that may read what the
+    user attached and search `opts.corpus` (tool_server.embedded)."""
+    roots = [str(p.parent) for p in (opts.image, opts.video) if p is not None]
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            tools = open_tools(ToolAccess(url=opts.tools_url), roots=roots, corpus=opts.corpus)
+            client = await stack.enter_async_context(tools)
+        except ToolServerError as exc:  # the URL does not answer: the user's to fix
+            raise AskError(f"--tools-url {opts.tools_url}: {exc}") from exc
+        yield client
 
 
 async def ask(opts: AskOptions, *, on_turn: ProgressHook | None = None) -> Episode:
     """Validate, start or reach the tools, load the policy, play one episode."""
     opts = validate(opts)
-    policy, tokenizer = load_policy(opts)
+    try:
+        policy, tokenizer = load_policy(opts.policy, opts.sampling, max_batch=1)
+    except ModelNotFound as exc:
+        raise AskError(str(exc)) from exc
     try:
         async with tool_client(opts) as tools:
             schemas = offered(await tools.tools(), opts.tools)

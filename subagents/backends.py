@@ -26,7 +26,7 @@ from typing import Literal, Protocol
 import openai
 
 from conductor.batching import GenerationError
-from conductor.models import ModelNotFound
+from conductor.models import DEFAULT_MODEL, ModelNotFound
 from subagents.common import approx_tokens
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class BackendConfig:
 
     backend: Literal["transformers", "openai", "vllm"] = "transformers"
     """Where generation runs."""
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     """Built-in name, local HF checkpoint dir (transformers/vllm), or the served model name (openai)."""
     base_url: str | None = None
     """OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (openai backend only)."""

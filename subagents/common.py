@@ -1,11 +1,15 @@
 """The contract every sub-agent shares: structured errors, the response envelope, and the runtime it may use.
 
-A sub-agent module defines exactly four names:
+A sub-agent module defines exactly these names, and the tool server learns everything about it from them:
 
-    Request   pydantic model: the tool's arguments (its JSON schema is the tool schema the policy sees)
-    Response  pydantic model derived from `ToolResponse`: the payload plus the common envelope
-    Config    frozen dataclass: limits and knobs, read from the server's TOML section of the same name
-    run       `async def run(request, cfg, rt) -> Response`
+    NAME, DESCRIPTION  the tool's name (its key in `SUBAGENTS` and its `[NAME]` section) and what the policy reads
+    CACHEABLE          whether a result may be served again from the frozen-result cache
+    Request            pydantic model: the tool's arguments (its JSON schema is the tool schema the policy sees)
+    Response           pydantic model derived from `ToolResponse`: the payload plus the common envelope
+    Config             frozen dataclass: limits and knobs, read from the server's `[NAME]` section
+    start              `start(cfg, roots) -> State`: what the tool keeps while the server runs (an image store, a
+                       search index; None for most), built once at start-up in a worker thread
+    run                `async def run(request, cfg, rt: Runtime[State]) -> Response`
 
 `run` never raises for a problem with the request or the outside world: it returns `fail(...)` with a
 `ToolError` whose `kind` says what happened. Only bugs raise. The tool server adds latency and the cache flag.
@@ -24,15 +28,13 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:  # only for type hints; importing these at run time would create a cycle
     from subagents.backends import LLM
     from subagents.fetch import Fetcher
-    from subagents.image_ops import ImageStore
-    from subagents.search import Corpus
 
 ErrorKind = Literal[
     "invalid_args",  # the caller's arguments are wrong: the policy can fix them
@@ -121,7 +123,7 @@ def local_file(raw: str, roots: Sequence[str], *, what: str) -> tuple[Path, int]
     Every OS error on the caller's path (a name too long, a symlink loop, no permission) is the caller's
     problem, `not_found` or `invalid_args`, told with the OS reason and never the server's absolute path."""
     if not roots:
-        raise ToolFailure("invalid_args", f"this server reads no local {what} files (allowed_roots is empty)")
+        raise ToolFailure("invalid_args", f"this server reads no local {what} files ([files] roots is empty)")
     folders = [Path(root).resolve() for root in roots]
     shown = raw[:80]
     try:
@@ -158,17 +160,31 @@ class TokenCounter(Protocol):
 
 
 @dataclass(frozen=True)
-class Runtime:
+class Files:
+    """The local folders the tools may read (`[files]` of the server's TOML), one setting for all of them."""
+
+    roots: tuple[str, ...] = ()
+    """Folders whose files image_ops may load, video_summary may watch and page_qa may open as file:// URLs
+    (search hands out such URLs, so a search corpus belongs under a root). Relative names start in the first.
+    Empty: no local files at all."""
+
+
+S = TypeVar("S")
+
+
+@dataclass(frozen=True)
+class Runtime(Generic[S]):
     """What a sub-agent's `run` may use. The tool server builds one per sub-agent and call.
 
     `llm` is the frozen model configured for this sub-agent (hot-swappable: the server hands each call the
-    backend current when the call started). `session` names the caller's image namespace (one episode).
+    backend current when the call started). `roots` are the readable folders (`Files.roots`). `state` is what
+    the module's `start` built. `session` names the caller's image namespace (one episode).
     """
 
     llm: LLM
     fetcher: Fetcher
-    images: ImageStore
-    corpus: Corpus | None = None
+    state: S
+    roots: tuple[str, ...] = ()
     session: str = "default"
     count_tokens: TokenCounter = field(default=approx_tokens)
 

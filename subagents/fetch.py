@@ -66,8 +66,6 @@ class FetchConfig:
 
     allow_private_cidrs: tuple[str, ...] = ()
     """Networks reachable despite not being global, e.g. ("127.0.0.0/8",) for a loopback test server."""
-    allow_file_roots: tuple[str, ...] = ()
-    """Directories whose files file:// URLs may read (offline corpora). Empty: file:// is refused."""
     max_bytes: int = 5_000_000
     """Cap on decoded body bytes: 5 MB holds any article page; more is a media file or an attack."""
     max_redirects: int = 5
@@ -261,13 +259,14 @@ class Fetcher:
         self,
         cfg: FetchConfig,
         *,
+        roots: tuple[str, ...] = (),
         resolver: Resolver | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.cfg = cfg
         self._resolver = resolver or resolve_host
         self._allow = tuple(ipaddress.ip_network(c) for c in cfg.allow_private_cidrs)
-        self._roots = tuple(Path(r).resolve() for r in cfg.allow_file_roots)
+        self._roots = tuple(Path(r).resolve() for r in roots)  # what file:// URLs may read ([files] roots)
         self._timeout = httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s).as_dict()
         # Straight to the transport, no httpx.AsyncClient: a client builds the next request of every 3xx even
         # when not following it, raising InvalidURL on a Location like `mailto:x@y` before `_redirect_target`
@@ -361,7 +360,7 @@ class Fetcher:
 
     async def _fetch_file(self, url: str, target: ParsedTarget) -> FetchedPage:
         if not self._roots:
-            raise ToolFailure("blocked_url", "file:// is disabled (FetchConfig.allow_file_roots is empty)")
+            raise ToolFailure("blocked_url", "file:// is disabled (the server's [files] roots is empty)")
         path = Path(target.url.path).resolve()  # follows symlinks, so a link out of a root lands outside it
         if not any(path.is_relative_to(root) for root in self._roots):
             raise ToolFailure("blocked_url", f"{path} is outside the allowed file roots")

@@ -12,7 +12,7 @@ photos a zoom on the detector's box around the plate, grown by one box height on
 
 Decoding is guarded: a format allowlist checked from the header before decoding, byte and pixel caps (PIL's
 bomb warning raised as an error too), a pixel cap on every output, truncated files refused, EXIF orientation
-applied; local paths only under `allowed_roots`, URLs only via the SSRF-safe fetcher. No deadline inside a
+applied; local paths only under the server's `[files] roots`, URLs only via the SSRF-safe fetcher. No deadline inside a
 call: every input is bounded by the caps, and CPU work runs in worker threads.
 
 `tokens_read`: the text `read` recognised, in `rt.count_tokens`; 0 for pixel ops and `find_text` (no text).
@@ -44,6 +44,9 @@ if TYPE_CHECKING:  # imported lazily at run time: onnxruntime start-up is ~1 s
     from rapidocr import RapidOCR
 
 NAME = "image_ops"
+# Not cached: a call writes into the caller's per-session image store (a load creates an image id, a zoom a new
+# one), so a stored answer would name images that do not exist in another caller's session.
+CACHEABLE = False
 DESCRIPTION = (
     "Load an image (path, URL or data URI), then crop, zoom, rotate, flip or autocontrast it by id; "
     "find_text locates text boxes, read reads text at low resolution (zoom in on small text first)."
@@ -106,8 +109,6 @@ class Response(ToolResponse):
 
 @dataclass(frozen=True)
 class Config:
-    allowed_roots: tuple[str, ...] = ()
-    """Folders whose files `load` may read; relative paths resolve in the first. Empty: no local files."""
     max_bytes: int = 20 << 20
     """Largest encoded image accepted (bytes): a 24 MP camera JPEG is ~10 MB."""
     max_input_pixels: int = 50_000_000
@@ -128,20 +129,25 @@ class Config:
     """Longest side of the PNG thumbnails served at /v1/images/{id}."""
 
 
-async def run(request: Request, cfg: Config, rt: Runtime) -> Response:
+def start(cfg: Config, roots: tuple[str, ...]) -> ImageStore:
+    """The server's image store: every session's images, bounded as `cfg` says."""
+    return ImageStore(cfg)
+
+
+async def run(request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Response:
     return await guarded(Response, lambda: _run(request, cfg, rt))
 
 
-async def _run(request: Request, cfg: Config, rt: Runtime) -> Response:
+async def _run(request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Response:
     """Pixel ops store a new image and describe it; OCR ops describe their source and add the text."""
     if request.op == "load":
         image = await asyncio.to_thread(decode, await source_bytes(request.image, cfg, rt), cfg)
     else:
-        image = rt.images.get(rt.session, request.image)
+        image = rt.state.get(rt.session, request.image)
     new_image = request.op not in ("find_text", "read")
     if new_image and request.op != "load":
         image = await asyncio.to_thread(transform, image, request, cfg)
-    image_id = rt.images.put(rt.session, image) if new_image else request.image
+    image_id = rt.state.put(rt.session, image) if new_image else request.image
     response = Response(op=request.op, image_id=image_id, width=image.width, height=image.height)
     response.thumbnail_url = f"/v1/images/{image_id}"
     if request.op == "read":
@@ -155,7 +161,7 @@ async def _run(request: Request, cfg: Config, rt: Runtime) -> Response:
     return response
 
 
-async def source_bytes(source: str, cfg: Config, rt: Runtime) -> bytes:
+async def source_bytes(source: str, cfg: Config, rt: Runtime[ImageStore]) -> bytes:
     """The encoded bytes `load` names: a data URI, an http(s) URL (via the fetcher) or a local file."""
     if source[:5].lower() == "data:":
         return data_uri_bytes(source, cfg)
@@ -163,7 +169,7 @@ async def source_bytes(source: str, cfg: Config, rt: Runtime) -> bytes:
         return (await rt.fetcher.fetch(source)).body  # the fetcher caps the body; decode() caps it again
     if _SCHEME.match(source):
         raise ToolFailure("invalid_args", "load takes a local path, an http(s) URL or a data:image/... URI")
-    return await asyncio.to_thread(read_local, source, cfg)
+    return await asyncio.to_thread(read_local, source, cfg, rt.roots)
 
 
 def data_uri_bytes(uri: str, cfg: Config) -> bytes:
@@ -180,9 +186,9 @@ def data_uri_bytes(uri: str, cfg: Config) -> bytes:
         raise ToolFailure("invalid_args", f"the data URI is not valid base64: {exc}") from None
 
 
-def read_local(raw: str, cfg: Config) -> bytes:
-    """The bytes of a regular file under `cfg.allowed_roots` (checked by `local_file`), or a ToolFailure."""
-    path, _ = local_file(raw, cfg.allowed_roots, what="image")
+def read_local(raw: str, cfg: Config, roots: tuple[str, ...]) -> bytes:
+    """The bytes of a regular file under `roots` (checked by `local_file`), or a ToolFailure."""
+    path, _ = local_file(raw, roots, what="image")
     try:
         with path.open("rb") as file:
             return file.read(cfg.max_bytes + 1)  # one byte more than decode() accepts: it says too_large
@@ -325,20 +331,27 @@ def _run_engine(image: Image.Image, *, recognise: bool):
 
 def ocr(image: Image.Image) -> list[str]:
     """Recognised lines in rapidocr's reading order (empty texts and those under its text_score, 0.5, dropped)."""
-    from rapidocr.utils.output import RapidOCROutput  # loaded with the engine
+    from rapidocr.ch_ppocr_det.utils import TextDetOutput  # loaded with the engine
+    from rapidocr.utils.output import RapidOCROutput
 
     result = _run_engine(image, recognise=True)
-    # With detection and recognition on, rapidocr returns this type, empty when there is no text.
-    assert isinstance(result, RapidOCROutput), f"unexpected rapidocr result {type(result).__name__}"
-    return [text.strip() for text in result.txts or () if text.strip()]
+    # rapidocr answers a RapidOCROutput (an empty one when nothing is found), or the detector's own output when
+    # it found regions but recognition kept no text in them.
+    assert isinstance(result, RapidOCROutput | TextDetOutput), f"unexpected rapidocr result {type(result)}"
+    texts = result.txts if isinstance(result, RapidOCROutput) else None
+    return [text.strip() for text in texts or () if text.strip()]
 
 
 def detect(image: Image.Image, *, offset: tuple[int, int] = (0, 0)) -> list[TextBox]:
     """Text regions from the detector alone, boxes shifted by `offset`, each labelled (`region_label`)."""
     from rapidocr.ch_ppocr_det.utils import TextDetOutput  # loaded with the engine
+    from rapidocr.utils.output import RapidOCROutput
 
     result = _run_engine(image, recognise=False)
-    # With recognition off, rapidocr returns the detector's output: quads [N, 4, 2] and one score per quad.
+    # With recognition off, rapidocr returns the detector's output (quads [N, 4, 2], one score per quad), or an
+    # empty RapidOCROutput when the detector found no region at all.
+    if isinstance(result, RapidOCROutput) and result.boxes is None:
+        return []
     assert isinstance(result, TextDetOutput), f"unexpected rapidocr result {type(result).__name__}"
     regions = []
     for quad, score in zip(

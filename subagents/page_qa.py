@@ -30,6 +30,7 @@ from subagents.common import Runtime, ToolFailure, ToolResponse, bm25_terms, gua
 logger = logging.getLogger(__name__)
 
 NAME = "page_qa"
+CACHEABLE = True  # an answer depends only on the page, the question and the frozen model
 DESCRIPTION = (
     "Read one web page and answer a question about it: a short answer plus a verbatim supporting quote."
 )
@@ -99,11 +100,16 @@ class Prepared:
     top: list[list[str]]
 
 
-async def run(request: Request, cfg: Config, rt: Runtime) -> Response:
+def start(cfg: Config, roots: tuple[str, ...]) -> None:
+    """Nothing to keep between calls: pages are fetched per call (the result cache keeps the answers)."""
+    return None
+
+
+async def run(request: Request, cfg: Config, rt: Runtime[None]) -> Response:
     return await guarded(Response, lambda: _answer(request, cfg, rt))
 
 
-async def _answer(request: Request, cfg: Config, rt: Runtime) -> Response:
+async def _answer(request: Request, cfg: Config, rt: Runtime[None]) -> Response:
     page = await rt.fetcher.fetch(request.url)
     # Extraction and ranking are CPU-bound (tens of ms on a large page): keep them off the event loop.
     prep = await asyncio.to_thread(prepare, page.body, page.content_type, question=request.question, cfg=cfg)

@@ -33,6 +33,7 @@ from subagents.common import Runtime, ToolFailure, ToolResponse, bm25_terms, gua
 logger = logging.getLogger(__name__)
 
 NAME = "search"
+CACHEABLE = True  # hits depend only on the query and the index, which is read-only while the server runs
 DESCRIPTION = "Search the server's document collection by keywords; returns titles, URLs to read with page_qa, and snippets."
 
 SUFFIXES = frozenset({".html", ".htm", ".txt", ".md"})
@@ -134,17 +135,29 @@ class Corpus:
         ]
 
 
-async def run(request: Request, cfg: Config, rt: Runtime) -> Response:
+def start(cfg: Config, roots: tuple[str, ...]) -> Corpus | None:
+    """The index of `corpus_dir` (None without one), built once (blocking: ~50 ms per HTML page on one core).
+
+    Hits are file:// URLs for page_qa, which opens only files under the server's `[files] roots`: a corpus
+    outside them is indexed, with a warning that its hits cannot be read."""
+    if cfg.corpus_dir is None:
+        return None
+    folder = Path(cfg.corpus_dir)
+    inside = any(folder.resolve().is_relative_to(Path(root).resolve()) for root in roots)
+    if cfg.base_url is None and not inside:
+        logger.warning("search corpus %s is outside [files] roots: page_qa cannot open its hits", folder)
+    return Corpus.build(folder, max_docs=cfg.max_docs, base_url=cfg.base_url)
+
+
+async def run(request: Request, cfg: Config, rt: Runtime[Corpus | None]) -> Response:
     return await guarded(Response, lambda: _search(request, cfg, rt))
 
 
-async def _search(request: Request, cfg: Config, rt: Runtime) -> Response:
-    if rt.corpus is None:
+async def _search(request: Request, cfg: Config, rt: Runtime[Corpus | None]) -> Response:
+    if rt.state is None:
         raise ToolFailure("not_found", "no search corpus is configured on this server")
     # Scoring touches every document's postings: off the event loop for large corpora.
-    hits = await asyncio.to_thread(
-        rt.corpus.search, request.query, request.k, snippet_chars=cfg.snippet_chars
-    )
+    hits = await asyncio.to_thread(rt.state.search, request.query, request.k, snippet_chars=cfg.snippet_chars)
     response = Response(query=request.query, hits=hits)
     # What the sub-agent read for the caller: the query and the hit passages it chose, not the whole index.
     response.tokens_read = rt.count_tokens(request.query) + sum(

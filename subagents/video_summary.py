@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # imported lazily at run time: onnxruntime start-up is ~1 s
 logger = logging.getLogger(__name__)
 
 NAME = "video_summary"
+CACHEABLE = True  # a summary depends only on the file, the question and the frozen model
 DESCRIPTION = (
     "Summarise a local video file or answer a question about it from its subtitles and frames, "
     "citing timestamps like [00:01.5]."
@@ -91,8 +92,6 @@ class Response(ToolResponse):
 
 @dataclass(frozen=True)
 class Config:
-    allowed_roots: tuple[str, ...] = ()
-    """Folders whose files may be read; relative paths resolve in the first. Empty: no local files at all."""
     max_frames: int = 8
     """Most frames sampled per video: 8 PNGs of 640 px are ~8 OCR passes (~4 s on 2 cores) or 8 VLM images."""
     max_duration_s: float = 600.0
@@ -121,12 +120,17 @@ class Config:
         return ",".join(self.formats)
 
 
-async def run(request: Request, cfg: Config, rt: Runtime) -> Response:
+def start(cfg: Config, roots: tuple[str, ...]) -> None:
+    """Nothing to keep between calls: every call probes and reads its own file."""
+    return None
+
+
+async def run(request: Request, cfg: Config, rt: Runtime[None]) -> Response:
     return await guarded(Response, lambda: _summarise(request, cfg, rt))
 
 
-async def _summarise(request: Request, cfg: Config, rt: Runtime) -> Response:
-    path = resolve_video(request.video, cfg)
+async def _summarise(request: Request, cfg: Config, rt: Runtime[None]) -> Response:
+    path = resolve_video(request.video, cfg, rt.roots)
     workdir = Path(tempfile.mkdtemp(prefix="conductor-video-"))
     try:
         async with asyncio.timeout(cfg.deadline_s):
@@ -137,7 +141,9 @@ async def _summarise(request: Request, cfg: Config, rt: Runtime) -> Response:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-async def _pipeline(request: Request, path: Path, *, cfg: Config, rt: Runtime, workdir: Path) -> Response:
+async def _pipeline(
+    request: Request, path: Path, *, cfg: Config, rt: Runtime[None], workdir: Path
+) -> Response:
     info = await media.probe(path, formats=cfg.demuxers)
     covered = None if info.duration_s is None else min(info.duration_s, cfg.max_duration_s)
     frames = await _extract_frames(path, sample_times(covered, cfg.max_frames), cfg=cfg, workdir=workdir)
@@ -165,7 +171,7 @@ async def _pipeline(request: Request, path: Path, *, cfg: Config, rt: Runtime, w
 
 
 async def _answer(
-    response: Response, question: str | None, *, images: list[bytes], cfg: Config, rt: Runtime
+    response: Response, question: str | None, *, images: list[bytes], cfg: Config, rt: Runtime[None]
 ) -> None:
     """Fill in the answer and token counts: one model call, or none when there is nothing to read."""
     multimodal = rt.llm.multimodal
@@ -195,11 +201,11 @@ async def _answer(
 _PROTOCOL = re.compile(r"^[^/]*:")
 
 
-def resolve_video(raw: str, cfg: Config) -> Path:
-    """The resolved path of a regular file under `cfg.allowed_roots`, or a ToolFailure saying why not."""
+def resolve_video(raw: str, cfg: Config, roots: tuple[str, ...]) -> Path:
+    """The resolved path of a regular file under `roots`, or a ToolFailure saying why not."""
     if not raw or raw.startswith("-") or "|" in raw or "\0" in raw or _PROTOCOL.match(raw):
         raise ToolFailure("invalid_args", f"video must be a plain local file path, not {raw[:80]!r}")
-    path, size = local_file(raw, cfg.allowed_roots, what="video")
+    path, size = local_file(raw, roots, what="video")
     if size == 0:
         raise ToolFailure("unsupported_media", f"the video file is empty: {raw[:80]!r}")
     if size > cfg.max_file_bytes:

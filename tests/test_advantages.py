@@ -12,9 +12,7 @@ from training.advantages import (
     EpisodeCredit,
     TurnCredit,
     group_advantages,
-    place_on_mask,
     returns_to_go,
-    spread_to_tokens,
 )
 
 
@@ -33,18 +31,18 @@ GROUP = [
     episode(1.0, (0.0, "s"), (0.1, "p")),
     episode(0.0, (0.1, "s"), (0.0, "s"), (0.1, "q")),
 ]
-TURN = CreditConfig(credit="turn", group_size=2, gamma=1.0)
+TURN = CreditConfig(mode="turn", gamma=1.0)
 
 
 def test_outcome_two_episodes() -> None:
     """GRPO: R = [1, 0] -> mean 0.5 -> A = [+0.5, -0.5], copied to every turn; turn rewards do not count."""
-    result = group_advantages(GROUP, CreditConfig(credit="outcome", group_size=2))
+    result = group_advantages(GROUP, CreditConfig(mode="outcome"))
     assert result == approx_rows([[0.5, 0.5], [-0.5, -0.5, -0.5]])
 
 
 def test_outcome_std_normalised() -> None:
     """With normalize_std, A = (R - mean) / (pstd + eps) = +-0.5 / 0.500001."""
-    result = group_advantages(GROUP, CreditConfig(credit="outcome", group_size=2, normalize_std=True))
+    result = group_advantages(GROUP, CreditConfig(mode="outcome", normalize_std=True))
     a = 0.5 / (0.5 + STD_EPS)
     assert result == approx_rows([[a, a], [-a, -a, -a]])
 
@@ -52,7 +50,7 @@ def test_outcome_std_normalised() -> None:
 def test_outcome_counts_final_reward_of_an_episode_without_turns() -> None:
     """An episode that took no turn still enters the group mean; it just has no turn to credit."""
     group = [episode(1.0, (0.0, None)), episode(0.0), episode(0.5, (0.0, None))]
-    result = group_advantages(group, CreditConfig(credit="outcome", group_size=3))
+    result = group_advantages(group, CreditConfig(mode="outcome"))
     assert result == approx_rows([[0.5], [], [0.0]])
 
 
@@ -61,14 +59,8 @@ def test_outcome_counts_final_reward_of_an_episode_without_turns() -> None:
 def test_degenerate_group_gives_exact_zeros(credit: str, normalize_std: bool) -> None:
     """All episodes alike (values whose float mean is inexact, like 0.1) -> every advantage is exactly 0.0."""
     same = episode(0.1, (0.0, "a"), (0.0, "b"))  # R = every G = 0.1, and (0.1 + 0.1 + 0.1) / 3 != 0.1
-    cfg = CreditConfig(credit=credit, group_size=3, normalize_std=normalize_std)  # type: ignore[arg-type]
+    cfg = CreditConfig(mode=credit, normalize_std=normalize_std)  # type: ignore[arg-type]
     assert group_advantages([same, same, same], cfg) == [[0.0, 0.0]] * 3
-
-
-def test_group_size_one_is_rejected_at_config_time() -> None:
-    """A group of one has no baseline: the config refuses it before any rollout is spent."""
-    with pytest.raises(ValueError, match="group_size must be >= 2"):
-        CreditConfig(group_size=1)
 
 
 def test_group_of_one_episode_is_rejected_at_run_time() -> None:
@@ -83,7 +75,7 @@ def test_group_of_one_episode_is_rejected_at_run_time() -> None:
         ({"gamma": 0.0}, "gamma"),
         ({"gamma": 1.5}, "gamma"),
         ({"min_anchor_group": 1}, "min_anchor_group"),
-        ({"credit": "token"}, "credit"),
+        ({"mode": "token"}, "mode"),
         ({"baseline": "value"}, "baseline"),
     ],
 )
@@ -109,22 +101,22 @@ def test_turn_index_baseline_gamma_one_unequal_turns() -> None:
 
 def test_turn_index_baseline_gamma_half() -> None:
     """gamma=0.5: G = [0.55, 1.1] and [0.125, 0.05, 0.1]; baselines 0.3375, 0.575, 0.1."""
-    cfg = CreditConfig(credit="turn", group_size=2, gamma=0.5)
+    cfg = CreditConfig(mode="turn", gamma=0.5)
     assert group_advantages(GROUP, cfg) == approx_rows([[0.2125, 0.525], [-0.2125, -0.525, 0.0]])
 
 
 def test_turn_credit_equals_outcome_credit_without_turn_rewards() -> None:
     """gamma=1, zero turn rewards, equal turn counts: every G_{i,t} = R_i, so turn credit is GRPO."""
     group = [episode(r, (0.0, None), (0.0, None)) for r in (1.0, 0.0, 0.25)]
-    turn = group_advantages(group, CreditConfig(credit="turn", group_size=3))
-    outcome = group_advantages(group, CreditConfig(credit="outcome", group_size=3))
+    turn = group_advantages(group, CreditConfig(mode="turn"))
+    outcome = group_advantages(group, CreditConfig(mode="outcome"))
     assert turn == approx_rows(outcome)
 
 
 def test_anchor_baseline_shared_anchor_and_fallback() -> None:
     """Anchor "s" is shared by 3 turns (G 1.1, 0.2, 0.1; mean 1.4/3); "p" and "q" occur once and fall back
     to the turn-index baselines 0.6 (t1) and 0.1 (t2)."""
-    cfg = CreditConfig(credit="turn", group_size=2, baseline="anchor")
+    cfg = CreditConfig(mode="turn", baseline="anchor")
     b = 1.4 / 3
     expected = [[1.1 - b, 0.5], [0.2 - b, 0.1 - b, 0.0]]
     assert group_advantages(GROUP, cfg) == approx_rows(expected)
@@ -133,33 +125,17 @@ def test_anchor_baseline_shared_anchor_and_fallback() -> None:
 def test_anchor_baseline_falls_back_below_min_group_or_without_anchor() -> None:
     """min_anchor_group above every anchor set's size, or no anchors at all: the turn-index result."""
     index_result = group_advantages(GROUP, TURN)
-    strict = CreditConfig(credit="turn", group_size=2, baseline="anchor", min_anchor_group=4)
+    strict = CreditConfig(mode="turn", baseline="anchor", min_anchor_group=4)
     assert group_advantages(GROUP, strict) == approx_rows(index_result)
     anonymous = [
         EpisodeCredit(e.final_reward, tuple(TurnCredit(t.reward, None) for t in e.turns)) for e in GROUP
     ]
-    anchor = CreditConfig(credit="turn", group_size=2, baseline="anchor")
+    anchor = CreditConfig(mode="turn", baseline="anchor")
     assert group_advantages(anonymous, anchor) == approx_rows(index_result)
 
 
 def test_turn_credit_std_normalised() -> None:
     """Turn advantages [0.45, 0.5, -0.45, -0.5, 0] have pstd sqrt(0.905/5); each is divided by it (+eps)."""
-    cfg = CreditConfig(credit="turn", group_size=2, normalize_std=True)
+    cfg = CreditConfig(mode="turn", normalize_std=True)
     s = math.sqrt(0.905 / 5) + STD_EPS
     assert group_advantages(GROUP, cfg) == approx_rows([[0.45 / s, 0.5 / s], [-0.45 / s, -0.5 / s, 0.0]])
-
-
-def test_spread_to_tokens_repeats_each_turn_advantage() -> None:
-    """Turn t's advantage covers exactly its sampled tokens; a turn with no tokens contributes nothing."""
-    assert spread_to_tokens([0.5, -1.0, 2.0], [2, 0, 3]) == [0.5, 0.5, 2.0, 2.0, 2.0]
-    with pytest.raises(ValueError, match="token counts"):
-        spread_to_tokens([0.5], [1, 2])
-
-
-def test_place_on_mask_zeroes_prompt_and_observation_tokens() -> None:
-    """Sampled-token values land on the loss-mask positions in order; everything else is 0.0."""
-    mask = [0, 0, 1, 1, 0, 0, 1]  # prompt, turn 0 (2 tokens), observation, turn 1 (1 token)
-    values = spread_to_tokens([0.5, -1.0], [2, 1])
-    assert place_on_mask(values, mask) == [0.0, 0.0, 0.5, 0.5, 0.0, 0.0, -1.0]
-    with pytest.raises(ValueError, match="masked-in positions"):
-        place_on_mask([0.5], mask)

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from main_agent.policy import SamplingConfig, TransformersPolicy, load_model_and_tokenizer
+from main_agent.policy import SamplingConfig, TransformersPolicy, load_model
 from main_agent.rollout import RolloutConfig, RolloutTask, rollout
 from main_agent.tokens import episode_ids
 from main_agent.trace import render_html
@@ -35,7 +35,7 @@ async def test_real_episode_over_a_real_page(smollm2_path, shared_data):
     """The real policy's call reaches page_qa on a real article; the token stream is exactly what it saw;
     the HTML trace shows every call."""
     html = (shared_data / "pages/readability/nytimes-1/source.html").read_text()
-    model, tokenizer = load_model_and_tokenizer(smollm2_path)
+    model, tokenizer = load_model(smollm2_path)
     policy = RecordingPolicy(model, tokenizer, cfg=SamplingConfig(temperature=0.0))
     policy.prompts = []
     base = ServerConfig()

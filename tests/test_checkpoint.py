@@ -271,7 +271,7 @@ def test_checkpoint_model_folder_loads_on_its_own(tmp_path: Path) -> None:
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
-    from main_agent.policy import load_model_and_tokenizer
+    from main_agent.policy import load_model
 
     words = Tokenizer(WordLevel({"<unk>": 0, "plate": 1}, unk_token="<unk>"))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>")
@@ -289,6 +289,6 @@ def test_checkpoint_model_folder_loads_on_its_own(tmp_path: Path) -> None:
         tokenizer=tokenizer,
     )
     validate_checkpoint(path)
-    loaded, loaded_tokenizer = load_model_and_tokenizer(path / "model")
+    loaded, loaded_tokenizer = load_model(path / "model")
     assert loaded_tokenizer("plate")["input_ids"] == [1]
     assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight)

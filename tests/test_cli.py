@@ -77,9 +77,12 @@ def test_serve_refuses_an_unsafe_bind_in_one_line(tmp_path):
 
 
 def test_train_names_a_bad_setting_without_a_traceback():
-    """A training setting that cannot work is refused up front with the rule it breaks."""
-    out = conductor("train", "--set", "sampler=server")
-    assert out.returncode == 2 and "sampler_url" in out.stderr and "Traceback" not in out.stderr
+    """A training setting that cannot work is refused up front with the rule it breaks; a key of the old flat
+    layout names its new place."""
+    out = conductor("train", "--set", "sampling.backend=server")
+    assert out.returncode == 2 and "needs a url" in out.stderr and "Traceback" not in out.stderr
+    moved = conductor("train", "--set", "max_turns=4")
+    assert moved.returncode == 2 and "rollout.max_turns" in moved.stderr and "Traceback" not in moved.stderr
 
 
 def test_train_resume_without_a_checkpoint_says_so(tmp_path):

@@ -106,14 +106,17 @@ async def test_tool_session_readies_a_mixed_task_list(shared_data, tmp_path):
     its image line (the session must not blank other families' context)."""
     import httpx
 
+    from tool_server.embedded import ToolAccess
     from training import tasks as task_data
     from training.play import tool_session
 
     multihop = task_data.load_family("multihop_pages", "dev", data_dir=shared_data, limit=1)
     plates = task_data.load_family("plate_reading", "dev", data_dir=shared_data, limit=1)
-    async with tool_session(
-        [*multihop, *plates], work_dir=tmp_path, data_dir=shared_data, transport=fake_tool_server()
-    ) as (_, ready):
+    tasks = [*multihop, *plates]
+    session = tool_session(
+        tasks, work_dir=tmp_path, access=ToolAccess(), data_dir=shared_data, transport=fake_tool_server()
+    )
+    async with session as (_, ready):
         pages = [line.rsplit(" ", 1)[1] for line in ready[0].context.splitlines()]
         assert len(pages) == len(multihop[0].meta.page_titles) and pages[0].startswith("http://127.0.0.1:")
         async with httpx.AsyncClient() as http:

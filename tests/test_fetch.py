@@ -47,12 +47,14 @@ class Net:
         *,
         dns: dict[str, list[list[str]]] | None = None,
         cfg: FetchConfig = DEFAULTS,
+        roots: tuple[str, ...] = (),
     ) -> None:
         self.lookups: list[str] = []
         self.requests: list[httpx.Request] = []
         self._dns = dns or {}
         self._handler = handler
-        self.fetcher = Fetcher(cfg, resolver=self._resolve, transport=httpx.MockTransport(self._send))
+        transport = httpx.MockTransport(self._send)
+        self.fetcher = Fetcher(cfg, roots=roots, resolver=self._resolve, transport=transport)
 
     async def _resolve(self, host: str, port: int) -> list[str]:
         self.lookups.append(host)
@@ -267,7 +269,7 @@ async def test_https_is_pinned_with_sni_and_host_header(address: str) -> None:
 async def test_redirect_targets_are_revalidated(location: str, tmp_path: Path) -> None:
     """A public page cannot redirect into metadata, private names or local files (even with file roots set)."""
     dns = {"internal.test": [["10.0.0.1"]]}
-    net = Net(redirect_to(location), dns=dns, cfg=FetchConfig(allow_file_roots=("/",)))
+    net = Net(redirect_to(location), dns=dns, roots=("/",))
     assert await failure(net, "http://example.com/") == "blocked_url"
     assert len(net.requests) == 1
 
@@ -427,7 +429,7 @@ async def test_file_urls_only_under_allowed_roots(tmp_path: Path) -> None:
     (root / "doc.html").write_text("<p>doc</p>")
     outside.write_text("secret")
     (root / "link.txt").symlink_to(outside)
-    net = Net(cfg=FetchConfig(allow_file_roots=(str(root),)))
+    net = Net(roots=(str(root),))
     page = await net.fetcher.fetch((root / "doc.html").as_uri())
     assert (page.body, page.content_type, page.status) == (b"<p>doc</p>", "text/html", 200)
     assert await failure(net, (root / "link.txt").as_uri()) == "blocked_url"

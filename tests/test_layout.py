@@ -1,8 +1,8 @@
 """The tree is the architecture: which package may import which, checked on the source (no imports run).
 
-    conductor (settings, models, batching)   the bottom layer: imports no runtime package
-    subagents -> tool_server -> main_agent -> training   each imports only packages before it, and the bottom
-    conductor.cli                            the top: nothing imports it
+conductor (settings, models, batching)   the bottom layer: imports no runtime package
+subagents -> tool_server -> main_agent -> training   each imports only packages before it, and the bottom
+conductor.cli, conductor.display         the top (the command and its terminal view): nothing imports them
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 ORDER = ("subagents", "tool_server", "main_agent", "training")
 BOTTOM = ("conductor.settings", "conductor.models", "conductor.batching")
+TOP = ("conductor.cli", "conductor.display")
 
 
 def imported(path: Path) -> set[str]:
@@ -40,12 +41,12 @@ def test_the_bottom_layer_imports_no_runtime_package():
 
 
 def test_runtime_packages_import_only_packages_below_them_and_the_bottom_layer():
-    """subagents < tool_server < main_agent < training; none imports the CLI or a package above it."""
+    """subagents < tool_server < main_agent < training; none imports the CLI, its view or a package above it."""
     for rank, package in enumerate(ORDER):
         allowed = (*ORDER[: rank + 1], *BOTTOM, "conductor")
         for path in sorted((REPO / package).rglob("*.py")):
             for name in first_party(imported(path)):
-                assert name != "conductor.cli" and not name.startswith("conductor.cli."), (path, name)
+                assert not any(name == t or name.startswith(t + ".") for t in TOP), (path, name)
                 top = name.split(".")[0]
                 ok = top in ORDER[: rank + 1] or any(name == b or name.startswith(b + ".") for b in BOTTOM)
                 ok = ok or name == "conductor"  # `from conductor import models`

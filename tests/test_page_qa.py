@@ -87,7 +87,7 @@ def page(
 
 
 def runtime(llm: ScriptedLLM, pages: dict[str, FetchedPage | ToolFailure]) -> Runtime:
-    return Runtime(llm=llm, fetcher=DictFetcher(pages), images=None)  # type: ignore[arg-type]
+    return Runtime(llm=llm, fetcher=DictFetcher(pages), state=None)  # type: ignore[arg-type]
 
 
 async def ask(
@@ -367,7 +367,7 @@ async def test_real_smollm2_answers_from_a_real_page(shared_data: Path, smollm2_
     (root / "sudan.html").write_bytes(source)
     llm = build_llm(BackendConfig())
     fetcher = Fetcher(FetchConfig(allow_private_cidrs=("127.0.0.0/8",)))
-    rt = Runtime(llm=llm, fetcher=fetcher, images=None, count_tokens=llm.count_tokens)  # type: ignore[arg-type]
+    rt = Runtime(llm=llm, fetcher=fetcher, state=None, count_tokens=llm.count_tokens)  # type: ignore[arg-type]
     question = "Which country will the United States lift sanctions on?"
     request = page_qa.Request(url=f"{base}/sudan.html", question=question)
     try:

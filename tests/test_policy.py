@@ -11,7 +11,7 @@ from main_agent.policy import (
     PolicyError,
     SamplingConfig,
     TransformersPolicy,
-    load_model_and_tokenizer,
+    load_model,
 )
 from tests.fake_openai_server import serve, unused_port
 from tests.fake_vllm_server import completions_app
@@ -20,7 +20,7 @@ from tests.fakes import ByteChatTokenizer
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path):
-    return load_model_and_tokenizer(smollm2_path)
+    return load_model(smollm2_path)
 
 
 def prompt_ids(tokenizer, question: str) -> list[int]:

@@ -16,14 +16,14 @@ from main_agent.policy import (
     PolicyError,
     SamplingConfig,
     TransformersPolicy,
-    load_model_and_tokenizer,
+    load_model,
 )
 from tests.fake_openai_server import serve
 from tests.fake_vllm_server import completions_app
 from tests.fakes import ByteChatTokenizer, fake_tool_server
 from tests.test_train import check_run_trained, final_weights, parity_score, tiny_config, tiny_llama
 from training import train as train_module
-from training.config import ConfigError, TrainConfig
+from training.config import ConfigError, TrainConfig, load_train_config
 from training.sampler import export_weights, merged, sync_weights
 from training.train import train
 
@@ -99,7 +99,7 @@ async def test_openai_policy_seeds_each_request_differently() -> None:
     served = TransformersPolicy(tiny_llama(258), ByteChatTokenizer(), cfg=SamplingConfig(temperature=0.0))
     app = completions_app(served)
     with serve(app) as url:
-        policy = OpenAIPolicy(url, "policy", ByteChatTokenizer(), cfg=SamplingConfig(seed=7))
+        policy = OpenAIPolicy(url, "policy", ByteChatTokenizer(), seed=7)
         for _ in range(3):
             await policy.sample([1, 2, 3], max_new_tokens=2)
         await policy.aclose()
@@ -108,9 +108,9 @@ async def test_openai_policy_seeds_each_request_differently() -> None:
 
 
 def test_server_sampler_needs_a_url() -> None:
-    """sampler = "server" without sampler_url is a config error, not a failure at the first rollout."""
-    with pytest.raises(ConfigError, match="sampler_url"):
-        TrainConfig(sampler="server")
+    """sampling backend "server" without a url is a settings error, not a failure at the first rollout."""
+    with pytest.raises(ConfigError, match="needs a url"):
+        load_train_config(None, ['sampling.backend="server"'])
 
 
 @pytest.mark.slow
@@ -124,13 +124,14 @@ def test_server_sampler_samples_with_every_version_the_trainer_writes(
 
     monkeypatch.setattr(task_data, "load_family", lambda *a, **k: STUB_TASKS)
     monkeypatch.setattr(train_module, "score", parity_score)
-    model, tokenizer = load_model_and_tokenizer(tiny_policy)
+    model, tokenizer = load_model(tiny_policy)
     with torch.no_grad():
         model.model.norm.weight.add_(1.0)  # the server starts on other weights than the run's
     served = TransformersPolicy(model, tokenizer)
     app = completions_app(served, dev=True)
     with serve(app) as url:
-        cfg = tiny_config(tmp_path / "run", tiny_policy, sampler="server", sampler_url=url)
+        sampling = SamplingConfig(backend="server", url=url)
+        cfg = tiny_config(tmp_path / "run", tiny_policy, sampling=sampling)
         run_dir = train(cfg, transport=fake_tool_server())
     rows = check_run_trained(run_dir, tiny_policy, 2)
     assert [r["policy_version"] for r in rows] == [1, 2]

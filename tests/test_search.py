@@ -52,7 +52,7 @@ def folder(tmp_path: Path) -> Path:
 
 
 def runtime(corpus: search.Corpus | None) -> Runtime:
-    return Runtime(llm=None, fetcher=None, images=None, corpus=corpus)  # type: ignore[arg-type]
+    return Runtime(llm=None, fetcher=None, state=corpus)  # type: ignore[arg-type]
 
 
 def test_build_reads_html_markdown_and_text(folder: Path) -> None:
@@ -202,8 +202,8 @@ async def test_hit_urls_open_in_page_qa_through_the_real_fetcher() -> None:
     page it reads is the one the hit named."""
     corpus = search.Corpus.build(EXAMPLES, max_docs=100)
     hit = corpus.search("Fabrice Bellard", 1)[0]
-    fetcher = Fetcher(FetchConfig(allow_file_roots=(str(EXAMPLES),)))
-    rt = Runtime(llm=FixedLLM(), fetcher=fetcher, images=None)  # type: ignore[arg-type]
+    fetcher = Fetcher(FetchConfig(), roots=(str(EXAMPLES),))
+    rt = Runtime(llm=FixedLLM(), fetcher=fetcher, state=None)  # type: ignore[arg-type]
     request = page_qa.Request(url=hit.url, question="Who started FFmpeg?")
     try:
         response = await page_qa.run(request, page_qa.Config(), rt)

@@ -17,7 +17,7 @@ def test_no_file_means_defaults() -> None:
     cfg = load_config(None)
     assert cfg == ServerConfig()
     assert cfg.host == "127.0.0.1"
-    assert {cfg.tools.settings(n).model.model for n in SUBAGENTS} == {"smollm2-135m-instruct"}
+    assert {cfg.tools[n].model.model for n in SUBAGENTS} == {"smollm2-135m-instruct"}
 
 
 def test_toml_sections_fill_typed_fields(tmp_path: Path) -> None:
@@ -35,10 +35,10 @@ def test_toml_sections_fill_typed_fields(tmp_path: Path) -> None:
     assert (cfg.port, cfg.allowed_hosts) == (9000, ("box:9000",))
     assert cfg.fetch.allow_private_cidrs == ("127.0.0.0/8",)
     assert (cfg.cache.directory, cfg.cache.max_entries) == (Path("cache-dir"), 5)
-    assert (cfg.tools.page_qa.model.backend, cfg.tools.page_qa.model.model) == ("openai", "served")
-    assert cfg.tools.page_qa.limits == ToolLimits(max_concurrency=2, queue_timeout_s=5.0)
-    assert cfg.tools.search.config.corpus_dir == "docs"
-    assert cfg.tools.image_ops.model == BackendConfig()
+    assert (cfg.tools["page_qa"].model.backend, cfg.tools["page_qa"].model.model) == ("openai", "served")
+    assert cfg.tools["page_qa"].limits == ToolLimits(max_concurrency=2, queue_timeout_s=5.0)
+    assert cfg.tools["search"].config.corpus_dir == "docs"
+    assert cfg.tools["image_ops"].model == BackendConfig()
 
 
 @pytest.mark.parametrize(
@@ -47,7 +47,7 @@ def test_toml_sections_fill_typed_fields(tmp_path: Path) -> None:
         ({"server": {"prot": 1}}, "'prot' in [server]; valid keys: host, port"),
         ({"page_qa": {"model": {"modle": "x"}}}, "'modle' in [page_qa.model]"),
         ({"page_qa": {"limits": {"max_conc": 1}}}, "'max_conc' in [page_qa.limits]"),
-        ({"pageqa": {}}, "'pageqa' in the top level; valid keys: server, fetch, cache, page_qa"),
+        ({"pageqa": {}}, "'pageqa' in the top level; valid sections: server, files, fetch, cache, page_qa"),
         ({"search": {"top_k": 3}}, "'top_k' in [search]"),
     ],
 )
@@ -78,3 +78,38 @@ def test_example_config_loads() -> None:
     path = Path(__file__).resolve().parent.parent / "examples" / "server.toml"
     cfg = load_config(path)
     assert cfg.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("data", "new_place"),
+    [
+        ({"fetch": {"allow_file_roots": ["/data"]}}, "files.roots"),
+        ({"image_ops": {"allowed_roots": ["/data"]}}, "files.roots"),
+        ({"video_summary": {"allowed_roots": ["/data"]}}, "files.roots"),
+    ],
+)
+def test_moved_keys_name_their_new_place(data: dict[str, Any], new_place: str) -> None:
+    """The three readable-folder settings of earlier versions are one now: loading an old one says where."""
+    with pytest.raises(ConfigError, match=f"has moved: set {new_place}"):
+        parse_config(data)
+    assert parse_config({"files": {"roots": ["/data"]}}).files.roots == ("/data",)
+
+
+def test_tool_sections_come_from_the_subagents_dict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sub-agent added to SUBAGENTS brings its own [name], [name.model] and [name.limits] sections; nothing
+    else in the server lists tools by name."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from tool_server import config
+
+    @dataclasses.dataclass(frozen=True)
+    class EchoConfig:
+        loud: bool = False
+
+    echo = SimpleNamespace(NAME="echo", Config=EchoConfig)
+    monkeypatch.setattr(config, "SUBAGENTS", {**SUBAGENTS, "echo": echo})
+    cfg = config.parse_config({"echo": {"loud": True, "limits": {"max_concurrency": 1}}})
+    assert cfg.tools["echo"].config == EchoConfig(loud=True)
+    assert cfg.tools["echo"].limits.max_concurrency == 1
+    assert set(cfg.tools) == {*SUBAGENTS, "echo"}

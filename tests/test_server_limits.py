@@ -21,7 +21,7 @@ import pytest
 from subagents.backends import BackendConfig, BackendError, build_llm
 from tests.tool_server_fakes import FakeFactory, fake_subagents, make_config, running, serving, with_limits
 from tool_server.app import create_app, serve, uvicorn_config
-from tool_server.config import ServerConfig, ToolLimits, ToolsConfig
+from tool_server.config import ServerConfig, ToolLimits, ToolsConfig, default_tools
 from tool_server.limits import is_loopback
 
 TOKEN = "s3cret-token"
@@ -278,8 +278,8 @@ async def test_overload_inside_a_batch_is_a_result() -> None:
 
 
 def own_model_tools(name: str, model: str) -> ToolsConfig:
-    tools = ToolsConfig()
-    return replace(tools, **{name: replace(tools.settings(name), model=BackendConfig(model=model))})
+    tools = default_tools()
+    return {**tools, name: replace(tools[name], model=BackendConfig(model=model))}
 
 
 async def test_hot_swap_mid_traffic(token_cfg: ServerConfig) -> None:

@@ -14,6 +14,7 @@ from main_agent.tokens import collate, to_sequence
 from main_agent.types import Episode
 from tests.fakes import TOOLS, ByteChatTokenizer, fake_tool_server, ok_result
 from tool_server.client import ToolClient
+from tool_server.embedded import ToolAccess
 from training import tasks as task_data
 from training.play import play as play_tasks
 from training.play import rollout_task, tool_session
@@ -74,7 +75,7 @@ VIDEO = Task(
 )
 # A byte tokenizer spends one token per character: budgets large enough for the oracle's longest turn.
 CFG = RolloutConfig(max_turns=10, max_new_tokens=1024, max_context_tokens=32768)
-SFT = SFTConfig(max_new_tokens=1024)
+SFT = SFTConfig(rollout=CFG)
 # What find_text sees in every photo: a caption, the plate (the gold box is [400, 300, 470, 330]) and a sign.
 # late.jpg's plate region is boxed loosely too: a second region overlapping the plate, tried after the first.
 REGIONS = [
@@ -280,10 +281,12 @@ def test_grown_region_stays_inside_the_image():
 
 def test_sft_settings_read_overrides_as_toml():
     """`tasks=[...]` becomes a tuple and numbers keep their types; an unknown key is refused."""
-    cfg = load_sft_config(['tasks=["video_qa"]', "limit=3", "lr=0.001"])
-    assert (cfg.tasks, cfg.limit, cfg.lr) == (("video_qa",), 3, 0.001)
+    cfg = load_sft_config(['tasks=["video_qa"]', "limit=3", "lr=0.001", "rollout.max_turns=4"])
+    assert (cfg.tasks, cfg.limit, cfg.lr, cfg.rollout.max_turns) == (("video_qa",), 3, 0.001, 4)
     with pytest.raises(ValueError, match="unknown key"):
         load_sft_config(["epoch=2"])
+    with pytest.raises(ValueError, match="set rollout.max_new_tokens instead"):
+        load_sft_config(["max_new_tokens=320"])
 
 
 # ---------------------------------------------------------------- fine-tuning a tiny model
@@ -364,7 +367,8 @@ async def test_oracle_reads_real_plates_through_the_real_tool_server(shared_data
     except ModelNotFound as exc:
         pytest.skip(str(exc))
     photos = task_data.load_family("plate_reading", "train", data_dir=shared_data, limit=2)
-    async with tool_session(photos, work_dir=tmp_path, data_dir=shared_data) as (client, ready):
+    session = tool_session(photos, work_dir=tmp_path, access=ToolAccess(), data_dir=shared_data)
+    async with session as (client, ready):
         experts = {t.task_id: OraclePolicy(t, tokenizer) for t in ready}
         groups = await play_tasks(
             ready,

@@ -20,8 +20,8 @@ from mcp.types import TextContent
 from pydantic import BaseModel, Field
 
 from subagents import SUBAGENTS
+from subagents.common import Files
 from subagents.fetch import FetchConfig
-from subagents.image_ops import Config as ImageConfig
 from tests.tool_server_fakes import (
     PAGE,
     FakeFactory,
@@ -34,7 +34,7 @@ from tests.tool_server_fakes import (
     with_limits,
 )
 from tool_server.app import create_app
-from tool_server.config import ToolLimits, ToolsConfig
+from tool_server.config import ToolLimits, default_tools
 from tool_server.host import INTERNAL_MESSAGE, tool_schema
 
 # ---------------------------------------------------------------- schemas
@@ -334,17 +334,27 @@ async def test_mcp_refuses_foreign_host_or_origin(headers: dict[str, str], statu
     assert bad.status_code == status
 
 
-async def test_lifespan_builds_corpus_when_configured(tmp_path: Path) -> None:
-    """With [search] corpus_dir set, the lifespan indexes it and page_qa may open its file:// URLs."""
+async def test_lifespan_builds_each_tools_state_and_shares_the_roots(tmp_path: Path) -> None:
+    """At start-up every sub-agent's `start` builds its state (search indexes [search] corpus_dir; image_ops its
+    image store), and the one [files] roots setting reaches the fetcher (page_qa's file:// hits) and each call."""
+    from subagents import SUBAGENTS
+    from subagents.common import Files
+    from subagents.image_ops import ImageStore
+    from subagents.search import Corpus
+
     (tmp_path / "a.txt").write_text("Ada Lovelace wrote the first program.")
-    tools = ToolsConfig()
-    search = replace(tools.search, config=replace(tools.search.config, corpus_dir=str(tmp_path)))
-    tools = replace(tools, search=search)
-    app = create_app(make_config(tools=tools), subagents=fake_subagents(Counter()), llm_factory=FakeFactory())
-    async with running(app):
+    tools = default_tools()
+    search = replace(tools["search"], config=replace(tools["search"].config, corpus_dir=str(tmp_path)))
+    cfg = make_config(tools={**tools, "search": search}, files=Files(roots=(str(tmp_path),)))
+    app = create_app(cfg, subagents=SUBAGENTS, llm_factory=FakeFactory())
+    async with running(app) as client:
         host = app.state.host
-        assert host.corpus is not None and len(host.corpus) == 1
-        assert str(tmp_path) in host.fetcher.cfg.allow_file_roots
+        assert isinstance(host.states["search"], Corpus) and len(host.states["search"]) == 1
+        assert isinstance(host.states["image_ops"], ImageStore)
+        assert host.states["page_qa"] is None and host.states["video_summary"] is None
+        hits = (await client.post("/v1/tools/search", json={"query": "Ada Lovelace"})).json()["hits"]
+        page = await client.post("/v1/tools/page_qa", json={"url": hits[0]["url"], "question": "Who?"})
+    assert page.json()["ok"], page.json()
 
 
 ROUTES = [
@@ -457,16 +467,12 @@ def test_redirects_to_unusable_locations_are_results_alone_and_in_a_batch() -> N
 def test_overlong_paths_are_invalid_args_over_rest_and_mcp_without_server_paths(tmp_path: Path) -> None:
     """A 300-character file name for image_ops `load` or video_summary is `invalid_args` (not a 500 from
     ENAMETOOLONG) over REST, and over MCP an is_error result; neither names the server's folders."""
-    tools = ToolsConfig()
-    roots = (str(tmp_path),)
-    tools = replace(tools, image_ops=replace(tools.image_ops, config=ImageConfig(allowed_roots=roots)))
-    video = replace(tools.video_summary.config, allowed_roots=roots)
-    tools = replace(tools, video_summary=replace(tools.video_summary, config=video))
+    files = Files(roots=(str(tmp_path),))
     calls = [
         ("image_ops", {"op": "load", "image": "a" * 300 + ".png"}),
         ("video_summary", {"video": "v" * 300}),
     ]
-    with serving(real_app(FakeFactory(), tools=tools, port=0)) as url:
+    with serving(real_app(FakeFactory(), files=files, port=0)) as url:
 
         async def over_mcp() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
@@ -491,11 +497,9 @@ def test_real_image_ops_zoom_then_read_a_plate(shared_data: Path) -> None:
     name, x, y, w, h, plate = (root / "1e241dc8-8f18-4955-8988-03a0ab49f813.txt").read_text().split()
     x0, y0, width, height = map(int, (x, y, w, h))
     box = [x0 - width, y0 - height, x0 + 2 * width, y0 + 2 * height]  # 3x the plate box, as a policy would
-    tools = ToolsConfig()
-    tools = replace(tools, image_ops=replace(tools.image_ops, config=ImageConfig(allowed_roots=(str(root),))))
     session = {"X-Conductor-Session": "episode-1"}
     with (
-        serving(real_app(FakeFactory(), tools=tools)) as url,
+        serving(real_app(FakeFactory(), files=Files(roots=(str(root),)))) as url,
         httpx.Client(base_url=url, timeout=60) as client,
     ):
         loaded = client.post(

@@ -25,11 +25,10 @@ from tool_server.client import ToolClient
 from training import tasks as task_data
 from training import train as train_module
 from training.checkpoint import CheckpointError, TrainState
-from training.config import ConfigError, TrainConfig, config_hash, load_train_config
+from training.config import ConfigError, TrainConfig, config_hash, config_to_dict, load_train_config
 from training.metrics import read_metrics, rollout_metrics, step_line
-from training.play import embedded_server_config
 from training.run import next_tasks
-from training.tasks import Task, TaskMeta
+from training.tasks import Task
 from training.train import (
     InfraFailure,
     filter_groups,
@@ -243,17 +242,52 @@ def test_a_non_finite_batch_skips_the_step(field: str) -> None:
 
 
 def test_config_reads_toml_and_overrides_and_names_unknown_keys(tmp_path: Path) -> None:
-    """TOML then key=value overrides (TOML values, bare words as strings); a typo is an error naming the key."""
+    """TOML then key=value overrides (TOML values, bare words as strings, dotted keys into tables); a typo is an
+    error naming the key; a group of one is refused before anything is loaded."""
     path = tmp_path / "train.toml"
-    path.write_text('group_size = 8\ntask = "plate_reading"\n[turn_rewards]\nvalid_call = 0.0\n')
-    cfg = load_train_config(path, ["lr=3e-5", "run_dir=runs/x", "turn_rewards.new_evidence=0.2"])
+    path.write_text(
+        'group_size = 8\ntask = "plate_reading"\n[turn_rewards]\nvalid_call = 0.0\n'
+        '[rollout]\nmax_turns = 6\n[credit]\nmode = "turn"\nmin_anchor_group = 3\n'
+    )
+    overrides = ["lr=3e-5", "run_dir=runs/x", "turn_rewards.new_evidence=0.2", "sampling.temperature=0.9"]
+    cfg = load_train_config(path, overrides)
     assert (cfg.group_size, cfg.task, cfg.lr, cfg.run_dir) == (8, "plate_reading", 3e-5, Path("runs/x"))
     assert (cfg.turn_rewards.valid_call, cfg.turn_rewards.new_evidence) == (0.0, 0.2)
+    assert (cfg.rollout.max_turns, cfg.credit.mode, cfg.credit.min_anchor_group) == (6, "turn", 3)
+    assert cfg.sampling.temperature == 0.9 and cfg.rollout.max_new_tokens == RolloutConfig().max_new_tokens
     assert config_hash(cfg) != config_hash(TrainConfig())
     with pytest.raises(ConfigError, match="grop_size"):
         load_train_config(None, ["grop_size=2"])
-    with pytest.raises(ValueError, match="group_size"):
+    with pytest.raises(ConfigError, match="group_size"):
         load_train_config(None, ["group_size=1"])
+
+
+@pytest.mark.parametrize(
+    ("override", "new_place"),
+    [
+        ("max_turns=4", "rollout.max_turns"),
+        ("max_new_tokens=128", "rollout.max_new_tokens"),
+        ('credit="turn"', "credit.mode"),
+        ("gamma=0.9", "credit.gamma"),
+        ('sampler="vllm"', "sampling.backend"),
+        ('sampler_url="http://x"', "sampling.url"),
+        ("temperature=1.0", "sampling.temperature"),
+        ('tools_url="http://x"', "tools.url"),
+        ("max_inflight_tool_calls=4", "tools.max_inflight_calls"),
+    ],
+)
+def test_old_flat_keys_name_their_new_table(override: str, new_place: str) -> None:
+    """A key of the earlier flat layout is a one-line error that says where the setting lives now."""
+    with pytest.raises(ConfigError, match=f"set {new_place.replace('.', '[.]')} instead"):
+        load_train_config(None, [override])
+
+
+def test_settings_round_trip_through_their_json_form() -> None:
+    """What a checkpoint stores (`config_to_dict`) builds the same settings back, tables included."""
+    from conductor.settings import build
+
+    cfg = load_train_config(None, ["rollout.max_turns=3", "credit.mode=turn", "lora_rank=4", "limit=7"])
+    assert build(TrainConfig, config_to_dict(cfg), "the settings") == cfg
 
 
 def test_task_order_visits_every_task_once_per_epoch_and_repeats() -> None:
@@ -266,18 +300,6 @@ def test_task_order_visits_every_task_once_per_epoch_and_repeats() -> None:
     assert (state.epoch, state.position) == (2, 0)
     again, _ = next_tasks(STUB_TASKS, TrainState(epoch=1, position=1), cfg)
     assert [t.task_id for t in again] == seen[6:8]
-
-
-def test_embedded_server_may_read_the_tasks_media_and_loopback_pages() -> None:
-    """The in-process tool server opens loopback (the page server) and exactly the folders of the tasks' media."""
-    photo = Task(
-        "p", "plate_reading", "q", ("image_ops",), "AB12", meta=TaskMeta(image_path="/data/plates/a.jpg")
-    )
-    clip = Task("v", "video_qa", "q", ("video_summary",), "x", meta=TaskMeta(video_path="/data/grid/b.mpg"))
-    cfg = embedded_server_config([photo, clip])
-    assert cfg.fetch.allow_private_cidrs == ("127.0.0.0/8",)
-    assert cfg.tools.image_ops.config.allowed_roots == ("/data/grid", "/data/plates")
-    assert cfg.tools.video_summary.config.allowed_roots == ("/data/grid", "/data/plates")
 
 
 def test_step_line_has_a_fixed_shape() -> None:
@@ -314,6 +336,9 @@ def parity_score(episode: Episode, task: Task, weights) -> list:
     return []
 
 
+TINY_ROLLOUT = RolloutConfig(max_turns=2, max_new_tokens=8, max_context_tokens=1024, observation_tokens=32)
+
+
 def tiny_config(run_dir: Path, policy: Path, **changes) -> TrainConfig:
     cfg = TrainConfig(
         policy=str(policy),
@@ -322,10 +347,7 @@ def tiny_config(run_dir: Path, policy: Path, **changes) -> TrainConfig:
         batch_tasks=2,
         group_size=2,
         lr=1e-3,
-        max_turns=2,
-        max_new_tokens=8,
-        max_context_tokens=1024,
-        observation_tokens=32,
+        rollout=TINY_ROLLOUT,
         max_concurrent_episodes=1,
         run_dir=run_dir,
         save_every=1,
@@ -441,3 +463,10 @@ def test_lora_run_trains_and_resumes_the_adapter(
     assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in adapter.items())
     train(dataclasses.replace(cfg, steps=2), resume=run_dir, transport=fake_tool_server())
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2]
+
+
+@pytest.mark.parametrize("name", ["train_plates.toml", "train_multihop.toml"])
+def test_example_configs_load(name: str) -> None:
+    """The example RL configs are valid settings (their tables and keys exist) and keep their documented budgets."""
+    cfg = load_train_config(Path(__file__).resolve().parent.parent / "examples" / name)
+    assert cfg.task in task_data.FAMILIES and cfg.credit.mode == "outcome" and cfg.rollout.max_turns >= 6

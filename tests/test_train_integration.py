@@ -23,8 +23,10 @@ import httpx
 import pytest
 import torch
 
+from subagents.common import Files
 from subagents.fetch import FetchConfig
 from tests.test_train import (
+    TINY_ROLLOUT,
     check_run_trained,
     final_weights,
     parity_score,
@@ -33,11 +35,12 @@ from tests.test_train import (
 )
 from tests.tool_server_fakes import FakeFactory, make_config, page_server, serving
 from tool_server.app import create_app, host_of
-from tool_server.config import CacheConfig, ServerConfig, ToolsConfig
+from tool_server.config import CacheConfig, ServerConfig
+from tool_server.embedded import ToolAccess
 from training import tasks as task_data
 from training import train as train_module
 from training.checkpoint import find_latest
-from training.config import TrainConfig
+from training.config import TrainConfig, load_train_config
 from training.metrics import read_metrics
 from training.tasks import Task
 from training.train import train
@@ -58,16 +61,14 @@ def plates_root(shared_data: Path) -> Path:
 @contextmanager
 def plate_tool_server(shared_data: Path) -> Iterator[str]:
     """The real tool server (fake model behind the sub-agents) that may read the plate photos; yields its URL."""
-    tools = ToolsConfig()
-    image_ops = dataclasses.replace(tools.image_ops.config, allowed_roots=(str(plates_root(shared_data)),))
-    tools = dataclasses.replace(tools, image_ops=dataclasses.replace(tools.image_ops, config=image_ops))
-    with serving(create_app(make_config(port=0, tools=tools), llm_factory=FakeFactory())) as url:
+    files = Files(roots=(str(plates_root(shared_data)),))
+    with serving(create_app(make_config(port=0, files=files), llm_factory=FakeFactory())) as url:
         yield url
 
 
 def plate_config(run_dir: Path, policy: Path, tools_url: str, shared_data: Path) -> TrainConfig:
     return tiny_config(
-        run_dir, policy, task="plate_reading", limit=4, data_dir=shared_data, tools_url=tools_url
+        run_dir, policy, task="plate_reading", limit=4, data_dir=shared_data, tools=ToolAccess(url=tools_url)
     )
 
 
@@ -135,7 +136,9 @@ def test_subagents_stay_frozen_across_training(
         model = host_of(app).slots["page_qa"].backend.llm.model  # type: ignore[attr-defined]
         weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
         before = page_qa_fields(url, page)
-        run_dir = train(tiny_config(tmp_path / "run", tiny_policy, steps=1, max_turns=1, tools_url=url))
+        rollout = dataclasses.replace(TINY_ROLLOUT, max_turns=1)
+        cfg = tiny_config(tmp_path / "run", tiny_policy, steps=1, rollout=rollout, tools=ToolAccess(url=url))
+        run_dir = train(cfg)
         after = page_qa_fields(url, page)
     assert read_metrics(run_dir / "metrics.jsonl")[0]["update/skipped"] == 0.0  # the policy did train
     assert before["answer"] and before == after
@@ -143,24 +146,26 @@ def test_subagents_stay_frozen_across_training(
     assert not model.training and all(p.grad is None for p in model.parameters())
 
 
-# The CLI of training/train.py with the scorer swapped for the stub (a monkeypatch cannot cross into a child
-# process, and real rewards of a random policy are all 0, which would leave the weights where they are).
+# `conductor train` with the scorer swapped for the stub (a monkeypatch cannot cross into a child process, and
+# real rewards of a random policy are all 0, which would leave the weights where they are).
 DRIVER = """
 import sys
 from tests.test_train import parity_score
 from training import train
 train.score = parity_score
-path, overrides, resume, force = train.parse_cli(sys.argv[1:])
-print(train.train(train.load_train_config(path, overrides), resume=resume, force=force))
+from conductor.cli import main
+sys.argv = ["conductor", "train", *sys.argv[1:]]
+main()
 """
 
 
 def write_toml(path: Path, policy: Path, tools_url: str, shared_data: Path) -> Path:
     path.write_text(
         f'policy = "{policy}"\ntask = "plate_reading"\nlimit = 4\ndata_dir = "{shared_data}"\n'
-        f'tools_url = "{tools_url}"\nsteps = 4\nwarmup_steps = 4\nbatch_tasks = 2\ngroup_size = 2\n'
-        "lr = 1e-3\nmax_turns = 1\nmax_new_tokens = 8\nmax_context_tokens = 1024\nobservation_tokens = 32\n"
-        "max_concurrent_episodes = 1\nsave_every = 1\nkeep_last = 1\n"
+        "steps = 4\nwarmup_steps = 4\nbatch_tasks = 2\ngroup_size = 2\n"
+        "lr = 1e-3\nmax_concurrent_episodes = 1\nsave_every = 1\nkeep_last = 1\n"
+        f'[tools]\nurl = "{tools_url}"\n'
+        "[rollout]\nmax_turns = 1\nmax_new_tokens = 8\nmax_context_tokens = 1024\nobservation_tokens = 32\n"
     )
     return path
 
@@ -207,7 +212,7 @@ def test_kill_nine_mid_run_then_resume_matches_a_straight_run(
         toml = write_toml(tmp_path / "train.toml", tiny_policy, url, shared_data)
         killed = tmp_path / "killed"
         first, second = tmp_path / "first.log", tmp_path / "second.log"
-        proc = start_driver(toml, first, f"run_dir={killed}")
+        proc = start_driver(toml, first, "--set", f"run_dir={killed}")
         at_kill = kill_after_checkpoint(proc, killed, step=2, log=first)
         assert proc.returncode == -signal.SIGKILL and at_kill < 4, (proc.returncode, at_kill)
         resumed = start_driver(toml, second, "--resume", str(killed))
@@ -216,7 +221,7 @@ def test_kill_nine_mid_run_then_resume_matches_a_straight_run(
         finally:
             resumed.kill()  # a no-op once it has exited
         assert resumed.returncode == 0, tail(second)
-        straight = train(train_module.load_train_config(toml, [f"run_dir={tmp_path / 'straight'}"]))
+        straight = train(load_train_config(toml, [f"run_dir={tmp_path / 'straight'}"]))
     rows, expected = read_metrics(killed / "metrics.jsonl"), read_metrics(straight / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # a step logged before the kill is not logged twice
     for key in ("loss/pg", "reward/final", "grad_norm"):

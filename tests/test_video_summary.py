@@ -53,13 +53,17 @@ class FakeLLM:
         return self.calls[-1][-1].content
 
 
-def runtime(llm: FakeLLM) -> Runtime:
-    return Runtime(llm=llm, fetcher=None, images=None, count_tokens=llm.count_tokens)  # type: ignore[arg-type]
+def runtime(llm: FakeLLM, *roots: Path) -> Runtime[None]:
+    folders = tuple(str(r) for r in roots)
+    return Runtime(llm=llm, fetcher=None, state=None, roots=folders, count_tokens=llm.count_tokens)  # type: ignore[arg-type]
 
 
-def config(*roots: Path, **changes: object) -> vs.Config:
-    base = vs.Config(allowed_roots=tuple(str(r) for r in roots), ocr=False)
-    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+def config(**changes: object) -> vs.Config:
+    return dataclasses.replace(vs.Config(ocr=False), **changes)  # type: ignore[arg-type]
+
+
+def resolve(name: str, *roots: Path, **changes: object) -> Path:
+    return vs.resolve_video(name, config(**changes), tuple(str(r) for r in roots))
 
 
 def ffmpeg(*args: str) -> None:
@@ -117,7 +121,7 @@ def test_hostile_or_outside_names_are_invalid_args(tmp_path: Path, name: str) ->
     root.mkdir()
     (tmp_path / "escape.mp4").write_bytes(b"x")
     with pytest.raises(ToolFailure) as info:
-        vs.resolve_video(name, config(root))
+        resolve(name, root)
     assert info.value.error.kind == "invalid_args", info.value.error
 
 
@@ -130,9 +134,9 @@ def test_symlink_escaping_the_root_is_refused_and_inner_symlink_resolves(tmp_pat
     (root / "real.mp4").write_bytes(b"video")
     (root / "in.mp4").symlink_to(root / "real.mp4")
     with pytest.raises(ToolFailure) as info:
-        vs.resolve_video("out.mp4", config(root))
+        resolve("out.mp4", root)
     assert info.value.error.kind == "invalid_args"
-    assert vs.resolve_video("in.mp4", config(root)) == (root / "real.mp4").resolve()
+    assert resolve("in.mp4", root) == (root / "real.mp4").resolve()
 
 
 @pytest.mark.parametrize(
@@ -147,7 +151,7 @@ def test_file_checks_map_to_error_kinds(tmp_path: Path, name: str, kind: str) ->
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "big.mp4").write_bytes(b"0123456789")
     with pytest.raises(ToolFailure) as info:
-        vs.resolve_video(name, config(tmp_path, max_file_bytes=9))
+        resolve(name, tmp_path, max_file_bytes=9)
     assert info.value.error.kind == kind, info.value.error
 
 
@@ -157,9 +161,8 @@ def test_relative_paths_start_in_the_first_root_and_absolute_ones_may_use_any(tm
     for folder in (first, second):
         folder.mkdir()
         (folder / "v.mp4").write_bytes(b"x")
-    cfg = config(first, second)
-    assert vs.resolve_video("v.mp4", cfg) == (first / "v.mp4").resolve()
-    assert vs.resolve_video(str(second / "v.mp4"), cfg) == (second / "v.mp4").resolve()
+    assert resolve("v.mp4", first, second) == (first / "v.mp4").resolve()
+    assert resolve(str(second / "v.mp4"), first, second) == (second / "v.mp4").resolve()
 
 
 def test_os_errors_on_the_path_are_structured_without_the_server_path(tmp_path: Path) -> None:
@@ -170,7 +173,7 @@ def test_os_errors_on_the_path_are_structured_without_the_server_path(tmp_path: 
     cases = {"v" * 300 + ".mp4": "invalid_args", "file.mp4/x.mp4": "not_found", "loop.mp4": "invalid_args"}
     for name, kind in cases.items():
         with pytest.raises(ToolFailure) as info:
-            vs.resolve_video(name, config(tmp_path))
+            resolve(name, tmp_path)
         assert info.value.error.kind == kind, (name[:20], info.value.error)
         assert str(tmp_path) not in info.value.error.message
 
@@ -183,10 +186,10 @@ def test_unknown_request_fields_are_refused(extra: dict[str, object]) -> None:
 
 
 def test_no_roots_means_no_local_files(tmp_path: Path) -> None:
-    """An empty allowed_roots refuses every path, even an existing one."""
+    """Empty roots refuse every path, even an existing one."""
     (tmp_path / "v.mp4").write_bytes(b"x")
     with pytest.raises(ToolFailure) as info:
-        vs.resolve_video(str(tmp_path / "v.mp4"), config())
+        resolve(str(tmp_path / "v.mp4"))
     assert info.value.error.kind == "invalid_args"
 
 
@@ -199,7 +202,7 @@ async def test_run_returns_structured_errors_without_calling_the_model(tmp_path:
         ("empty.mp4", "unsupported_media"),
         ("no.mp4", "not_found"),
     ]:
-        response = await vs.run(vs.Request(video=name), config(tmp_path), runtime(llm))
+        response = await vs.run(vs.Request(video=name), config(), runtime(llm, tmp_path))
         assert not response.ok and response.error is not None and response.error.kind == kind
         assert response.observation().startswith(f"error ({kind})")
     assert llm.calls == []
@@ -430,7 +433,7 @@ async def test_too_short_deadline_times_out_and_leaves_no_ffmpeg_or_temp_dir(
     """A 10 ms budget returns a retryable timeout, kills ffmpeg and removes the per-request temp dir."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     response = await vs.run(
-        vs.Request(video=tiny_video.name), config(tiny_video.parent, deadline_s=0.01), runtime(FakeLLM())
+        vs.Request(video=tiny_video.name), config(deadline_s=0.01), runtime(FakeLLM(), tiny_video.parent)
     )
     assert response.error is not None and (response.error.kind, response.error.retryable) == ("timeout", True)
     assert _ffmpeg_children() == [] and list(tmp_path.iterdir()) == []
@@ -446,7 +449,7 @@ async def test_subtitled_clip_reaches_the_model_with_timestamps(
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     llm = FakeLLM()
     response = await vs.run(
-        vs.Request(video=tiny_video.name), config(tiny_video.parent, max_frames=3), runtime(llm)
+        vs.Request(video=tiny_video.name), config(max_frames=3), runtime(llm, tiny_video.parent)
     )
     assert response.ok, response.error
     assert (response.duration_s, response.resolution) == (pytest.approx(2.0, abs=0.1), "160x120")
@@ -462,8 +465,8 @@ async def test_subtitled_clip_reaches_the_model_with_timestamps(
 async def test_only_the_first_max_duration_is_read(tiny_video: Path) -> None:
     """Past max_duration_s no frame is taken and no cue is kept, and the summary says so."""
     llm = FakeLLM()
-    cfg = config(tiny_video.parent, max_duration_s=1.0)
-    response = await vs.run(vs.Request(video=tiny_video.name), cfg, runtime(llm))
+    cfg = config(max_duration_s=1.0)
+    response = await vs.run(vs.Request(video=tiny_video.name), cfg, runtime(llm, tiny_video.parent))
     assert response.ok and response.covered_s == 1.0 and max(response.timestamps) < 1.0
     assert [c.text for c in response.subtitles] == ["hello from the test"] and "second cue" not in llm.prompt
     assert "only the first 1 s read" in response.summary()
@@ -472,7 +475,7 @@ async def test_only_the_first_max_duration_is_read(tiny_video: Path) -> None:
 async def test_backend_failure_becomes_backend_error(tiny_video: Path) -> None:
     """A model failure is a structured backend_error carrying the backend's retryable flag."""
     llm = FakeLLM(error=BackendError("context length exceeded", retryable=False))
-    response = await vs.run(vs.Request(video=tiny_video.name), config(tiny_video.parent), runtime(llm))
+    response = await vs.run(vs.Request(video=tiny_video.name), config(), runtime(llm, tiny_video.parent))
     assert response.error is not None and (response.error.kind, response.error.retryable) == (
         "backend_error",
         False,
@@ -491,7 +494,7 @@ async def test_nothing_to_read_skips_the_text_model(tmp_path: Path) -> None:
         str(tmp_path / "g.mp4"),
     )
     llm = FakeLLM()
-    response = await vs.run(vs.Request(video="g.mp4"), config(tmp_path, max_frames=2), runtime(llm))
+    response = await vs.run(vs.Request(video="g.mp4"), config(max_frames=2), runtime(llm, tmp_path))
     assert response.ok and llm.calls == [] and response.answer.startswith("Nothing to read")
 
 
@@ -508,7 +511,7 @@ async def test_junk_and_indirection_files_are_unsupported(
 ) -> None:
     """Non-video bytes, concat scripts and HLS playlists (could read files outside the root) are refused."""
     (tmp_path / name).write_text(content.format(target=tiny_video))
-    response = await vs.run(vs.Request(video=name), config(tmp_path), runtime(FakeLLM()))
+    response = await vs.run(vs.Request(video=name), config(), runtime(FakeLLM(), tmp_path))
     assert response.error is not None and response.error.kind == "unsupported_media", response.error
 
 
@@ -532,7 +535,7 @@ async def test_real_ocr_reads_on_screen_text(tmp_path: Path) -> None:
         str(tmp_path / "c.mp4"),
     )
     llm = FakeLLM()
-    response = await vs.run(vs.Request(video="c.mp4"), config(tmp_path, max_frames=2, ocr=True), runtime(llm))
+    response = await vs.run(vs.Request(video="c.mp4"), config(max_frames=2, ocr=True), runtime(llm, tmp_path))
     assert response.ok, response.error
     assert [f.text for f in response.frame_texts] == ["GATE 42 OPEN"] * 2
     assert llm.prompt.count("on screen: GATE 42 OPEN") == 1
@@ -580,7 +583,7 @@ async def test_grid_transcript_reaches_the_prompt_with_timestamps(
     clip, cues = grid_clip_with_subtitles(shared_data, tmp_path, container=container)
     llm = FakeLLM()
     response = await vs.run(
-        vs.Request(video=clip.name, question="What is said?"), config(tmp_path), runtime(llm)
+        vs.Request(video=clip.name, question="What is said?"), config(), runtime(llm, tmp_path)
     )
     assert response.ok, response.error
     assert response.duration_s == pytest.approx(2.98, abs=0.05) and response.resolution == "360x288"
@@ -594,8 +597,8 @@ async def test_kinetics_clip_probe_and_frames_for_a_multimodal_model(shared_data
     """Duration and size are probed right; a bounded number of downscaled PNG frames go to a VLM, no OCR."""
     video = shared_data / "video" / "kinetics" / "demo.mp4"
     llm = FakeLLM(multimodal=True)
-    cfg = config(video.parent, max_frames=4, frame_side=128, ocr=True)
-    response = await vs.run(vs.Request(video=str(video)), cfg, runtime(llm))
+    cfg = config(max_frames=4, frame_side=128, ocr=True)
+    response = await vs.run(vs.Request(video=str(video)), cfg, runtime(llm, video.parent))
     assert response.ok, response.error
     assert (response.duration_s, response.resolution) == (pytest.approx(10.0), "340x256")
     assert response.timestamps == [1.25, 3.75, 6.25, 8.75] and response.frame_texts == []
@@ -613,8 +616,8 @@ async def test_real_smollm2_answers_about_the_grid_clip(
     clip, _ = grid_clip_with_subtitles(shared_data, tmp_path, container="mkv")
     llm = build_llm(BackendConfig(model=str(smollm2_path), max_new_tokens=48))
     try:
-        rt = Runtime(llm=llm, fetcher=None, images=None, count_tokens=llm.count_tokens)  # type: ignore[arg-type]
-        cfg = config(tmp_path, max_new_tokens=48)
+        rt = Runtime(llm=llm, fetcher=None, state=None, roots=(str(tmp_path),), count_tokens=llm.count_tokens)  # type: ignore[arg-type]
+        cfg = config(max_new_tokens=48)
         response = await vs.run(vs.Request(video=clip.name, question="What does the speaker say?"), cfg, rt)
     finally:
         await llm.aclose()
@@ -626,6 +629,6 @@ async def test_real_smollm2_answers_about_the_grid_clip(
 async def test_audio_only_file_is_unsupported(tmp_path: Path) -> None:
     """A file ffmpeg opens but that has no video stream is unsupported_media, not an empty summary."""
     ffmpeg("-f", "lavfi", "-i", "sine=duration=1", "-c:a", "libvorbis", str(tmp_path / "a.ogg"))
-    response = await vs.run(vs.Request(video="a.ogg"), config(tmp_path), runtime(FakeLLM()))
+    response = await vs.run(vs.Request(video="a.ogg"), config(), runtime(FakeLLM(), tmp_path))
     assert response.error is not None and response.error.kind == "unsupported_media"
     assert "no video stream" in response.error.message

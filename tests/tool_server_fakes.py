@@ -21,9 +21,10 @@ import uvicorn
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
+from subagents import SUBAGENTS
 from subagents.backends import BackendConfig, Generation, Message
 from subagents.common import Runtime, ToolResponse, fail
-from tool_server.config import TOOL_NAMES, ServerConfig, ToolLimits, ToolsConfig
+from tool_server.config import ServerConfig, ToolLimits, ToolsConfig, default_tools
 
 BASE_URL = "http://127.0.0.1:8700"
 
@@ -55,7 +56,7 @@ def fake_subagents(calls: Counter[str]) -> dict[str, Any]:
     `calls[name]` counts the runs that actually executed (cache hits do not run)."""
 
     def make(name: str) -> SimpleNamespace:
-        async def run(request: FakeRequest, cfg: object, rt: Runtime) -> FakeResponse:
+        async def run(request: FakeRequest, cfg: object, rt: Runtime[None]) -> FakeResponse:
             calls[name] += 1
             model = rt.llm.model_id  # captured at the start, like a real sub-agent's first generate
             await asyncio.sleep(request.delay_s)
@@ -68,13 +69,15 @@ def fake_subagents(calls: Counter[str]) -> dict[str, Any]:
         return SimpleNamespace(
             NAME=name,
             DESCRIPTION=f"Fake {name}.",
+            CACHEABLE=name != "image_ops",  # as the real ones
+            start=lambda cfg, roots: None,
             Request=FakeRequest,
             Response=FakeResponse,
             Config=FakeConfig,
             run=run,
         )
 
-    return {name: make(name) for name in TOOL_NAMES}
+    return {name: make(name) for name in SUBAGENTS}
 
 
 class FakeLLM:
@@ -121,9 +124,9 @@ def make_config(**changes: Any) -> ServerConfig:
 
 def with_limits(**limits: ToolLimits) -> ToolsConfig:
     """Default tool settings except the given per-tool limits."""
-    tools = ToolsConfig()
+    tools = default_tools()
     for name, value in limits.items():
-        tools = replace(tools, **{name: replace(tools.settings(name), limits=value)})
+        tools[name] = replace(tools[name], limits=value)
     return tools
 
 
@@ -169,6 +172,19 @@ such a machine, which computed Bernoulli numbers.</p>
 
 
 @contextmanager
+def serving_handler(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """`handler` served on a free loopback port from a daemon thread; yields the base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@contextmanager
 def redirect_server() -> Iterator[str]:
     """A loopback HTTP server answering GET /go?to=<location> with a 302 to that (unchecked) Location."""
 
@@ -183,14 +199,8 @@ def redirect_server() -> Iterator[str]:
         def log_message(self, format: str, *args: object) -> None:  # keep test output clean
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving_handler(Handler) as url:
+        yield url
 
 
 @contextmanager
@@ -209,11 +219,5 @@ def page_server(html: str = PAGE) -> Iterator[str]:
         def log_message(self, format: str, *args: object) -> None:  # keep test output clean
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving_handler(Handler) as url:
+        yield url

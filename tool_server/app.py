@@ -42,10 +42,10 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 
 from conductor.settings import build
-from subagents import SUBAGENTS
+from subagents import SUBAGENTS, image_ops
 from subagents.backends import LLM, BackendConfig, BackendError, build_llm
 from subagents.common import ToolResponse, fail
-from tool_server.config import TOOL_NAMES, ServerConfig
+from tool_server.config import ServerConfig
 from tool_server.host import INTERNAL_MESSAGE, SESSION_HEADER, SubAgent, ToolHost, tool_schema
 from tool_server.limits import (
     AuthMiddleware,
@@ -77,12 +77,12 @@ class BatchRequest(BaseModel):
 def create_app(
     cfg: ServerConfig, *, subagents: Mapping[str, SubAgent] = SUBAGENTS, llm_factory: LLMFactory = build_llm
 ) -> FastAPI:
-    """The ASGI app. Backends, fetcher, image store and corpus are built in its lifespan, not here.
+    """The ASGI app. Backends, fetcher and the tools' states are built in its lifespan, not here.
 
-    `subagents` and `llm_factory` are injected by tests (fake sub-agents, fake models); their names must
-    be among config.TOOL_NAMES, whose settings they use.
+    `subagents` and `llm_factory` are injected by tests (fake sub-agents, fake models); each must be named like
+    a tool of `cfg.tools`, whose settings it uses.
     """
-    _check_subagents(subagents)
+    _check_subagents(subagents, cfg)
     token = load_token(cfg)
     require_token_off_loopback(cfg, token)
     mcp = build_mcp(cfg, subagents=subagents, get_host=lambda: host_of(app))
@@ -108,10 +108,10 @@ def create_app(
     return app
 
 
-def _check_subagents(subagents: Mapping[str, SubAgent]) -> None:
-    unknown = sorted(set(subagents) - set(TOOL_NAMES))
+def _check_subagents(subagents: Mapping[str, SubAgent], cfg: ServerConfig) -> None:
+    unknown = sorted(set(subagents) - set(cfg.tools))
     if unknown:
-        raise ValueError(f"no settings for sub-agents {unknown}; configurable: {', '.join(TOOL_NAMES)}")
+        raise ValueError(f"no settings for sub-agents {unknown}; configured: {', '.join(cfg.tools)}")
     misnamed = [(key, module.NAME) for key, module in subagents.items() if key != module.NAME]
     assert not misnamed, f"each sub-agent must be listed under its NAME: {misnamed}"
 
@@ -195,10 +195,14 @@ async def _batch_item(host: ToolHost, call: BatchCall, session: str) -> ToolResp
 
 @router.get("/v1/images/{image_id}")
 async def image_thumbnail(image_id: str, request: Request) -> Response:
-    """Ids are unique across sessions, so a trace viewer may fetch one without the session header;
-    with the header, only that session's images are found."""
+    """The one route a sub-agent adds: image_ops's images as PNG thumbnails for trace viewers. Ids are unique
+    across sessions, so a viewer may fetch one without the session header; with the header, only that
+    session's images are found."""
     session = request.headers.get(SESSION_HEADER)
-    png = await asyncio.to_thread(_host(request).images.thumbnail_png, image_id, session=session)
+    store = _host(request).states.get(image_ops.NAME)
+    png = None
+    if isinstance(store, image_ops.ImageStore):
+        png = await asyncio.to_thread(store.thumbnail_png, image_id, session=session)
     if png is None:
         raise HTTPException(404, f"no image {image_id!r}")
     return Response(png, media_type="image/png")

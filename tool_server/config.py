@@ -1,17 +1,17 @@
 """The tool server's settings: frozen dataclasses read from one TOML file.
 
     [server]            host, port, token_env, token_file, max_body_bytes, max_batch_calls, allowed_hosts, ...
+    [files]             subagents.common.Files: the local folders the tools may read
     [fetch]             subagents.fetch.FetchConfig (SSRF guard limits)
     [cache]             CacheConfig
-    [page_qa]           the sub-agent's own Config (subagents/page_qa.py)
-    [page_qa.model]     its BackendConfig: which frozen model answers for it
-    [page_qa.limits]    ToolLimits: concurrency cap, queue deadline, call deadline
-    ... the same three sections for image_ops, video_summary and search.
+    [<tool>]            each sub-agent's own Config (subagents/<tool>.py), for every tool in subagents.SUBAGENTS
+    [<tool>.model]      its BackendConfig: which frozen model answers for it
+    [<tool>.limits]     ToolLimits: concurrency cap, queue deadline, call deadline
 
 Every section is optional; a missing file means all defaults (the built-in SmolLM2-135M-Instruct for every
-sub-agent, bound to 127.0.0.1). Unknown keys are errors that name the key and the valid ones: a typo must
-not silently fall back to a default. TOML arrays become tuples (the dataclasses are frozen); strings become
-`Path` where the field is a path. Paths are used as written, i.e. relative to the working directory.
+sub-agent, bound to 127.0.0.1, no local files). Keys are checked by conductor.settings: unknown keys are errors
+that name the key and the valid ones, and keys that moved name their new place. The tool sections come from
+`SUBAGENTS`: a new sub-agent brings its own. Paths are used as written, i.e. relative to the working directory.
 See examples/server.toml for a documented file.
 """
 
@@ -24,14 +24,19 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar, get_type_hints
 
 from conductor.settings import ConfigError, build, coerce
-from subagents import image_ops, page_qa, search, video_summary
+from subagents import SUBAGENTS
 from subagents.backends import BackendConfig
+from subagents.common import Files
 from subagents.fetch import FetchConfig
 
 C = TypeVar("C")
-D = TypeVar("D")
 
-TOOL_NAMES = ("page_qa", "image_ops", "video_summary", "search")
+# Keys that moved, and where to: the readable folders were three settings before `[files] roots`.
+MOVED = {
+    "fetch.allow_file_roots": "files.roots",
+    "image_ops.allowed_roots": "files.roots",
+    "video_summary.allowed_roots": "files.roots",
+}
 
 
 @dataclass(frozen=True)
@@ -61,29 +66,13 @@ class ToolSettings(Generic[C]):
     """Concurrency cap and deadlines (`[<tool>.limits]`)."""
 
 
-@dataclass(frozen=True)
-class ToolsConfig:
-    """One typed entry per sub-agent in subagents.SUBAGENTS."""
+ToolsConfig = Mapping[str, ToolSettings[Any]]
+"""Each sub-agent's settings, under its name in subagents.SUBAGENTS."""
 
-    page_qa: ToolSettings[page_qa.Config] = field(default_factory=lambda: ToolSettings(page_qa.Config()))
-    """Question answering over one web page."""
-    image_ops: ToolSettings[image_ops.Config] = field(
-        default_factory=lambda: ToolSettings(image_ops.Config())
-    )
-    """Load, zoom and read images in a per-session store."""
-    video_summary: ToolSettings[video_summary.Config] = field(
-        default_factory=lambda: ToolSettings(video_summary.Config())
-    )
-    """Frames + OCR/ASR summary of a short video."""
-    search: ToolSettings[search.Config] = field(default_factory=lambda: ToolSettings(search.Config()))
-    """BM25 search over a local corpus."""
 
-    def settings(self, name: str) -> ToolSettings[Any]:
-        """The settings of tool `name`; KeyError for a name that is not one of TOOL_NAMES."""
-        if name not in TOOL_NAMES:
-            raise KeyError(f"no settings for tool {name!r}; tools: {', '.join(TOOL_NAMES)}")
-        settings: ToolSettings[Any] = getattr(self, name)
-        return settings
+def default_tools() -> dict[str, ToolSettings[Any]]:
+    """Every sub-agent of `SUBAGENTS` with its default Config, model and limits."""
+    return {name: ToolSettings(module.Config()) for name, module in SUBAGENTS.items()}
 
 
 @dataclass(frozen=True)
@@ -126,12 +115,14 @@ class ServerConfig:
     """A connection must send each request whole (headers and body) within this many seconds of opening,
     or of its next request's first byte, or it is closed: idle and slow-sending sockets cannot pile up
     and hold the server's connection slots. Real clients send their <= 2 MB body in well under a second."""
+    files: Files = field(default_factory=Files)
+    """The local folders the tools may read (`[files]`)."""
     fetch: FetchConfig = field(default_factory=FetchConfig)
     """SSRF-guarded page fetching shared by page_qa and image loading (`[fetch]`)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     """The frozen-result cache (`[cache]`)."""
-    tools: ToolsConfig = field(default_factory=ToolsConfig)
-    """Per-sub-agent settings (`[page_qa]`, `[page_qa.model]`, `[page_qa.limits]`, ...)."""
+    tools: ToolsConfig = field(default_factory=default_tools)
+    """Per-sub-agent settings (`[page_qa]`, `[page_qa.model]`, `[page_qa.limits]`, ...), one per SUBAGENTS entry."""
 
 
 def load_config(path: Path | None) -> ServerConfig:
@@ -144,28 +135,34 @@ def load_config(path: Path | None) -> ServerConfig:
 
 def parse_config(data: Mapping[str, Any]) -> ServerConfig:
     """Build a ServerConfig from parsed TOML (see the module docstring for the layout)."""
-    _check_keys(data, ("server", "fetch", "cache", *TOOL_NAMES), "the top level")
-    tools = ToolsConfig(
-        page_qa=_tool(page_qa.Config, data, "page_qa"),
-        image_ops=_tool(image_ops.Config, data, "image_ops"),
-        video_summary=_tool(video_summary.Config, data, "video_summary"),
-        search=_tool(search.Config, data, "search"),
-    )
-    nested = ("fetch", "cache", "tools")
-    scalars = _values(ServerConfig, _table(data, "server", "[server]"), "[server]", skip=nested)
+    sections = ("server", "files", "fetch", "cache", *SUBAGENTS)
+    for key in data:
+        if key not in sections:
+            raise ConfigError(f"unknown key {key!r} in the top level; valid sections: {', '.join(sections)}")
     return ServerConfig(
-        **scalars,
-        fetch=build(FetchConfig, _table(data, "fetch", "[fetch]"), "[fetch]"),
+        **_server_keys(_table(data, "server", "[server]")),
+        files=build(Files, _table(data, "files", "[files]"), "[files]"),
+        fetch=build(FetchConfig, _table(data, "fetch", "[fetch]"), "[fetch]", moved=_moved("fetch")),
         cache=build(CacheConfig, _table(data, "cache", "[cache]"), "[cache]"),
-        tools=tools,
+        tools={name: _tool(module.Config, data, name) for name, module in SUBAGENTS.items()},
     )
+
+
+def _server_keys(table: Mapping[str, Any]) -> dict[str, Any]:
+    """The scalar settings of `[server]`, checked like any table (the nested ones have their own sections)."""
+    names = [f.name for f in fields(ServerConfig) if f.name not in ("files", "fetch", "cache", "tools")]
+    for key in table:
+        if key not in names:
+            raise ConfigError(f"unknown key {key!r} in [server]; valid keys: {', '.join(names)}")
+    hints = get_type_hints(ServerConfig)
+    return {key: coerce(value, hints[key], f"[server] {key}") for key, value in table.items()}
 
 
 def _tool(config_type: type[C], data: Mapping[str, Any], name: str) -> ToolSettings[C]:
     table = _table(data, name, f"[{name}]")
     own = {key: value for key, value in table.items() if key not in ("model", "limits")}
     return ToolSettings(
-        config=build(config_type, own, f"[{name}]"),
+        config=build(config_type, own, f"[{name}]", moved=_moved(name)),
         model=build(BackendConfig, _table(table, "model", f"[{name}.model]"), f"[{name}.model]"),
         limits=build(ToolLimits, _table(table, "limits", f"[{name}.limits]"), f"[{name}.limits]"),
     )
@@ -178,16 +175,6 @@ def _table(data: Mapping[str, Any], key: str, section: str) -> Mapping[str, Any]
     return value
 
 
-def _values(
-    cls: type, table: Mapping[str, Any], section: str, *, skip: tuple[str, ...] = ()
-) -> dict[str, Any]:
-    valid = tuple(f.name for f in fields(cls) if f.name not in skip)
-    _check_keys(table, valid, section)
-    hints = get_type_hints(cls)
-    return {key: coerce(value, hints[key], f"{section} {key}") for key, value in table.items()}
-
-
-def _check_keys(table: Mapping[str, Any], valid: tuple[str, ...], section: str) -> None:
-    for key in table:
-        if key not in valid:
-            raise ConfigError(f"unknown key {key!r} in {section}; valid keys: {', '.join(valid)}")
+def _moved(section: str) -> dict[str, str]:
+    """The moved keys of one section, relative to it."""
+    return {old.split(".", 1)[1]: new for old, new in MOVED.items() if old.split(".", 1)[0] == section}

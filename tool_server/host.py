@@ -9,6 +9,10 @@ Hot swap: a `Backend` counts its holders (tool slots pointing at it plus calls r
 its LLM when the last one lets go, so a replaced model finishes its in-flight calls and is then closed.
 Tools whose BackendConfigs are equal share one backend at start-up (one SmolLM2 in memory, one micro-batcher
 for all four sub-agents).
+
+Everything tool-specific comes from the sub-agent modules (subagents/common.py): their settings sections, whether
+their results are cached (`CACHEABLE`) and what they keep while the server runs (`start`: the image store, the
+search index). Nothing here names a tool.
 """
 
 from __future__ import annotations
@@ -18,8 +22,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pydantic import BaseModel, ValidationError
@@ -27,8 +30,6 @@ from pydantic import BaseModel, ValidationError
 from subagents.backends import LLM, BackendConfig, TransformersLLM
 from subagents.common import Runtime, ToolResponse, fail
 from subagents.fetch import Fetcher
-from subagents.image_ops import ImageStore
-from subagents.search import Corpus
 from tool_server.cache import ResultCache, cache_key
 from tool_server.config import ServerConfig
 from tool_server.limits import Overloaded, ToolGate, ToolMetrics
@@ -39,22 +40,20 @@ SESSION_HEADER = "X-Conductor-Session"
 # What a caller learns of a bug: the kind and this sentence; the traceback goes to the server log only.
 INTERNAL_MESSAGE = "internal error in the tool server (logged server-side)"
 
-# Tools whose results are served from the cache. image_ops is left out on purpose: its calls write into
-# the caller's per-session image store (a load creates an image id, a zoom a new one), so a stored answer
-# would name images that do not exist in the caller's session.
-CACHEABLE = frozenset({"page_qa", "video_summary", "search"})
-
 
 class SubAgent(Protocol):
     """The shape of a sub-agent module (see subagents/common.py)."""
 
     NAME: str
     DESCRIPTION: str
+    CACHEABLE: bool
     Request: type[BaseModel]
     Response: type[ToolResponse]
     Config: type
 
-    def run(self, request: Any, cfg: Any, rt: Runtime) -> Awaitable[ToolResponse]: ...
+    def start(self, cfg: Any, roots: tuple[str, ...]) -> Any: ...
+
+    def run(self, request: Any, cfg: Any, rt: Runtime[Any]) -> Awaitable[ToolResponse]: ...
 
 
 def compact_schema(schema: dict[str, Any]) -> dict[str, Any]:
@@ -152,10 +151,10 @@ async def build_backends(
     """One slot per tool; equal BackendConfigs share one LLM. Models load in a thread (seconds each)."""
     shared: dict[BackendConfig, Backend] = {}
     for name in names:
-        model = cfg.tools.settings(name).model
+        model = cfg.tools[name].model
         if model not in shared:
             shared[model] = Backend(await asyncio.to_thread(llm_factory, model))
-    return {name: BackendSlot(shared[cfg.tools.settings(name).model]) for name in names}
+    return {name: BackendSlot(shared[cfg.tools[name].model]) for name in names}
 
 
 @dataclass
@@ -166,8 +165,7 @@ class ToolHost:
     subagents: Mapping[str, SubAgent]
     llm_factory: Callable[[BackendConfig], LLM]
     fetcher: Fetcher
-    images: ImageStore
-    corpus: Corpus | None
+    states: dict[str, Any]
     cache: ResultCache
     slots: dict[str, BackendSlot]
     gates: dict[str, ToolGate]
@@ -182,26 +180,22 @@ class ToolHost:
         llm_factory: Callable[[BackendConfig], LLM],
     ) -> ToolHost:
         names = list(subagents)
-        search_cfg = cfg.tools.search.config
-        corpus = None
-        fetch_cfg = cfg.fetch
-        if search_cfg.corpus_dir is not None:
-            folder = Path(search_cfg.corpus_dir)
-            corpus = await asyncio.to_thread(
-                Corpus.build, folder, max_docs=search_cfg.max_docs, base_url=search_cfg.base_url
-            )
-            # search hands out file:// URLs under the corpus folder; page_qa must be able to open them.
-            fetch_cfg = replace(fetch_cfg, allow_file_roots=(*fetch_cfg.allow_file_roots, str(folder)))
+        roots = cfg.files.roots
+        states = {}
+        for (
+            name,
+            module,
+        ) in subagents.items():  # each tool's own state; blocking (an index build), so a thread
+            states[name] = await asyncio.to_thread(module.start, cfg.tools[name].config, roots)
         return cls(
             cfg=cfg,
             subagents=subagents,
             llm_factory=llm_factory,
-            fetcher=Fetcher(fetch_cfg),
-            images=ImageStore(cfg.tools.image_ops.config),
-            corpus=corpus,
+            fetcher=Fetcher(cfg.fetch, roots=roots),
+            states=states,
             cache=ResultCache(cfg.cache),
             slots=await build_backends(cfg, names, llm_factory),
-            gates={name: ToolGate(name, cfg.tools.settings(name).limits) for name in names},
+            gates={name: ToolGate(name, cfg.tools[name].limits) for name in names},
             metrics={name: ToolMetrics() for name in names},
         )
 
@@ -254,18 +248,18 @@ class ToolHost:
             return fail(module.Response, "invalid_args", invalid_args_message(exc))
         async with self.slots[module.NAME].lease() as llm:
             rt = Runtime(
-                llm=llm, fetcher=self.fetcher, images=self.images, corpus=self.corpus,
+                llm=llm, fetcher=self.fetcher, state=self.states[module.NAME], roots=self.cfg.files.roots,
                 session=session, count_tokens=llm.count_tokens,
             )  # fmt: skip
             compute = lambda: self._run(module, request, rt)  # noqa: E731
-            if module.NAME not in CACHEABLE or not self.cfg.cache.enabled:
+            if not module.CACHEABLE or not self.cfg.cache.enabled:
                 return await compute()
-            settings = repr(self.cfg.tools.settings(module.NAME).config)
+            settings = repr(self.cfg.tools[module.NAME].config)
             key = cache_key(module.NAME, llm.model_id, request, settings=settings)
             return await self.cache.get_or_compute(module.NAME, key, module.Response, compute)
 
     async def _run(self, module: SubAgent, request: BaseModel, rt: Runtime) -> ToolResponse:
-        settings = self.cfg.tools.settings(module.NAME)
+        settings = self.cfg.tools[module.NAME]
         deadline = settings.limits.call_timeout_s
         async with self.gates[module.NAME].slot():
             try:

@@ -3,13 +3,13 @@
 A group is the G episodes sampled for one task. Episode i has a final reward R_i, and turns t = 0 .. T_i - 1,
 each with a turn reward r_{i,t} (see `rewards.turn_reward`) and an anchor key (a string such as the turn's
 `rewards.call_key`, or None when the turn has none). The result is one advantage per turn; every sampled token of
-a turn then carries that turn's advantage (`spread_to_tokens`).
+a turn then carries that turn's advantage (`main_agent.tokens.to_sequence`).
 
-Outcome credit (`credit="outcome"`, GRPO):
+Outcome credit (`mode="outcome"`, GRPO):
     A_i = R_i - mean_j R_j                  [/ (std_j R_j + eps) when normalize_std]
     and every turn of episode i gets A_i. Turn rewards are ignored (log them, they do not train).
 
-Turn credit (`credit="turn"`):
+Turn credit (`mode="turn"`):
     return-to-go  G_{i,t} = sum_{k=t}^{T_i-1} gamma^(k-t) r_{i,k} + gamma^(T_i-1-t) R_i
         i.e. the final reward is paid at the last turn together with that turn's reward, undiscounted there
         (with 1-based t this is gamma^(T_i-t) R_i). Recursively G_{i,T_i-1} = r_{i,T_i-1} + R_i and
@@ -53,10 +53,8 @@ STD_EPS = 1e-6
 class CreditConfig:
     """How advantages are assigned within a group."""
 
-    credit: Literal["outcome", "turn"] = "outcome"
+    mode: Literal["outcome", "turn"] = "outcome"
     """"outcome": one group-relative advantage per episode (GRPO); "turn": return-to-go minus a group baseline."""
-    group_size: int = 4
-    """Episodes sampled per task. At least 2: a group of one has no baseline and would learn nothing."""
     gamma: float = 1.0
     """Discount per turn for turn credit, in (0, 1]; 1 spreads the final reward undiminished to every turn."""
     normalize_std: bool = False
@@ -70,14 +68,10 @@ class CreditConfig:
     turn-index baseline. At least 2, since a set of one would always give A = 0."""
 
     def __post_init__(self) -> None:
-        if self.credit not in ("outcome", "turn"):
-            raise ValueError(f"credit must be 'outcome' or 'turn', got {self.credit!r}")
+        if self.mode not in ("outcome", "turn"):
+            raise ValueError(f"credit mode must be 'outcome' or 'turn', got {self.mode!r}")
         if self.baseline not in ("turn_index", "anchor"):
             raise ValueError(f"baseline must be 'turn_index' or 'anchor', got {self.baseline!r}")
-        if self.group_size < 2:
-            raise ValueError(
-                f"group_size must be >= 2 (a group of one has no baseline), got {self.group_size}"
-            )
         if not 0.0 < self.gamma <= 1.0:
             raise ValueError(f"gamma must be in (0, 1], got {self.gamma}")
         if self.min_anchor_group < 2:
@@ -107,11 +101,11 @@ class EpisodeCredit:
 def group_advantages(episodes: Sequence[EpisodeCredit], cfg: CreditConfig) -> list[list[float]]:
     """One advantage per turn of every episode of a group: result[i][t] is A_{i,t} (see the module docstring).
 
-    A group may hold fewer than `cfg.group_size` episodes (invalid ones dropped) but never fewer than 2.
+    A group may hold fewer episodes than were sampled (invalid ones dropped) but never fewer than 2.
     """
     if len(episodes) < 2:
         raise ValueError(f"a group needs at least 2 episodes to have a baseline, got {len(episodes)}")
-    if cfg.credit == "outcome":
+    if cfg.mode == "outcome":
         return outcome_advantages(episodes, normalize_std=cfg.normalize_std)
     return turn_advantages(episodes, cfg)
 
@@ -160,28 +154,6 @@ def turn_advantages(episodes: Sequence[EpisodeCredit], cfg: CreditConfig) -> lis
         sizes = [len(row) for row in advantages]
         advantages = _unflatten(flat, sizes)
     return advantages
-
-
-def spread_to_tokens(turn_advantages: list[float], turn_token_counts: list[int]) -> list[float]:
-    """Each turn's advantage repeated over its sampled tokens, turns in order: length sum(turn_token_counts).
-
-    Only sampled tokens are covered; `place_on_mask` lays the result onto an episode's full token sequence,
-    where prompt and observation tokens get 0 (they are masked out of the loss anyway).
-    """
-    if len(turn_advantages) != len(turn_token_counts):
-        raise ValueError(f"{len(turn_advantages)} turn advantages but {len(turn_token_counts)} token counts")
-    if any(n < 0 for n in turn_token_counts):
-        raise ValueError(f"token counts must be >= 0, got {turn_token_counts}")
-    return [a for a, n in zip(turn_advantages, turn_token_counts, strict=True) for _ in range(n)]
-
-
-def place_on_mask(token_values: list[float], loss_mask: Sequence[int | bool]) -> list[float]:
-    """Put `token_values` at the positions where `loss_mask` is set, in order, and 0.0 everywhere else."""
-    n_sampled = sum(1 for m in loss_mask if m)
-    if n_sampled != len(token_values):
-        raise ValueError(f"{len(token_values)} values for {n_sampled} masked-in positions")
-    values = iter(token_values)
-    return [next(values) if m else 0.0 for m in loss_mask]
 
 
 def _mean(values: Sequence[float]) -> float:

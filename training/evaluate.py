@@ -1,7 +1,6 @@
 """Evaluate a policy on a task split: one greedy episode per task, one table, one JSON report.
 
-    conductor eval --policy CKPT --task plate_reading --split dev --n 100 [--out report.json]
-    python -m training.evaluate CKPT plate_reading dev 100 [report.json]
+    conductor eval --policy CKPT --task plate_reading --split dev --n 100 [--out report.json] [--set key=value]
 
 Every policy sees the same task instances: the first `n` tasks of the split in the loader's fixed order, played
 with temperature 0 (greedy decoding) and torch seeded from `EvalConfig.seed`, so two checkpoints are compared on
@@ -27,23 +26,23 @@ import json
 import logging
 import math
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 
-from main_agent.policy import Policy, SamplingConfig, TransformersPolicy
+from conductor.models import DEFAULT_MODEL
+from conductor.settings import load_settings
+from main_agent.policy import Policy, SamplingConfig, load_policy
 from main_agent.rollout import RolloutConfig
 from main_agent.types import Episode
 from tool_server.client import ToolClient
+from tool_server.embedded import ToolAccess
 from training import tasks as task_data
-from training.config import TrainConfig
 from training.metrics import mean, save_rollouts
 from training.play import play, tool_session
 from training.tasks import Task
@@ -51,18 +50,37 @@ from training.tasks import Task
 logger = logging.getLogger(__name__)
 
 
+def greedy() -> SamplingConfig:
+    """Evaluation's sampling default: greedy decoding in this process."""
+    return SamplingConfig(temperature=0.0)
+
+
 @dataclass(frozen=True)
 class EvalConfig:
-    """How evaluation episodes are played."""
+    """One evaluation: a policy, greedy, on the first `n` tasks of a split (`conductor eval`)."""
 
-    rollout: RolloutConfig = field(default_factory=lambda: TrainConfig().rollout_config)
-    """Turn, token and time budgets; the training defaults, so evaluation measures what training optimises."""
+    policy: str = DEFAULT_MODEL
+    """Built-in model name, checkpoint or LoRA adapter dir."""
+    task: str = "plate_reading"
+    """Task family (a key of `training.tasks.FAMILIES`)."""
+    split: str = "dev"
+    """train, dev or test."""
+    n: int = 100
+    """The first `n` tasks of the split, the same for every policy."""
+    data_dir: Path | None = None
+    """The shared data folder; None: $CONDUCTOR_DATA, else ../shared/data beside the repository."""
     seed: int = 0
     """Seeds torch before the episodes (greedy decoding needs no randomness, but a sampling policy would)."""
     max_concurrent_episodes: int = 8
     """Episodes in flight at once; the in-process policy batches their turns into one generate."""
-    sampler: Literal["transformers", "vllm"] = "transformers"
-    """Who decodes: transformers in this process, or a vLLM engine (the `vllm` extra; dense checkpoints only)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Turn, token and time budgets (`[rollout]`): the training defaults, so evaluation measures what training
+    optimises."""
+    sampling: SamplingConfig = field(default_factory=greedy)
+    """Who decodes and how (`[sampling]`): greedy in this process by default; backend "vllm" decodes through a
+    vLLM engine (the `vllm` extra; dense checkpoints only)."""
+    tools: ToolAccess = field(default_factory=ToolAccess)
+    """The tool server (`[tools]`): a running one, or one in this process."""
 
 
 @dataclass(frozen=True)
@@ -169,49 +187,18 @@ async def evaluate_policy(
     return summarise(tasks, episodes, policy=label, wall_s=time.monotonic() - start), episodes
 
 
-def greedy_policy(model, tokenizer, cfg: EvalConfig) -> TransformersPolicy:
-    """An in-process policy decoding greedily (temperature 0) with the evaluation's batch size."""
-    sampling = SamplingConfig(temperature=0.0, max_batch=cfg.max_concurrent_episodes, seed=cfg.seed)
-    return TransformersPolicy(model, tokenizer, cfg=sampling)
-
-
-def load_greedy_policy(policy_ref: str, cfg: EvalConfig) -> tuple[Policy, object]:
-    """`policy_ref` (built-in name, checkpoint or adapter dir) ready to decode greedily with `cfg.sampler`."""
-    from conductor.models import resolve_model
-    from main_agent.policy import PolicyError, load_model_and_tokenizer
-
-    path = resolve_model(policy_ref)
-    if cfg.sampler == "transformers":
-        model, tokenizer = load_model_and_tokenizer(path)
-        return greedy_policy(model, tokenizer, cfg), tokenizer
-    if (path / "adapter_config.json").is_file():
-        raise PolicyError(
-            f"{path} is a LoRA adapter: vLLM evaluation needs a dense checkpoint (or use transformers)"
-        )
-    from transformers import AutoTokenizer
-
-    from main_agent.vllm_policy import VLLMPolicy
-
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    sampling = SamplingConfig(temperature=0.0, seed=cfg.seed)
-    context = cfg.rollout.max_context_tokens + cfg.rollout.max_new_tokens
-    return VLLMPolicy.start(path, tokenizer, cfg=sampling, max_model_len=context), tokenizer
-
-
 async def evaluate(
-    policy_ref: str,
-    tasks: Sequence[Task],
-    *,
-    tools: ToolClient,
-    cfg: EvalConfig,
-    episodes_out: Path | None = None,
+    tasks: Sequence[Task], *, tools: ToolClient, cfg: EvalConfig, episodes_out: Path | None = None
 ) -> EvalReport:
-    """Load `policy_ref` (built-in name, checkpoint or adapter dir) and evaluate it greedily on `tasks`; the
-    episodes go to `episodes_out` as JSON lines when given (`conductor trace` renders them)."""
-    policy, tokenizer = load_greedy_policy(policy_ref, cfg)
+    """Load `cfg.policy` (`main_agent.policy.load_policy`) and evaluate it on `tasks`; the episodes go to
+    `episodes_out` as JSON lines when given (`conductor trace` renders them)."""
+    context = cfg.rollout.max_context_tokens + cfg.rollout.max_new_tokens
+    policy, tokenizer = load_policy(
+        cfg.policy, cfg.sampling, max_batch=cfg.max_concurrent_episodes, seed=cfg.seed, max_model_len=context
+    )
     try:
         report, episodes = await evaluate_policy(
-            policy, tokenizer, tasks, tools=tools, cfg=cfg, label=policy_ref
+            policy, tokenizer, tasks, tools=tools, cfg=cfg, label=cfg.policy
         )
     finally:
         await policy.aclose()
@@ -220,55 +207,27 @@ async def evaluate(
     return report
 
 
-async def _run_eval(
-    policy: str,
-    tasks: list[Task],
-    *,
-    tools_url: str | None,
-    data_dir: Path | None,
-    cfg: EvalConfig,
-    episodes_out: Path | None,
-) -> EvalReport:
+async def _run_eval(tasks: list[Task], *, cfg: EvalConfig, episodes_out: Path | None) -> EvalReport:
     with tempfile.TemporaryDirectory(prefix="conductor-eval-") as work:
-        session = tool_session(tasks, work_dir=Path(work), tools_url=tools_url, data_dir=data_dir)
+        session = tool_session(tasks, work_dir=Path(work), access=cfg.tools, data_dir=cfg.data_dir)
         async with session as (tools, ready):
-            return await evaluate(policy, ready, tools=tools, cfg=cfg, episodes_out=episodes_out)
+            return await evaluate(ready, tools=tools, cfg=cfg, episodes_out=episodes_out)
 
 
-def run_eval(
-    policy: str,
-    task: str,
-    split: str,
-    n: int,
-    out_json: Path | None = None,
-    *,
-    tools_url: str | None = None,
-    data_dir: Path | None = None,
-    cfg: EvalConfig = EvalConfig(),
-) -> EvalReport:
-    """The `conductor eval` entry point: the first `n` tasks of `task`/`split`, a printed table, and with
-    `out_json` the report there and the episodes beside it (`<name>.episodes.jsonl`)."""
-    tasks = task_data.load_family(task, split, data_dir=data_dir, limit=n)
+def run_eval(cfg: EvalConfig, out_json: Path | None = None) -> EvalReport:
+    """The `conductor eval` entry point: the first `n` tasks of `task`/`split`; with `out_json` the report
+    there and the episodes beside it (`<name>.episodes.jsonl`)."""
+    tasks = task_data.load_family(cfg.task, cfg.split, data_dir=cfg.data_dir, limit=cfg.n)
     if not tasks:
-        raise ValueError(f"no tasks in {task}/{split}")
+        raise ValueError(f"no tasks in {cfg.task}/{cfg.split}")
     episodes_out = out_json.with_suffix(".episodes.jsonl") if out_json is not None else None
-    run = _run_eval(policy, tasks, tools_url=tools_url, data_dir=data_dir, cfg=cfg, episodes_out=episodes_out)
-    report = asyncio.run(run)
-    print(report.table())
+    report = asyncio.run(_run_eval(tasks, cfg=cfg, episodes_out=episodes_out))
     if out_json is not None:
         out_json.parent.mkdir(parents=True, exist_ok=True)
         out_json.write_text(report.to_json() + "\n", encoding="utf-8")
     return report
 
 
-def main(argv: Sequence[str]) -> None:
-    """`python -m training.evaluate POLICY TASK SPLIT N [OUT_JSON]`"""
-    if len(argv) not in (4, 5):
-        sys.exit("usage: python -m training.evaluate POLICY TASK SPLIT N [OUT_JSON]")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    out = Path(argv[4]) if len(argv) == 5 else None
-    run_eval(argv[0], argv[1], argv[2], int(argv[3]), out)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+def load_eval_config(path: Path | None, overrides: Sequence[str] = ()) -> EvalConfig:
+    """Defaults, then the TOML file at `path` (if any), then `key=value` overrides (`rollout.max_turns=6`)."""
+    return load_settings(EvalConfig, path, overrides, moved={"sampler": "sampling.backend"})

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from main_agent.policy import Policy
 from main_agent.rollout import ProgressHook, RolloutConfig, RolloutTask, rollout
 from main_agent.types import Episode
 from tool_server.client import ToolClient
+from tool_server.embedded import ToolAccess, open_tools
 from training import tasks as task_data
 from training.tasks import Task
 
@@ -67,49 +67,19 @@ async def tool_session(
     tasks: Sequence[Task],
     *,
     work_dir: Path,
-    tools_url: str | None = None,
+    access: ToolAccess,
     data_dir: Path | None = None,
-    max_inflight_calls: int = 8,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> AsyncIterator[tuple[ToolClient, list[Task]]]:
     """A tool client and the tasks ready to play (`tasks.prepared` under `work_dir`).
 
-    `transport` (tests) replaces the server; else `tools_url`, else a tool server in this process allowed to read
-    the tasks' media and their loopback pages (`embedded_server_config`). The page server binds 127.0.0.1, so
-    with `tools_url` multihop tasks need that server on this machine.
+    Without `access.url` the tool server runs in this process, allowed to read the tasks' media folders and to
+    fetch their loopback pages (`tool_server.embedded`); `transport` (tests) replaces the server. The page
+    server binds 127.0.0.1, so with `access.url` multihop tasks need that server on this machine.
     """
     with task_data.prepared(tasks, work_dir, data_dir=data_dir) as ready:
-        async with contextlib.AsyncExitStack() as stack:
-            if transport is None and tools_url is None:
-                from tool_server.app import create_app
-
-                app = create_app(embedded_server_config(ready))
-                await stack.enter_async_context(app.router.lifespan_context(app))
-                transport = httpx.ASGITransport(app=app)
-            url = tools_url or "http://embedded"
-            client = ToolClient(url, transport=transport, max_concurrency=max_inflight_calls)
-            yield await stack.enter_async_context(client), ready
-
-
-def embedded_server_config(tasks: Sequence[Task]):
-    """Default tool-server settings, plus loopback fetches (the page server) and the tasks' media folders.
-
-    Limit: opening 127.0.0.0/8 lets the policy's page_qa reach any loopback service of this machine.
-    """
-    from tool_server.config import ServerConfig, ToolSettings
-
-    base = ServerConfig()
-    media = [t.meta.image_path or t.meta.video_path for t in tasks]
-    roots = tuple(sorted({str(Path(p).parent) for p in media if p}))
-
-    def with_roots(settings: ToolSettings) -> ToolSettings:
-        return dataclasses.replace(settings, config=dataclasses.replace(settings.config, allowed_roots=roots))
-
-    tools = dataclasses.replace(
-        base.tools,
-        image_ops=with_roots(base.tools.image_ops),
-        video_summary=with_roots(base.tools.video_summary),
-    )
-    return dataclasses.replace(
-        base, fetch=dataclasses.replace(base.fetch, allow_private_cidrs=("127.0.0.0/8",)), tools=tools
-    )
+        media = [t.meta.image_path or t.meta.video_path for t in ready]
+        roots = sorted({str(Path(p).parent) for p in media if p})
+        loopback = any(t.meta.page_paths for t in ready)
+        async with open_tools(access, roots=roots, loopback=loopback, transport=transport) as tools:
+            yield tools, ready

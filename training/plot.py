@@ -1,6 +1,6 @@
 """PNG curves of a training run from its `metrics.jsonl` (keys as in `training.metrics`).
 
-    python -m training.plot RUN_DIR        writes RUN_DIR/plots/{reward,success,tool_calls,...}.png
+    conductor plot RUN_DIR                 writes RUN_DIR/plots/{reward,success,tool_calls,...}.png
 
 One figure per panel, one line per metric key against `step` (the row number when a row has no step). A panel
 none of whose keys appear in the run is skipped with a log line; NaN values (a step with nothing to average)
@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,16 +86,3 @@ def plot_run(run_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
-
-
-def main(argv: Sequence[str]) -> None:
-    """`python -m training.plot RUN_DIR`"""
-    if len(argv) != 1:
-        sys.exit("usage: python -m training.plot RUN_DIR")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    for path in plot_run(Path(argv[0])):
-        print(path)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -18,8 +18,7 @@ import dataclasses
 import json
 import logging
 import random
-import sys
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,18 +26,16 @@ from typing import TYPE_CHECKING
 import httpx
 import torch
 from torch import nn
-from tqdm import tqdm
 
-from conductor.models import default_device
-from main_agent.policy import Policy, load_model_and_tokenizer
+from main_agent.policy import Policy, TransformersPolicy, load_policy
 from main_agent.types import Episode
 from tool_server.client import ToolClient
 from training import checkpoint as ckpt
 from training import play
 from training import tasks as task_data
 from training.checkpoint import CheckpointError, TrainState
-from training.config import RESUME_KEYS, TrainConfig, config_hash, config_to_dict
-from training.metrics import MetricsLog, save_rollouts, step_line, trim_metrics
+from training.config import RESUME_KEYS, TrainConfig, config_to_dict
+from training.metrics import MetricsLog, save_rollouts, trim_metrics
 from training.sampler import start_sampler
 from training.tasks import Task
 
@@ -46,8 +43,6 @@ if TYPE_CHECKING:
     from training.checkpoint import Model
 
 logger = logging.getLogger(__name__)
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def next_tasks(tasks: Sequence[Task], state: TrainState, cfg: TrainConfig) -> tuple[list[Task], TrainState]:
@@ -85,9 +80,16 @@ class Run:
     tasks: list[Task]
     state: TrainState
     log: MetricsLog
+    on_step: StepHook | None = None
+    """Called with every finished step's metrics row (the CLI prints it and moves its progress bar)."""
 
 
-async def start_run(cfg: TrainConfig, *, resume: Path | None, force: bool) -> Run:
+StepHook = Callable[[Mapping[str, float]], None]
+
+
+async def start_run(
+    cfg: TrainConfig, *, resume: Path | None, force: bool, on_step: StepHook | None = None
+) -> Run:
     """Load the policy (and its checkpoint when resuming) on its device, the optimizer, the sampler, the tasks."""
     if resume is not None:
         cfg = dataclasses.replace(cfg, run_dir=resume)
@@ -97,8 +99,9 @@ async def start_run(cfg: TrainConfig, *, resume: Path | None, force: bool) -> Ru
     if resume is not None and latest is None:
         raise CheckpointError(f"no checkpoint to resume in {resume}")
     torch.manual_seed(cfg.seed)  # LoRA initialisation draws from it
-    model, tokenizer = load_policy(cfg)
-    model.to(resolve_device(cfg.device))
+    learner, tokenizer = load_policy(cfg.policy, lora_rank=cfg.lora_rank, device=cfg.device)
+    assert isinstance(learner, TransformersPolicy), learner  # the default sampling: in process, trainable
+    model = learner.model
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     params = [p for p in model.parameters() if p.requires_grad]
     # No weight decay: with all advantages 0 a step must leave the weights where they are.
@@ -121,7 +124,7 @@ async def start_run(cfg: TrainConfig, *, resume: Path | None, force: bool) -> Ru
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     trim_metrics(cfg.run_dir / "metrics.jsonl", after_step=state.step)  # steps redone after a kill
     log = MetricsLog(cfg.run_dir / "metrics.jsonl")
-    return Run(cfg, model, tokenizer, policy, optimizer, scheduler, ref_model, tasks, state, log)
+    return Run(cfg, model, tokenizer, policy, optimizer, scheduler, ref_model, tasks, state, log, on_step)
 
 
 def set_learning_rate(
@@ -137,37 +140,13 @@ def set_learning_rate(
         group["lr"] = lr * factor(scheduler.last_epoch)
 
 
-def resolve_device(name: str) -> str:
-    """ "auto" -> "cuda" when a GPU is visible, else "cpu"; anything else as given."""
-    return default_device() if name == "auto" else name
-
-
-def load_policy(cfg: TrainConfig) -> tuple[Model, object]:
-    """The trainable model (with fresh LoRA adapters when `lora_rank` > 0) and its tokenizer."""
-    from conductor.models import resolve_model
-
-    path = resolve_model(cfg.policy)
-    model, tokenizer = load_model_and_tokenizer(path)
-    if cfg.lora_rank and not (path / "adapter_config.json").is_file():
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank, target_modules=list(LORA_TARGETS))
-        model = get_peft_model(model, lora)
-    return model, tokenizer
-
-
 def tool_session(run: Run, *, transport: httpx.AsyncBaseTransport | None = None):
     """The run's tool client and tasks ready to play (training.play.tool_session), pages and clips under run_dir.
 
-    `transport` (tests) replaces the server; else `tools_url`, else a tool server in this process."""
+    `transport` (tests) replaces the server; else `[tools]`: a server at its url, or one in this process."""
     cfg = run.cfg
     return play.tool_session(
-        run.tasks,
-        work_dir=cfg.run_dir,
-        tools_url=cfg.tools_url,
-        data_dir=cfg.data_dir,
-        max_inflight_calls=cfg.max_inflight_tool_calls,
-        transport=transport,
+        run.tasks, work_dir=cfg.run_dir, access=cfg.tools, data_dir=cfg.data_dir, transport=transport
     )
 
 
@@ -179,7 +158,7 @@ def collect(run: Run, tools: ToolClient, tasks: Sequence[Task]) -> Awaitable[lis
         lambda _: run.policy,
         tools=tools,
         tokenizer=run.tokenizer,
-        cfg=cfg.rollout_config,
+        cfg=cfg.rollout,
         group_size=cfg.group_size,
         max_concurrent=cfg.max_concurrent_episodes,
     )
@@ -194,7 +173,8 @@ def finish_step(
     episodes: Sequence[Episode],
     stepped: bool,
 ) -> None:
-    """Advance the state past `step`, log the row, save the rollouts, print the step line, checkpoint when due.
+    """Advance the state past `step`, log the row, save the rollouts, report the row (`on_step`), checkpoint
+    when due.
 
     `state` carries the data cursor after this step's tasks; `stepped` says whether the optimizer stepped (the
     learning-rate schedule counts optimizer steps).
@@ -213,7 +193,9 @@ def finish_step(
     )
     save_rollouts(cfg.run_dir / "rollouts" / f"step_{step}.jsonl", episodes)
     run.log.write(row)
-    tqdm.write(step_line(row))
+    logger.info("step %d done: reward %.3f", step, row.get("reward/final", float("nan")))
+    if run.on_step is not None:
+        run.on_step(row)
     if step % cfg.save_every == 0 or step == cfg.steps:
         ckpt.save_checkpoint(
             cfg.run_dir,
@@ -228,14 +210,6 @@ def finish_step(
         )
 
 
-def progress(run: Run) -> tqdm:
-    """The steps still to run, as a progress bar that counts the ones a resumed run already did."""
-    start = run.state.step
-    return tqdm(
-        range(start + 1, run.cfg.steps + 1),
-        initial=start,
-        total=run.cfg.steps,
-        unit="step",
-        desc=f"train {config_hash(run.cfg)}",
-        file=sys.stderr,
-    )
+def steps_left(run: Run) -> range:
+    """The steps still to run (a resumed run starts after its checkpoint's)."""
+    return range(run.state.step + 1, run.cfg.steps + 1)

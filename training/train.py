@@ -1,4 +1,4 @@
-"""The synchronous RL loop for the main policy, top to bottom. `python -m training.train [config.toml] [key=value ...]`
+"""The synchronous RL loop for the main policy, top to bottom (`conductor train CONFIG [--set key=value ...]`).
 
 Per step s = 1 .. steps:
     1. pick B tasks from a seeded shuffle (the cursor is part of the checkpoint) and reseed torch from (seed, s)
@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from main_agent.tokens import Batch, TrainSequence, collate, micro_batches, to_s
 from main_agent.types import Episode, Turn
 from training import tasks as task_data
 from training.advantages import EpisodeCredit, TurnCredit, group_advantages
-from training.config import TrainConfig, load_train_config
+from training.config import TrainConfig
 from training.loss import LossOutput, policy_loss, token_logprobs
 from training.metrics import reward_metrics, rollout_metrics
 from training.rewards import (
@@ -46,7 +45,17 @@ from training.rewards import (
     contains_evidence,
     turn_reward,
 )
-from training.run import Run, collect, finish_step, next_tasks, progress, seed_step, start_run, tool_session
+from training.run import (
+    Run,
+    StepHook,
+    collect,
+    finish_step,
+    next_tasks,
+    seed_step,
+    start_run,
+    steps_left,
+    tool_session,
+)
 from training.sampler import sync_weights
 from training.tasks import Task
 
@@ -109,7 +118,7 @@ def group_to_sequences(episodes: Sequence[Episode], cfg: TrainConfig) -> list[Tr
         assert e.reward is not None, f"episode of {e.task_id} is not scored"
         turns = tuple(TurnCredit(r, anchor(t)) for r, t in zip(e.turn_rewards, e.turns, strict=True))
         credits.append(EpisodeCredit(e.reward, turns))
-    advantages = group_advantages(credits, cfg.credit_config)
+    advantages = group_advantages(credits, cfg.credit)
     trainable = zip(episodes, advantages, strict=True)
     return [to_sequence(e, a) for e, a in trainable if e.turns and e.exact]
 
@@ -289,7 +298,7 @@ async def train_loop(run: Run, *, transport: httpx.AsyncBaseTransport | None = N
     """Steps state.step+1 .. steps, one after the other: collect, learn, sync."""
     cfg = run.cfg
     async with tool_session(run, transport=transport) as (tools, tasks):
-        for step in progress(run):
+        for step in steps_left(run):
             batch, state = next_tasks(tasks, run.state, cfg)
             seed_step(cfg, step)
             t0 = time.monotonic()
@@ -310,13 +319,13 @@ def train(
     *,
     resume: Path | None = None,
     force: bool = False,
+    on_step: StepHook | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> Path:
-    """Train (or resume the run in `resume`) up to `cfg.steps`; returns the run directory.
-
-    `transport` replaces the tool server (tests pass an `httpx.MockTransport`).
-    """
-    return asyncio.run(drive(train_loop, cfg, resume=resume, force=force, transport=transport))
+    """Train (or resume the run in `resume`) up to `cfg.steps`; returns the run directory. `on_step` gets every
+    step's metrics row; `transport` replaces the tool server (tests pass an `httpx.MockTransport`)."""
+    run = drive(train_loop, cfg, resume=resume, force=force, on_step=on_step, transport=transport)
+    return asyncio.run(run)
 
 
 async def drive(
@@ -325,35 +334,14 @@ async def drive(
     *,
     resume: Path | None,
     force: bool,
+    on_step: StepHook | None,
     transport: httpx.AsyncBaseTransport | None,
 ) -> Path:
     """Start (or resume) a run, drive `loop` over it, release the sampler and the log whatever happens."""
-    run = await start_run(cfg, resume=resume, force=force)
+    run = await start_run(cfg, resume=resume, force=force, on_step=on_step)
     try:
         await loop(run, transport=transport)
     finally:
         await run.policy.aclose()
         run.log.close()
     return run.cfg.run_dir
-
-
-USAGE = """usage: python -m training.train[_async] [config.toml] [key=value ...] [--resume RUN_DIR] [--force]
-keys: the fields of training.config.TrainConfig, turn_rewards.<field> for the [turn_rewards] table"""
-
-
-def parse_cli(argv: Sequence[str]) -> tuple[Path | None, list[str], Path | None, bool]:
-    """`[config.toml] [key=value ...] [--resume RUN_DIR] [--force]` -> (config path, overrides, resume, force)."""
-    args = list(argv)
-    if {"-h", "--help"} & set(args):
-        raise SystemExit(USAGE)
-    resume = Path(args.pop(args.index("--resume") + 1)) if "--resume" in args else None
-    force = "--force" in args
-    args = [a for a in args if a not in ("--resume", "--force")]
-    path = Path(args.pop(0)) if args and "=" not in args[0] else None
-    return path, args, resume, force
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    path, overrides, resume, force = parse_cli(sys.argv[1:])
-    print(train(load_train_config(path, overrides), resume=resume, force=force))

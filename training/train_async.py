@@ -1,4 +1,4 @@
-"""train.py with step s+1's rollouts running while step s trains. `python -m training.train_async [...]`
+"""train.py with step s+1's rollouts running while step s trains (`conductor train --async ...`).
 
 The same steps as train.py, from the same functions; what differs, and only this:
 
@@ -20,8 +20,6 @@ depends on timing); train.py is the exactly reproducible loop.
 from __future__ import annotations
 
 import asyncio
-import logging
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,11 +30,11 @@ import httpx
 from main_agent.types import Episode
 from tool_server.client import ToolClient
 from training.checkpoint import TrainState
-from training.config import TrainConfig, load_train_config
-from training.run import Run, collect, finish_step, next_tasks, progress, seed_step, tool_session
+from training.config import TrainConfig
+from training.run import Run, StepHook, collect, finish_step, next_tasks, seed_step, steps_left, tool_session
 from training.sampler import sync_weights
 from training.tasks import Task
-from training.train import drive, parse_cli, score_groups, step_row, update
+from training.train import drive, score_groups, step_row, update
 
 
 @dataclass(frozen=True)
@@ -98,7 +96,7 @@ async def train_loop(run: Run, *, transport: httpx.AsyncBaseTransport | None = N
         synced = asyncio.Condition()
         producer = asyncio.create_task(produce(run, tools, tasks, queue, synced), name="rollout-producer")
         try:
-            for step in progress(run):
+            for step in steps_left(run):
                 batch = await next_batch(queue, producer)
                 assert batch.step == step, f"producer delivered step {batch.step}, trainer is at step {step}"
                 t1 = time.monotonic()
@@ -137,13 +135,9 @@ def train_async(
     *,
     resume: Path | None = None,
     force: bool = False,
+    on_step: StepHook | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> Path:
     """Like `train.train`, with rollouts overlapping updates; returns the run directory."""
-    return asyncio.run(drive(train_loop, cfg, resume=resume, force=force, transport=transport))
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    path, overrides, resume, force = parse_cli(sys.argv[1:])
-    print(train_async(load_train_config(path, overrides), resume=resume, force=force))
+    run = drive(train_loop, cfg, resume=resume, force=force, on_step=on_step, transport=transport)
+    return asyncio.run(run)
