@@ -37,11 +37,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from conductor.models import resolve_model
 from main_agent.parse import ANSWER_CLOSE, ANSWER_OPEN, parse_completion
-from main_agent.policy import Policy, SamplingConfig, TransformersPolicy, load_model_and_tokenizer
+from main_agent.policy import Policy, SamplingConfig, load_policy
 from main_agent.rollout import RolloutConfig
 from main_agent.types import Episode
+from tool_server.embedded import ToolAccess
 from training.play import play, tool_session
 from training.rewards import exact_match, token_f1
 from training.tasks import Task, load_family
@@ -179,7 +179,7 @@ async def run_delegated(
     tasks: list[Task], policy: Policy, tokenizer, cfg: BenchConfig, *, work_dir: Path
 ) -> tuple[list[QuestionResult], float]:
     """Mode (a): rollouts that read pages through page_qa. Returns the results and the mode's wall time."""
-    async with tool_session(tasks, work_dir=work_dir) as (tools, ready):
+    async with tool_session(tasks, work_dir=work_dir, access=ToolAccess()) as (tools, ready):
         start = time.monotonic()
         groups = await play(
             ready,
@@ -352,9 +352,8 @@ async def bench(cfg: BenchConfig) -> BenchResult:
     if not tasks:
         raise ValueError("no multihop_pages dev tasks found")
     torch.manual_seed(cfg.seed)
-    model, tokenizer = load_model_and_tokenizer(resolve_model(cfg.policy))
-    sampling = SamplingConfig(temperature=0.0, max_batch=cfg.max_concurrent, seed=cfg.seed)
-    policy = TransformersPolicy(model, tokenizer, cfg=sampling)
+    greedy = SamplingConfig(temperature=0.0)
+    policy, tokenizer = load_policy(cfg.policy, greedy, max_batch=cfg.max_concurrent, seed=cfg.seed)
     try:
         with tempfile.TemporaryDirectory(prefix="conductor-bench-context-") as work:
             logger.info("delegated mode: %d questions", len(tasks))

@@ -7,13 +7,14 @@
 For each task family, through the `conductor` CLI exactly as a user would run it:
 
   1. `conductor sft` on the family's train split                    -> runs/sft-<short>/model
-  2. `conductor train examples/train_<short>.toml`, credit=outcome and credit=turn -> runs/rl-<short>-<credit>/
+  2. `conductor train examples/train_<short>.toml`, credit.mode=outcome and =turn -> runs/rl-<short>-<credit>/
   3. `conductor eval` of the base model, the SFT model and both RL models on the same first n dev tasks (greedy)
   4. `conductor plot` of both RL runs                               -> runs/rl-<short>-<credit>/plots/*.png
      and both runs' training reward in one PNG                       -> results/bench_rl_<short>_reward.png
 
-`--set` overrides the example config of the RL runs, `--sampler vllm` samples training and evaluation through
-vLLM (the `vllm` extra), and `--tag` names those runs and results apart from the default ones.
+`--set` overrides the example config of the RL runs (`--set group_size=8`, `--set rollout.max_turns=6`),
+`--sampler vllm` samples training and evaluation through vLLM (passed on as `--set sampling.backend=vllm`; the
+`vllm` extra), and `--tag` names those runs and results apart from the default ones.
 A stage whose output already exists is skipped (an interrupted benchmark continues where it stopped; delete the
 folder to redo one). Then one table per family is printed and everything, with each stage's wall time, is written
 to JSON. RL wall time is the sum of the run's step times from its metrics.jsonl, so it is known for reused runs too.
@@ -48,7 +49,7 @@ class Options:
     runs: Path
     results: Path
     sets: tuple[str, ...]  # RL config overrides
-    sampler: str
+    sampler: str  # sampling.backend of the RL runs and the evaluations
     tag: str
 
     def label(self, family: Family) -> str:
@@ -101,8 +102,8 @@ def run_rl(family: Family, credit: str, sft_model: Path, opts: Options) -> Path:
     run_dir = runs / f"rl-{label}-{credit}"
     sets = [
         *opts.sets,
-        f"sampler={opts.sampler}",
-        f"credit={credit}",
+        f"sampling.backend={opts.sampler}",
+        f"credit.mode={credit}",
         f"run_dir={run_dir}",
         f"policy={sft_model}",
     ]
@@ -123,7 +124,7 @@ def run_eval(name: str, policy: str, family: Family, opts: Options) -> dict:
     out = opts.runs / "eval" / f"{family.short}-{name}-n{n}.json"
     if not out.exists():
         args = ["eval", "--policy", policy, "--task", family.name, "--split", "dev", "--n", str(n)]
-        args += ["--sampler", opts.sampler]
+        args += ["--set", f"sampling.backend={opts.sampler}"]  # greedy stays: evaluation's [sampling] default
         conductor(*args, "--out", str(out), log=out.with_suffix(".log"))
     return json.loads(out.read_text(encoding="utf-8"))
 
@@ -181,7 +182,7 @@ def bench_family(family: Family, opts: Options) -> dict:
     return {
         "family": family.name,
         "n": opts.n,
-        "rl_settings": [*opts.sets, f"sampler={opts.sampler}"],
+        "rl_settings": [*opts.sets, f"sampling.backend={opts.sampler}"],
         "sft_wall_s": sft_seconds,
         "rl": {credit: rl_summary(run_dir) for credit, run_dir in rl_dirs.items()},
         "reward_plot": str(plot_rewards(family, rl_dirs, png)),
@@ -218,7 +219,12 @@ def main() -> None:
     parser.add_argument(
         "--set", action="append", default=[], help="RL config override key=value (repeatable)"
     )
-    parser.add_argument("--sampler", default="transformers", choices=("transformers", "vllm"))
+    parser.add_argument(
+        "--sampler",
+        default="transformers",
+        choices=("transformers", "vllm"),
+        help="sampling.backend of the RL runs and evaluations",
+    )
     parser.add_argument("--tag", default="", help="names the RL runs and results apart (e.g. g8)")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs", help="where every stage writes")
     parser.add_argument(

