@@ -113,8 +113,8 @@ def _retry(task: Task, done: list[ToolResult]) -> str | None:
     source = done[0]
     box = grown(
         regions[len(zooms)],
-        width=int(payload_field(source, "width") or 0),
-        height=int(payload_field(source, "height") or 0),
+        width=int(str(payload_field(source, "width") or 0)),
+        height=int(str(payload_field(source, "height") or 0)),
     )
     return call_text("image_ops", op="zoom", image=str(payload_field(source, "image_id")), box=box)
 

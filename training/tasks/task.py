@@ -70,7 +70,7 @@ def load_tasks(path: Path) -> list[Task]:
     tasks = []
     for line in path.read_text(encoding="utf-8").splitlines():
         row = json.loads(line)
-        meta = TaskMeta(**{k: _tuples(v) for k, v in row.pop("meta").items()})
+        meta = TaskMeta(**{k: _tuples(v) for k, v in row.pop("meta").items()})  # type: ignore[arg-type]
         tasks.append(Task(**{**row, "tools": tuple(row["tools"]), "meta": meta}))
     return tasks
 
