@@ -2,8 +2,8 @@
 
 Images live in an `ImageStore` under the caller's session (one episode), named by short ids like
 `img_3f2a9c`. Pixel ops store a NEW image and leave the source alone; the server serves a PNG thumbnail of
-any stored image at `/v1/images/{id}`. Two OCR ops (rapidocr, PP-OCR models bundled in its wheel) model two
-ways of looking. `find_text` runs the text detector alone at the image's own resolution (rapidocr caps the long
+any stored image at `/v1/images/{id}`. Two OCR ops (subagents/ocr.py: the process's one rapidocr engine) model
+two ways of looking. `find_text` runs the text detector alone at the image's own resolution (rapidocr caps the long
 side at 2000 px) and returns where text is, labelled by shape and confidence, never what it says: it tells the
 caller where to zoom. `read` is the only reader: it sees the image resized to `reader_side` (384 px) on the long
 side, like a vision model's fixed input, so small text needs a crop or zoom first. On the first 40 shared US
@@ -32,16 +32,13 @@ import threading
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Literal
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from subagents import ocr
 from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, local_file
-
-if TYPE_CHECKING:  # imported lazily at run time: onnxruntime start-up is ~1 s
-    from rapidocr import RapidOCR
 
 NAME = "image_ops"
 # Not cached: a call writes into the caller's per-session image store (a load creates an image id, a zoom a new
@@ -294,7 +291,7 @@ def find_text(image: Image.Image, box: list[float] | None) -> list[TextBox]:
 def read_text(image: Image.Image, box: list[float] | None, *, side: int) -> list[str]:
     """Text lines of `box` (or the whole image) seen at `side` pixels on its longest side, in reading order."""
     region = image if box is None else image.crop(pixel_box(box, image.size))
-    return ocr(scaled(region, side, Image.Resampling.BICUBIC))
+    return ocr.read(scaled(region, side, Image.Resampling.BICUBIC))
 
 
 def scaled(image: Image.Image, side: int, resample: Image.Resampling) -> Image.Image:
@@ -304,62 +301,13 @@ def scaled(image: Image.Image, side: int, resample: Image.Resampling) -> Image.I
     return image.resize(size, resample)
 
 
-_ocr_lock = threading.Lock()  # guards the lazy engine and serialises calls (onnxruntime uses every core)
-_ocr_engine: RapidOCR | None = None
-
-
-def make_engine() -> RapidOCR:
-    """A RapidOCR engine on the models bundled in its wheel, given by path so that nothing is downloaded."""
-    import rapidocr
-
-    models = Path(rapidocr.__file__).parent / "models"
-    paths = {task: sorted(models.glob(f"*_{task}_*.onnx")) for task in ("det", "cls", "rec")}
-    assert all(len(p) == 1 for p in paths.values()), f"one bundled model per task expected: {paths}"
-    params: dict[str, object] = {f"{task.capitalize()}.model_path": str(p[0]) for task, p in paths.items()}
-    params["Global.log_level"] = "error"  # "text detection result is empty" is a warning per text-free image
-    return rapidocr.RapidOCR(params=params)
-
-
-def _run_engine(image: Image.Image, *, recognise: bool):
-    """One rapidocr pass under the lock (the engine is built on first use); blocking CPU work."""
-    global _ocr_engine
-    with _ocr_lock:
-        if _ocr_engine is None:
-            _ocr_engine = make_engine()
-        return _ocr_engine(image, use_det=True, use_cls=False, use_rec=recognise)
-
-
-def ocr(image: Image.Image) -> list[str]:
-    """Recognised lines in rapidocr's reading order (empty texts and those under its text_score, 0.5, dropped)."""
-    from rapidocr.ch_ppocr_det.utils import TextDetOutput  # loaded with the engine
-    from rapidocr.utils.output import RapidOCROutput
-
-    result = _run_engine(image, recognise=True)
-    # rapidocr answers a RapidOCROutput (an empty one when nothing is found), or the detector's own output when
-    # it found regions but recognition kept no text in them.
-    assert isinstance(result, RapidOCROutput | TextDetOutput), f"unexpected rapidocr result {type(result)}"
-    texts = result.txts if isinstance(result, RapidOCROutput) else None
-    return [text.strip() for text in texts or () if text.strip()]
-
-
 def detect(image: Image.Image, *, offset: tuple[int, int] = (0, 0)) -> list[TextBox]:
     """Text regions from the detector alone, boxes shifted by `offset`, each labelled (`region_label`)."""
-    from rapidocr.ch_ppocr_det.utils import TextDetOutput  # loaded with the engine
-    from rapidocr.utils.output import RapidOCROutput
-
-    result = _run_engine(image, recognise=False)
-    # With recognition off, rapidocr returns the detector's output (quads [N, 4, 2], one score per quad), or an
-    # empty RapidOCROutput when the detector found no region at all.
-    if isinstance(result, RapidOCROutput) and result.boxes is None:
-        return []
-    assert isinstance(result, TextDetOutput), f"unexpected rapidocr result {type(result).__name__}"
     regions = []
-    for quad, score in zip(
-        result.boxes if result.boxes is not None else (), result.scores or (), strict=True
-    ):
-        xs, ys = [float(p[0]) + offset[0] for p in quad], [float(p[1]) + offset[1] for p in quad]
+    for quad, score in ocr.detect(image):
+        xs, ys = [p[0] + offset[0] for p in quad], [p[1] + offset[1] for p in quad]
         box = [math.floor(min(xs)), math.floor(min(ys)), math.ceil(max(xs)), math.ceil(max(ys))]
-        regions.append(TextBox(box=box, score=round(float(score), 3), label=region_label(box, float(score))))
+        regions.append(TextBox(box=box, score=round(score, 3), label=region_label(box, score)))
     return regions
 
 

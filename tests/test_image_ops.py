@@ -22,7 +22,7 @@ import pytest
 from PIL import Image, ImageDraw, ImageFont
 from pydantic import ValidationError
 
-from subagents import image_ops
+from subagents import image_ops, ocr
 from subagents.common import Runtime, ToolFailure, approx_tokens
 from subagents.image_ops import Config, ImageStore, Request, Response, TextBox
 
@@ -636,7 +636,7 @@ def test_the_ocr_engine_never_downloads(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(download_file.requests, "get", refuse)
     image = Image.new("RGB", (400, 100), "white")
     ImageDraw.Draw(image).text((20, 20), "OCR 42", fill="black", font=ImageFont.load_default(size=48))
-    result = image_ops.make_engine()(image)
+    result = ocr.make_engine()(image)
     assert isinstance(result, RapidOCROutput), type(result)
     assert "OCR" in " ".join(result.txts or ())
 
