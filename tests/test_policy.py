@@ -106,3 +106,24 @@ async def test_unreachable_policy_endpoint_raises_policy_error():
     with pytest.raises(PolicyError, match="unreachable"):
         await policy.sample([1, 2], max_new_tokens=4)
     await policy.aclose()
+
+
+def test_auto_samples_with_vllm_when_it_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ "auto" (the default) picks vllm when the package is installed and the checkpoint is dense, transformers
+    otherwise (a LoRA adapter, or no vllm); an explicit backend is kept as given."""
+    import importlib.util
+
+    from main_agent import policy as policy_module
+    from main_agent.policy import chosen_backend
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        policy_module.importlib.util, "find_spec", lambda name: None if name == "vllm" else real(name)
+    )
+    assert chosen_backend(SamplingConfig()) == "transformers"
+    monkeypatch.setattr(
+        policy_module.importlib.util, "find_spec", lambda name: object() if name == "vllm" else real(name)
+    )
+    assert chosen_backend(SamplingConfig()) == "vllm"
+    assert chosen_backend(SamplingConfig(), adapter=True) == "transformers"
+    assert chosen_backend(SamplingConfig(backend="transformers")) == "transformers"

