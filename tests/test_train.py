@@ -223,6 +223,19 @@ def test_update_moves_the_weights_with_a_finite_loss() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_bf16_update_stays_close_to_the_float32_one() -> None:
+    """precision = "bf16" runs the update's matmuls in bfloat16 and keeps everything else float32: the step is
+    finite, the weights stay float32, and the on-policy ratio moves off 1 only by bf16 rounding."""
+    model = tiny_llama(258)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    stats = update(
+        model, optimizer, byte_sequences(model), TrainConfig(micro_batch_tokens=48, precision="bf16")
+    )
+    assert stats.skipped is None and math.isfinite(stats.grad_norm) and stats.grad_norm > 0
+    assert stats.ratio_mean == pytest.approx(1.0, abs=5e-2)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
 @pytest.mark.parametrize("field", ["advantages", "old_logprobs"])
 def test_a_non_finite_batch_skips_the_step(field: str) -> None:
     """A NaN advantage or sampler log-prob skips the whole step: weights and optimizer state untouched."""

@@ -23,7 +23,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from conductor.models import DEFAULT_MODEL
 from conductor.settings import ConfigError, load_settings, to_dict
@@ -89,6 +89,10 @@ class TrainConfig:
     of its keys and values (same loss and gradients as running each whole episode, in far fewer tokens: the
     ~500-token prompt is most of a short episode). Off: every episode runs whole (the old path, for
     comparison)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """The update's matmuls: "bf16" runs its forward and backward under torch.autocast (weights, gradients, Adam
+    states and the log-probs stay float32); the sampler's log-probs are float32 either way, so bf16 moves the
+    importance ratio off 1 by the rounding (benchmarks/bench_throughput.py measures by how much)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this before each optimizer step."""
     clip_eps_low: float = 0.2

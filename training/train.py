@@ -240,11 +240,13 @@ def micro_batch_loss(
 ) -> LossOutput:
     """The loss of one micro-batch ([B, T] tensors after its shared prefix) as its share of the step's token mean
     (`n_tokens`)."""
-    logprobs = batch_logprobs(model, batch)  # [B, T]
-    ref = None
-    if ref_model is not None and cfg.kl_coef > 0:
-        with torch.no_grad():
-            ref = batch_logprobs(ref_model, batch)
+    device = next(model.parameters()).device.type
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+        logprobs = batch_logprobs(model, batch)  # [B, T], float32 whatever the matmuls ran in
+        ref = None
+        if ref_model is not None and cfg.kl_coef > 0:
+            with torch.no_grad():
+                ref = batch_logprobs(ref_model, batch)
     return policy_loss(
         logprobs,
         batch.old_logprobs,
