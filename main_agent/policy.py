@@ -34,6 +34,7 @@ import httpx
 
 from conductor.batching import GenerationError, MicroBatcher, left_pad
 from conductor.models import default_device, past_key_values_accepted, resolve_model
+from main_agent.tokens import common_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -168,15 +169,6 @@ def load_model(path: Path, *, lora_rank: int = 0, device: str = "auto"):
 MIN_SHARED_PREFIX = 32
 
 
-def shared_prefix(prompts: list[list[int]]) -> int:
-    """How many leading ids every prompt shares, leaving each at least one id of its own."""
-    limit = min(len(p) for p in prompts) - 1
-    n = 0
-    while n < limit and all(p[n] == prompts[0][n] for p in prompts):
-        n += 1
-    return n
-
-
 class TransformersPolicy:
     """The trainable in-process policy. `model` is a plain HF causal LM (optionally a peft model); `max_batch`
     concurrent samples share one generate (bounded by memory, the KV cache, on CPU)."""
@@ -218,7 +210,7 @@ class TransformersPolicy:
         """
         import torch
 
-        shared = shared_prefix(prompts) if len(prompts) > 1 else 0
+        shared = common_prefix(prompts, limit=len(prompts[0])) if len(prompts) > 1 else 0
         shared = shared if shared >= MIN_SHARED_PREFIX else 0
         rests, attention = left_pad([p[shared:] for p in prompts], pad_id=self.eos_token_id)
         head = torch.tensor([prompts[0][:shared]] * len(prompts), dtype=torch.long)

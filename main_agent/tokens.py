@@ -75,10 +75,14 @@ def shared_prefix_length(sequences: Sequence[TrainSequence]) -> int:
     """How many leading ids every sequence shares, stopping before the first trained id of any of them and
     leaving each at least one id: the part a micro-batch can run once for all its sequences."""
     first = min(min((i for i, m in enumerate(s.loss_mask) if m), default=len(s.input_ids)) for s in sequences)
-    limit = min(first, *(len(s.input_ids) - 1 for s in sequences))
-    ids = [s.input_ids for s in sequences]
+    return common_prefix([s.input_ids for s in sequences], limit=first)
+
+
+def common_prefix(rows: Sequence[Sequence[int]], *, limit: int) -> int:
+    """How many leading ids every row shares, at most `limit`, leaving each row at least one id of its own."""
+    limit = min(limit, *(len(row) - 1 for row in rows))
     n = 0
-    while n < limit and all(row[n] == ids[0][n] for row in ids):
+    while n < limit and all(row[n] == rows[0][n] for row in rows):
         n += 1
     return n
 

@@ -136,6 +136,7 @@ def test_a_shared_prompt_is_computed_once_and_changes_no_sample() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from main_agent import policy as policy_module
+    from main_agent.tokens import common_prefix
 
     torch.manual_seed(0)
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
@@ -144,7 +145,7 @@ def test_a_shared_prompt_is_computed_once_and_changes_no_sample() -> None:
     prefix = list(range(40, 40 + policy_module.MIN_SHARED_PREFIX + 8))
     prompts = [prefix + list(range(100 + 20 * i, 100 + 20 * i + n)) for i, n in enumerate((3, 11, 6))]
     policy = TransformersPolicy(model, tokenizer, cfg=SamplingConfig(temperature=0.0), max_batch=3)
-    assert policy_module.shared_prefix(prompts) == len(prefix)
+    assert common_prefix(prompts, limit=100) == len(prefix)
     together = [
         policy._cut(*row, 8) for row in policy._sample_batch(prompts, 8)
     ]  # cut at EOS, as sample does
