@@ -483,3 +483,30 @@ def test_example_configs_load(name: str) -> None:
     """The example RL configs are valid settings (their tables and keys exist) and keep their documented budgets."""
     cfg = load_train_config(Path(__file__).resolve().parent.parent / "examples" / name)
     assert cfg.task in task_data.FAMILIES and cfg.credit.mode == "outcome" and cfg.rollout.max_turns >= 6
+
+
+def test_the_trained_weights_load_in_process_whatever_samples(
+    tiny_policy: Path, tmp_path: Path, stub_tasks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sampling "auto" picks vLLM where it is installed, but the weights the trainer updates always load in
+    this process: a run starts with vLLM present (here pretended) and an in-process sampler asked for."""
+    import asyncio
+    import importlib.util
+
+    from main_agent.policy import SamplingConfig, TransformersPolicy
+    from training.run import start_run
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a)
+    )
+    cfg = tiny_config(tmp_path / "run", tiny_policy, sampling=SamplingConfig(backend="transformers"))
+
+    async def started():
+        run = await start_run(cfg, resume=None, force=False)
+        await run.policy.aclose()
+        run.log.close()
+        return run
+
+    run = asyncio.run(started())
+    assert isinstance(run.policy, TransformersPolicy) and run.model is not run.policy.model

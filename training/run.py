@@ -27,7 +27,7 @@ import httpx
 import torch
 from torch import nn
 
-from main_agent.policy import Policy, TransformersPolicy, load_policy
+from main_agent.policy import Policy, SamplingConfig, TransformersPolicy, load_policy
 from main_agent.types import Episode
 from tool_server.client import ToolClient
 from training import checkpoint as ckpt
@@ -99,8 +99,9 @@ async def start_run(
     if resume is not None and latest is None:
         raise CheckpointError(f"no checkpoint to resume in {resume}")
     torch.manual_seed(cfg.seed)  # LoRA initialisation draws from it
-    learner, tokenizer = load_policy(cfg.policy, lora_rank=cfg.lora_rank, device=cfg.device)
-    assert isinstance(learner, TransformersPolicy), learner  # the default sampling: in process, trainable
+    in_process = SamplingConfig(backend="transformers")  # the trained weights live here; cfg.sampling samples
+    learner, tokenizer = load_policy(cfg.policy, in_process, lora_rank=cfg.lora_rank, device=cfg.device)
+    assert isinstance(learner, TransformersPolicy), learner
     model = learner.model
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     params = [p for p in model.parameters() if p.requires_grad]

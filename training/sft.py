@@ -280,7 +280,8 @@ def run_sft(cfg: SFTConfig) -> SFTReport:
     """The `conductor sft` entry point: the fine-tuned checkpoint goes to `<out_dir>/model`, the report beside
     it (`sft_report.json`)."""
     torch.manual_seed(cfg.seed)
-    sampling = SamplingConfig(temperature=0.0)  # the before/after evaluations decode greedily
+    # In process: SFT trains these weights; the before/after evaluations decode them greedily.
+    sampling = SamplingConfig(backend="transformers", temperature=0.0)
     policy, tokenizer = load_policy(
         cfg.policy, sampling, max_batch=cfg.max_concurrent_episodes, seed=cfg.seed
     )
