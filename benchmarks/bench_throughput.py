@@ -14,11 +14,14 @@ Every part runs in its own spawned process (its own peak RSS, nothing left over 
    the steps after the first (the first also loads models and warms caches): update s, rollout s, whole step s,
    episodes/s, trainer tokens/s on unique tokens (tokens the update cannot skip: a prefix shared by episodes
    counts once), peak RSS, and MFU = 6 x parameters x unique tokens / update time / the peak.
+   The update again, both ways on the same batches (the old path's rollouts, learning rate 0): a ratio free
+   of what each path's policy happened to sample (3 steps of 8 episodes vary by 2x in length).
 3. drift: on the new path's last rollouts, the trainer's log-probs in float32 and in bfloat16 against the
    sampler's: importance ratio mean and largest deviation, and the share of tokens a clip would stop.
 4. ocr: `read` of a 384-px plate crop through the real tool server at concurrency 1 and 8, old detector and new.
 5. page_qa: 8 calls at once against the same 8 one by one through the real tool server (benchmarks/
-   bench_subagents.py's phases).
+   bench_subagents.py's phases), and the profile that bounds it: the same 8 prompts' prefill and whole
+   generation through the model, one by one and batched, float32 and bf16 autocast.
 
 Prints one table of ratios and writes JSON. Numbers from a machine busy with other work are not comparable.
 """
@@ -171,6 +174,37 @@ def path_summary(result: dict[str, Any], peak: float, params: int) -> dict[str, 
     }
 
 
+def same_batches(run_dir: str, policy: str, precision: str) -> dict[str, Any]:
+    """The update both ways on the same episodes: every step's rollouts of `run_dir` (the old path's), from the
+    same weights (learning rate 0), so the ratio is free of what each path's policy happened to sample."""
+    import torch
+
+    from conductor.models import resolve_model
+    from main_agent.policy import load_model
+    from main_agent.tokens import to_sequence
+    from main_agent.types import Episode
+    from training.config import load_train_config
+    from training.train import update
+
+    model, _ = load_model(resolve_model(policy))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    base = load_train_config(CONFIG, [f"policy={policy}"])
+    paths = {
+        "old": dataclasses.replace(base, share_prefix=False, precision="fp32"),
+        "new": dataclasses.replace(base, share_prefix=True, precision=precision),
+    }
+    files = sorted(Path(run_dir, "rollouts").glob("step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
+    times: dict[str, list[float]] = {"old": [], "new": []}
+    for file in files:
+        episodes = [Episode.from_json(line) for line in file.read_text().splitlines()]
+        sequences = [to_sequence(e, [1.0] * len(e.turns)) for e in episodes if e.turns]
+        for path, cfg in paths.items():
+            start = time.perf_counter()
+            update(model, optimizer, sequences, cfg)
+            times[path].append(time.perf_counter() - start)
+    return {"old_s": times["old"], "new_s": times["new"], "ratio": sum(times["old"]) / sum(times["new"])}
+
+
 # ---------------------------------------------------------------- 3. drift
 
 
@@ -252,6 +286,59 @@ def subagents_part(path: str, data: str) -> dict[str, Any]:
         return asyncio.run(measure(url, pages_url))
 
 
+def page_qa_profile(data: str) -> dict[str, Any]:
+    """What bounds page_qa's fan-out: the 8 measured pages' prompts (as page_qa builds them) through the
+    backend's model directly, prefill and whole greedy generation, one by one and as one batch, in float32
+    and under bf16 autocast. If prefill costs the same either way, it bounds the fan-out ratio."""
+    import torch
+    from bench_subagents import pick_pages
+
+    from conductor.batching import left_pad
+    from subagents import page_qa
+    from subagents.backends import BackendConfig, TransformersLLM
+
+    folder = Path(data) / "pages" / "readability"
+    cfg = page_qa.Config()
+    llm = TransformersLLM(BackendConfig())
+    prompts = []
+    for name, question in pick_pages(Path(data), 8)[:-1]:
+        prep = page_qa.prepare(
+            (folder / name / "source.html").read_bytes(), "text/html", question=question, cfg=cfg
+        )
+        prompts.append(llm.render(page_qa.build_prompt(["\n".join(c) for c in prep.top], question)))
+
+    def timed(fn) -> tuple[float, Any]:
+        start = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - start, out
+
+    def prefill(batch: list[list[int]]) -> None:
+        ids, mask = left_pad(batch, pad_id=llm.pad_id)
+        with torch.inference_mode():
+            llm.model(input_ids=ids, attention_mask=mask)
+
+    result: dict[str, Any] = {"prompt_tokens": [len(p) for p in prompts]}
+    for precision in ("fp32", "bf16"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            prefill(prompts[:1])  # warm-up
+            alone = sum(timed(lambda p=p: prefill([p]))[0] for p in prompts)
+            together = timed(lambda: prefill(prompts))[0]
+            runs = [timed(lambda p=p: llm.generate_batch([p], cfg.max_new_tokens)) for p in prompts]
+            batch_s, outputs = timed(lambda: llm.generate_batch(prompts, cfg.max_new_tokens))
+        sequential = sum(s for s, _ in runs)
+        result[precision] = {
+            "prefill_one_by_one_s": alone,
+            "prefill_batch_s": together,
+            "generate_one_by_one_s": sequential,
+            "generate_batch_s": batch_s,
+            "speedup": sequential / batch_s,
+            "new_tokens_one_by_one": [len(out[0]) for _, out in runs],
+            "new_tokens_batch": [len(out) for out in outputs],
+            "same_answers": [out[0] for _, out in runs] == outputs,
+        }
+    return result
+
+
 # ---------------------------------------------------------------- the table
 
 
@@ -271,6 +358,15 @@ def table(result: dict[str, Any]) -> str:
         a, b = old[key], new[key]
         ratio = a / b if better == "lower" else b / a if better == "higher" else math.nan
         rows.append((label, f"{a:.3g}", f"{b:.3g}", f"{ratio:.2f}x" if math.isfinite(ratio) else ""))
+    same = result["same_batches"]
+    rows.append(
+        (
+            "update on the same batches s/step",
+            f"{statistics.fmean(same['old_s']):.3g}",
+            f"{statistics.fmean(same['new_s']):.3g}",
+            f"{same['ratio']:.2f}x",
+        )
+    )
     for path in ("old", "new"):
         for level in result["subagents"][path]["read"]:
             rows.append(
@@ -290,6 +386,24 @@ def table(result: dict[str, Any]) -> str:
             f"{qa['speedup']:.2f}x",
         )
     )
+    for precision in ("fp32", "bf16"):
+        prof = result["page_qa_profile"][precision]
+        rows.append(
+            (
+                f"page_qa prefill 8 one by one / batch s ({precision})",
+                f"{prof['prefill_one_by_one_s']:.1f}",
+                f"{prof['prefill_batch_s']:.1f}",
+                f"{prof['prefill_one_by_one_s'] / prof['prefill_batch_s']:.2f}x",
+            )
+        )
+        rows.append(
+            (
+                f"page_qa generate 8 one by one / batch s ({precision})",
+                f"{prof['generate_one_by_one_s']:.1f}",
+                f"{prof['generate_batch_s']:.1f}",
+                f"{prof['speedup']:.2f}x",
+            )
+        )
     for precision, d in result["drift"].items():
         rows.append(
             (
@@ -333,8 +447,10 @@ def main() -> None:
         "parameters": params,
         "train": summary,
         "train_raw": train,
+        "same_batches": in_child(same_batches, train["old"]["run_dir"], args.policy, args.precision),
         "drift": in_child(drift, train["new"]["run_dir"], args.policy),
         "subagents": {p: in_child(subagents_part, p, args.data) for p in ("old", "new")},
+        "page_qa_profile": in_child(page_qa_profile, args.data),
         "wall_s": time.monotonic() - started,
     }
     print(table(result))

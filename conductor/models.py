@@ -170,6 +170,23 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def native_bf16(device: str) -> bool:
+    """Whether bfloat16 matmuls run in hardware on `device` ("cpu", "cuda", "cuda:N"): a GPU that supports them,
+    or an x86 CPU with AVX512-BF16 or AMX (Linux flags). Elsewhere torch emulates bf16, slower than float32."""
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device != "cpu":
+        return False
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
+    except OSError:  # not Linux: no way to tell without a probe, so no
+        return False
+    flags = {flag for line in cpuinfo.splitlines() if line.startswith("flags") for flag in line.split()}
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 @contextlib.contextmanager
 def past_key_values_accepted() -> Iterator[None]:
     """Silence transformers' notice that `past_key_values` is now `cache` (5.24 on): the old name is the one

@@ -140,3 +140,25 @@ def test_server_sampler_samples_with_every_version_the_trainer_writes(
     assert all(torch.equal(model.state_dict()[k], final[k]) for k in final)
     assert sorted(p.name for p in (run_dir / "sampler").iterdir()) == ["v2"]
     assert len(app.state.requests) >= 4 and {r["model"] for r in app.state.requests} == {"policy"}
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16", "bfloat16"), ("fp32", "float32")])
+async def test_a_vllm_sampler_computes_in_the_trainers_precision(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, precision: str, dtype: str
+) -> None:
+    """The vLLM engine is started in the update's precision (bfloat16 for a bf16 trainer, float32 otherwise) on
+    the run's current weights."""
+    import main_agent.vllm_policy
+    from training.sampler import start_sampler
+
+    started: dict[str, object] = {}
+
+    def fake_start(folder: Path, tokenizer, **kwargs):
+        started.update(kwargs, folder=folder)
+        return "engine"
+
+    monkeypatch.setattr(main_agent.vllm_policy.VLLMPolicy, "start", fake_start)
+    cfg = TrainConfig(run_dir=tmp_path, precision=precision, sampling=SamplingConfig(backend="vllm"))
+    assert await start_sampler(cfg, tiny_llama(258), None, version=2) == "engine"
+    assert started["dtype"] == dtype and started["version"] == 2
+    assert started["folder"] == tmp_path / "sampler" / "v2"

@@ -510,3 +510,30 @@ def test_the_trained_weights_load_in_process_whatever_samples(
 
     run = asyncio.run(started())
     assert isinstance(run.policy, TransformersPolicy) and run.model is not run.policy.model
+
+
+@pytest.mark.parametrize(
+    ("native", "setting", "expected"),
+    [(True, "auto", "bf16"), (False, "auto", "fp32"), (True, "fp32", "fp32"), (False, "bf16", "bf16")],
+)
+def test_precision_auto_is_bf16_exactly_where_the_hardware_has_it(
+    monkeypatch: pytest.MonkeyPatch, native: bool, setting: str, expected: str
+) -> None:
+    """ "auto" becomes bf16 on hardware with bf16 matmuls and fp32 elsewhere; an explicit setting is kept."""
+    from training import run as run_module
+
+    monkeypatch.setattr(run_module, "native_bf16", lambda device: native)
+    assert run_module.with_precision(TrainConfig(precision=setting), "cpu").precision == expected
+
+
+def test_native_bf16_follows_the_cpu_flags() -> None:
+    """On Linux the CPU answer is the AVX512-BF16 / AMX flag in /proc/cpuinfo; a device that is neither a
+    GPU nor the CPU is never assumed to have bf16."""
+    from conductor.models import native_bf16
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        pytest.skip("no /proc/cpuinfo on this platform")
+    flags = set(cpuinfo.read_text().split())
+    assert native_bf16("cpu") == bool(flags & {"avx512_bf16", "amx_bf16"})
+    assert native_bf16("mps") is False

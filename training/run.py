@@ -27,6 +27,7 @@ import httpx
 import torch
 from torch import nn
 
+from conductor.models import native_bf16
 from main_agent.policy import Policy, SamplingConfig, TransformersPolicy, load_policy
 from main_agent.types import Episode
 from tool_server.client import ToolClient
@@ -87,6 +88,15 @@ class Run:
 StepHook = Callable[[Mapping[str, float]], None]
 
 
+def with_precision(cfg: TrainConfig, device: str) -> TrainConfig:
+    """`cfg` with precision "auto" made concrete for `device` (bf16 where the hardware has it), said in the log."""
+    if cfg.precision != "auto":
+        return cfg
+    precision = "bf16" if native_bf16(device) else "fp32"
+    logger.info("precision auto: %s on %s", precision, device)
+    return dataclasses.replace(cfg, precision=precision)
+
+
 async def start_run(
     cfg: TrainConfig, *, resume: Path | None, force: bool, on_step: StepHook | None = None
 ) -> Run:
@@ -103,6 +113,7 @@ async def start_run(
     learner, tokenizer = load_policy(cfg.policy, in_process, lora_rank=cfg.lora_rank, device=cfg.device)
     assert isinstance(learner, TransformersPolicy), learner
     model = learner.model
+    cfg = with_precision(cfg, next(model.parameters()).device.type)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     params = [p for p in model.parameters() if p.requires_grad]
     # No weight decay: with all advantages 0 a step must leave the weights where they are.

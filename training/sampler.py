@@ -56,6 +56,7 @@ async def start_sampler(cfg: TrainConfig, model: nn.Module, tokenizer, *, versio
             seed=cfg.seed,
             max_model_len=cfg.rollout.max_context_tokens + cfg.rollout.max_new_tokens,
             version=version,
+            dtype="bfloat16" if cfg.precision == "bf16" else "float32",  # start_run made "auto" concrete
         )
     elif backend == "server":
         assert sampling.url is not None  # SamplingConfig checks it
