@@ -21,7 +21,8 @@ Every part runs in its own spawned process (its own peak RSS, nothing left over 
 4. ocr: `read` of a 384-px plate crop through the real tool server at concurrency 1 and 8, old detector and new.
 5. page_qa: 8 calls at once against the same 8 one by one through the real tool server (benchmarks/
    bench_subagents.py's phases), and the profile that bounds it: the same 8 prompts' prefill and whole
-   generation through the model, one by one and batched, float32 and bf16 autocast.
+   generation through the model, one by one and batched, float32 and bf16 autocast; and, where vLLM is
+   installed, the server's phases again with page_qa on the sub-agents' vLLM backend.
 
 Prints one table of ratios and writes JSON. Numbers from a machine busy with other work are not comparable.
 """
@@ -286,6 +287,39 @@ def subagents_part(path: str, data: str) -> dict[str, Any]:
         return asyncio.run(measure(url, pages_url))
 
 
+def page_qa_vllm(data: str) -> dict[str, Any] | None:
+    """page_qa 8 at once vs one by one through the real tool server with the sub-agents' in-process vLLM backend
+    (`[page_qa.model] backend = "vllm"`); None where vLLM is not installed."""
+    import importlib.util
+
+    import httpx
+    from bench_subagents import (
+        CLIENT_TIMEOUT,
+        page_qa_phases,
+        page_server,
+        pick_pages,
+        server_config,
+        tool_server,
+    )
+
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    data_dir = Path(data)
+    pages = pick_pages(data_dir, 8)
+    cfg = server_config(data_dir)
+    qa = cfg.tools["page_qa"]
+    vllm_qa = dataclasses.replace(qa, model=dataclasses.replace(qa.model, backend="vllm"))
+    cfg = dataclasses.replace(cfg, tools={**cfg.tools, "page_qa": vllm_qa})
+
+    async def measure(base_url: str, pages_url: str) -> dict[str, Any]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=CLIENT_TIMEOUT) as client:
+            return await page_qa_phases(client, pages_url, pages)
+
+    folder = data_dir / "pages" / "readability"
+    with page_server(folder, [name for name, _ in pages]) as pages_url, tool_server(cfg) as url:
+        return asyncio.run(measure(url, pages_url))
+
+
 def page_qa_profile(data: str) -> dict[str, Any]:
     """What bounds page_qa's fan-out: the 8 measured pages' prompts (as page_qa builds them) through the
     backend's model directly, prefill and whole greedy generation, one by one and as one batch, in float32
@@ -386,6 +420,15 @@ def table(result: dict[str, Any]) -> str:
             f"{qa['speedup']:.2f}x",
         )
     )
+    if (vllm_qa := result.get("page_qa_vllm")) is not None:
+        rows.append(
+            (
+                "page_qa 8 one by one / at once s (vLLM backend)",
+                f"{vllm_qa['sequential']['wall_s']:.1f}",
+                f"{vllm_qa['concurrent']['wall_s']:.1f}",
+                f"{vllm_qa['speedup']:.2f}x",
+            )
+        )
     for precision in ("fp32", "bf16"):
         prof = result["page_qa_profile"][precision]
         rows.append(
@@ -451,6 +494,7 @@ def main() -> None:
         "drift": in_child(drift, train["new"]["run_dir"], args.policy),
         "subagents": {p: in_child(subagents_part, p, args.data) for p in ("old", "new")},
         "page_qa_profile": in_child(page_qa_profile, args.data),
+        "page_qa_vllm": in_child(page_qa_vllm, args.data),
         "wall_s": time.monotonic() - started,
     }
     print(table(result))
