@@ -122,7 +122,7 @@ def train_path(path: str, policy: str, steps: int, precision: str) -> dict[str, 
     """`steps` sync steps of examples/train_plates.toml on the old or the new path; per-step numbers."""
     import torch
 
-    from main_agent.tokens import episode_ids
+    from main_agent.tokens import segment_ids
     from main_agent.types import Episode
     from training.config import load_train_config
     from training.metrics import read_metrics
@@ -143,7 +143,9 @@ def train_path(path: str, policy: str, steps: int, precision: str) -> dict[str, 
     for row in rows:
         lines = (run_dir / "rollouts" / f"step_{int(row['step'])}.jsonl").read_text().splitlines()
         episodes = [Episode.from_json(line) for line in lines]
-        per_step.append({**row, "unique_tokens": unique_tokens([episode_ids(e) for e in episodes])})
+        per_step.append(
+            {**row, "unique_tokens": unique_tokens([ids for e in episodes for ids in segment_ids(e)])}
+        )
     return {
         "path": path,
         "run_dir": str(run_dir),
@@ -182,7 +184,7 @@ def same_batches(run_dir: str, policy: str, precision: str) -> dict[str, Any]:
 
     from conductor.models import resolve_model
     from main_agent.policy import load_model
-    from main_agent.tokens import to_sequence
+    from main_agent.tokens import to_sequences
     from main_agent.types import Episode
     from training.config import load_train_config
     from training.train import update
@@ -198,7 +200,7 @@ def same_batches(run_dir: str, policy: str, precision: str) -> dict[str, Any]:
     times: dict[str, list[float]] = {"old": [], "new": []}
     for file in files:
         episodes = [Episode.from_json(line) for line in file.read_text().splitlines()]
-        sequences = [to_sequence(e, [1.0] * len(e.turns)) for e in episodes if e.turns]
+        sequences = [s for e in episodes if e.turns for s in to_sequences(e, [1.0] * len(e.turns))]
         for path, cfg in paths.items():
             start = time.perf_counter()
             update(model, optimizer, sequences, cfg)
@@ -215,13 +217,13 @@ def drift(run_dir: str, policy: str) -> dict[str, dict[str, float]]:
 
     from conductor.models import resolve_model
     from main_agent.policy import load_model
-    from main_agent.tokens import collate, micro_batches, to_sequence
+    from main_agent.tokens import collate, micro_batches, to_sequences
     from main_agent.types import Episode
     from training.loss import batch_logprobs
 
     last = sorted(Path(run_dir, "rollouts").glob("step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))[-1]
     episodes = [Episode.from_json(line) for line in last.read_text().splitlines()]
-    sequences = [to_sequence(e, [0.0] * len(e.turns)) for e in episodes if e.turns]
+    sequences = [s for e in episodes if e.turns for s in to_sequences(e, [0.0] * len(e.turns))]
     model, _ = load_model(resolve_model(policy))
     model.eval()
     result = {}

@@ -5,6 +5,11 @@ In each turn the policy writes tool calls or a final answer:
     <tool_call>{"name": "search", "arguments": {"query": "eiffel tower height", "k": 3}}</tool_call>
     <answer>330 metres</answer>
 
+Tasks with numbered items (several plates, several questions) also take records, each one finished item's answer,
+kept in the episode's ledger (`main_agent.rollout`) and alongside calls in any turn:
+
+    <record item="3">ABC123</record>
+
 These are the tags of Qwen/Hermes-style tool calling. SmolLM2-135M-Instruct's chat template has no tools section
 (it ignores `tools=`), so `prompts.system_prompt` teaches the format; results come back as `<tool_response>` blocks.
 
@@ -25,7 +30,11 @@ Rules, scanning left to right (each has a test in tests/test_parse.py):
   answer belongs to it: a `<tool_call>` there is answer text and never runs.
 - Calls and an answer in one turn: the calls run and the answer is dropped with an `answer_ignored` error, so the
   policy is told. An answer ends the episode only in a turn without valid calls.
-- Whitespace-only text is `empty`; other text with no tag at all is `no_action`.
+- `<record item="N">text</record>` records item N's answer (N a positive integer, quoted or not; the text is
+  stripped). A record without `</record>` takes the text up to the next opening tag or the end. A record tag whose
+  item is missing or not a positive integer is `bad_record`. Records never conflict with calls or an answer; a
+  `<record>` inside an answer is answer text. Whether item N exists is the rollout's check, not the parser's.
+- Whitespace-only text is `empty`; other text with no call, answer or record tag is `no_action`.
 
 Tags are exact and case-sensitive. `parse_completion` never raises: every problem is a `ParseError` whose message
 is written for the policy to read.
@@ -37,11 +46,13 @@ import json
 import re
 from collections.abc import Collection
 
-from main_agent.types import ParsedTurn, ParseError, ToolCall
+from main_agent.types import ParsedTurn, ParseError, Record, ToolCall
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
-_OPENING = re.compile(f"{re.escape(CALL_OPEN)}|{re.escape(ANSWER_OPEN)}")
+RECORD_OPEN, RECORD_CLOSE = "<record", "</record>"
+_OPENING = re.compile(f"{re.escape(CALL_OPEN)}|{re.escape(ANSWER_OPEN)}|{re.escape(RECORD_OPEN)}\\b")
+_RECORD_HEAD = re.compile(r"""<record\s+item\s*=\s*["']?(\d+)["']?\s*>""")
 _CLOSING_AHEAD = re.compile(r"\s*[}\]]")
 _DECODER = json.JSONDecoder()
 _INVALID = object()  # "not JSON", distinct from a JSON null
@@ -50,11 +61,16 @@ _INVALID = object()  # "not JSON", distinct from a JSON null
 def parse_completion(text: str, *, tool_names: Collection[str]) -> ParsedTurn:
     """Split one completion into the calls to run, the final answer, and the mistakes to report."""
     calls: list[ToolCall] = []
+    records: list[Record] = []
     errors: list[ParseError] = []
     answer: str | None = None
     answer_raw = ""
     pos = 0
     while (match := _OPENING.search(text, pos)) is not None:
+        if match.group() == RECORD_OPEN:
+            record, pos = _parse_record(text, match.start())
+            (records if isinstance(record, Record) else errors).append(record)  # type: ignore[arg-type]
+            continue
         if match.group() == ANSWER_OPEN:
             end = text.find(ANSWER_CLOSE, match.end())
             stop = len(text) if end < 0 else end
@@ -71,9 +87,24 @@ def parse_completion(text: str, *, tool_names: Collection[str]) -> ParsedTurn:
         msg = "answer ignored: a turn with tool calls cannot also answer; answer after reading the results"
         errors.append(ParseError("answer_ignored", msg, answer_raw))
         answer = None
-    if not calls and answer is None and not errors:
+    if not calls and answer is None and not records and not errors:
         errors.append(_no_action(text))
-    return ParsedTurn(calls=calls, answer=answer, errors=errors)
+    return ParsedTurn(calls=calls, answer=answer, errors=errors, records=records)
+
+
+def _parse_record(text: str, start: int) -> tuple[Record | ParseError, int]:
+    """The record opening at `start` and where scanning resumes (after `</record>`, else at the next tag)."""
+    head = _RECORD_HEAD.match(text, start)
+    following = _OPENING.search(text, start + len(RECORD_OPEN))
+    next_open = len(text) if following is None else following.start()
+    close = text.find(RECORD_CLOSE, start)
+    end = close + len(RECORD_CLOSE) if 0 <= close < next_open else next_open
+    raw = text[start:end]
+    if head is None or int(head.group(1)) < 1 or head.end() > end:
+        message = 'a record needs a positive item number: <record item="1">answer</record>'
+        return ParseError("bad_record", message, raw), end
+    body_end = close if 0 <= close < next_open else next_open
+    return Record(item=int(head.group(1)), text=text[head.end() : body_end].strip(), raw=raw), end
 
 
 def _no_action(text: str) -> ParseError:

@@ -25,14 +25,15 @@ import json
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from main_agent.parse import ANSWER_CLOSE, ANSWER_OPEN, CALL_CLOSE, CALL_OPEN
-from main_agent.types import ParseError, ToolResult
+from main_agent.parse import ANSWER_CLOSE, ANSWER_OPEN, CALL_CLOSE, CALL_OPEN, RECORD_CLOSE, RECORD_OPEN
+from main_agent.types import ParseError, Record, ToolResult
 
 # One tool as `GET /v1/tools` returns it: {"type": "function", "function": {"name", "description", "parameters"}}.
 # Raw JSON from a process boundary, read only by the helpers below.
 ToolSchema = dict[str, Any]
 Message = dict[str, str]
 
+RECORD_EXAMPLE = f'{RECORD_OPEN} item="1">answer{RECORD_CLOSE}'
 _SHORT_TYPES = {"string": "str", "integer": "int", "number": "float", "boolean": "bool", "object": "dict"}
 _PLACEHOLDERS: dict[str, object] = {"str": "...", "int": 1, "float": 1.0, "bool": True, "dict": {}}
 # The stand-in conversation observation_ids renders around the observation; ChatML renders it the same anywhere.
@@ -47,11 +48,14 @@ class ChatTokenizer(Protocol):
     ) -> list[int]: ...
 
 
-def system_prompt(tools: Sequence[ToolSchema], *, max_calls_per_turn: int) -> str:
-    """Tools one per line, one example call, the answer tag. Short: the policy's context is small."""
+def system_prompt(tools: Sequence[ToolSchema], *, max_calls_per_turn: int, items: int = 0) -> str:
+    """Tools one per line, one example call, the answer tag (and the record tag for a task with `items`).
+    Short: the policy's context is small."""
     assert tools, "system_prompt needs at least one tool"
     lines = [f"- {_signature(tool)}" for tool in tools]
     how_many = "one call" if max_calls_per_turn == 1 else f"up to {max_calls_per_turn} calls"
+    record = [f"Record each item's answer as soon as you know it: {RECORD_EXAMPLE}"] if items else []
+    done = "When all items are recorded" if items else "When you know the answer"
     return "\n".join(
         [
             "Answer the user's question. You can use these tools:",
@@ -59,7 +63,8 @@ def system_prompt(tools: Sequence[ToolSchema], *, max_calls_per_turn: int) -> st
             f"Make {how_many} per turn, each written like this:",
             f"{CALL_OPEN}{_example_call(tools[0])}{CALL_CLOSE}",
             "Results come back in <tool_response> tags.",
-            f"When you know the answer, write {ANSWER_OPEN}your answer{ANSWER_CLOSE}.",
+            *record,
+            f"{done}, write {ANSWER_OPEN}your answer{ANSWER_CLOSE}.",
         ]
     )
 
@@ -120,14 +125,17 @@ def _example_value(schema: dict[str, Any]) -> object:
 
 
 def prompt_messages(
-    question: str, tools: Sequence[ToolSchema], *, max_calls_per_turn: int, extra_context: str = ""
+    question: str,
+    tools: Sequence[ToolSchema],
+    *,
+    max_calls_per_turn: int,
+    extra_context: str = "",
+    items: int = 0,
 ) -> list[Message]:
     """The first two messages of every episode: system prompt and question (plus context, e.g. image ids)."""
     user = f"{question}\n\n{extra_context}" if extra_context else question
-    return [
-        {"role": "system", "content": system_prompt(tools, max_calls_per_turn=max_calls_per_turn)},
-        {"role": "user", "content": user},
-    ]
+    system = system_prompt(tools, max_calls_per_turn=max_calls_per_turn, items=items)
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 
 def render_prompt(
@@ -137,17 +145,50 @@ def render_prompt(
     *,
     max_calls_per_turn: int,
     extra_context: str = "",
+    items: int = 0,
 ) -> list[int]:
     """The first prompt's ids, ending with the assistant header the policy continues from."""
     messages = prompt_messages(
-        question, tools, max_calls_per_turn=max_calls_per_turn, extra_context=extra_context
+        question, tools, max_calls_per_turn=max_calls_per_turn, extra_context=extra_context, items=items
     )
     return _render(tokenizer, messages, add_generation_prompt=True)
 
 
-def render_observation(results: Sequence[ToolResult], *, parse_errors: Sequence[ParseError] = ()) -> str:
-    """One `<tool_response>` line per call result (in call order), then one per parse error."""
+def render_segment_prompt(
+    tokenizer: ChatTokenizer,
+    question: str,
+    tools: Sequence[ToolSchema],
+    *,
+    max_calls_per_turn: int,
+    extra_context: str = "",
+    items: int = 0,
+    ledger: Sequence[str | None] = (),
+    observation: str = "",
+) -> list[int]:
+    """The prompt of a folded episode's next segment: the first prompt's messages with the ledger and the last
+    observation added to the user message (the turns before are gone from the context; the ledger keeps what
+    they found)."""
+    messages = prompt_messages(
+        question, tools, max_calls_per_turn=max_calls_per_turn, extra_context=extra_context, items=items
+    )
+    messages[-1]["content"] += "\n\n" + ledger_text(ledger) + f"\n\nLast results:\n{observation}"
+    return _render(tokenizer, messages, add_generation_prompt=True)
+
+
+def ledger_text(ledger: Sequence[str | None]) -> str:
+    """'Recorded so far: ...' with one `item: answer` line per recorded item, or a line saying none is."""
+    lines = [f"{i}: {text}" for i, text in enumerate(ledger, start=1) if text is not None]
+    if not lines:
+        return "Recorded so far: nothing. Earlier turns are hidden."
+    return "Recorded so far (earlier turns are hidden):\n" + "\n".join(lines)
+
+
+def render_observation(
+    results: Sequence[ToolResult], *, parse_errors: Sequence[ParseError] = (), records: Sequence[Record] = ()
+) -> str:
+    """One `<tool_response>` line per call result (in call order), then one per record, one per parse error."""
     lines = [f"<tool_response>{r.name}: {r.observation}</tool_response>" for r in results]
+    lines += [f"<tool_response>recorded {r.item}: {r.text}</tool_response>" for r in records]
     lines += [f"<tool_response>error ({e.kind}): {e.message}</tool_response>" for e in parse_errors]
     return "\n".join(lines)
 
@@ -163,6 +204,7 @@ def observation_ids(
     *,
     completion_ids: Sequence[int],
     parse_errors: Sequence[ParseError] = (),
+    records: Sequence[Record] = (),
 ) -> list[int]:
     """The exact ids to append after `completion_ids`: the rest of the assistant message's closing (all of it if
     the completion stopped before the end-of-turn id), the observation message, and the next assistant header."""
@@ -170,7 +212,8 @@ def observation_ids(
     if completion_ids and completion_ids[-1] == closing[0]:
         closing = closing[1:]
     answered = [*_HEAD, {"role": "assistant", "content": ""}]
-    observation = {"role": "user", "content": render_observation(results, parse_errors=parse_errors)}
+    content = render_observation(results, parse_errors=parse_errors, records=records)
+    observation = {"role": "user", "content": content}
     before = _render(tokenizer, answered, add_generation_prompt=False)
     after = _render(tokenizer, [*answered, observation], add_generation_prompt=True)
     return closing + _suffix(before, after)

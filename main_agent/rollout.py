@@ -7,11 +7,28 @@ Nothing is re-tokenised, so the trainer sees exactly what the policy saw.
 Policy mistakes (malformed calls, unknown tools, bad arguments, tool errors) become observations and the
 episode goes on. Infrastructure failures (the tool server or the policy endpoint failing) end the episode
 with `stop_reason="infra_failed"` and the reason; the trainer excludes such episodes instead of scoring them.
+
+Long horizons. A task with numbered items (`RolloutTask.items`, e.g. 32 plates) keeps a **ledger**: the policy
+writes `<record item="3">ABC123</record>` (main_agent.parse) beside its calls when an item is done, and the
+observation confirms it. A record tag is a built-in action, not a tool: it costs no HTTP round trip and can share
+a turn with calls. The final answer of such a task is always the ledger, one line per item in order, whether the
+policy ends with `<answer>` (whose lines fill only items the ledger lacks) or a budget runs out first: recorded
+work counts either way. With `fold_at_tokens` set, when the next turn could pass it the episode continues in a
+new segment whose prompt is the task, the ledger and the last observation (prompts.render_segment_prompt), so
+the main context stays bounded however many calls the episode makes. Each segment is trained as its own
+sequence on exactly the ids the policy saw (types.Episode.segments).
+
+Exact replay. `rollout(..., replay=turns)` first replays the given turns of an earlier episode of the same task
+(their sampled ids as they were, their calls re-run in a fresh session) and then samples on: the state before any
+turn of an episode can be restored and continued, which branch credit (training/branching.py) builds on. Sub-agents
+are frozen and image ids are derived from their history, so a replayed call must return the very observation it
+returned before; if not, the replay raises `ReplayDiverged` (an infrastructure failure).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -19,9 +36,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from main_agent.parse import parse_completion
-from main_agent.policy import Policy, PolicyError
-from main_agent.prompts import observation_ids, render_observation, render_prompt
-from main_agent.types import Episode, ParseError, ToolCall, ToolResult, Turn
+from main_agent.policy import Policy, PolicyError, Sample
+from main_agent.prompts import observation_ids, render_observation, render_prompt, render_segment_prompt
+from main_agent.types import Episode, ParseError, Record, ToolCall, ToolResult, Turn
 from tool_server.client import CallResult, ToolClient, ToolServerError
 
 logger = logging.getLogger(__name__)
@@ -53,11 +70,19 @@ class RolloutConfig:
     """Text that opens the first assistant turn, e.g. '<tool_call>{"name": "' to require a call first (the
     analogue of tool_choice="required"). Its ids join the prompt (never trained on); it is parsed with the
     first completion. Empty while training: the policy must learn the format itself."""
+    fold_at_tokens: int = 0
+    """0: never fold (an episode stops when its context is full). > 0: when the context after a turn's
+    observation plus `max_new_tokens` would pass this, the episode goes on in a new segment whose prompt is the
+    task, the ledger and that observation (see the module docstring). For long item tasks, e.g. plate_audit."""
 
     def __post_init__(self) -> None:
         limits = (self.max_turns, self.max_calls_per_turn, self.max_new_tokens, self.observation_tokens)
         if min(limits) < 1 or self.max_context_tokens < 16 or self.wall_clock_s <= 0:
             raise ValueError(f"rollout budgets must be positive (max_context_tokens >= 16), got {self}")
+        if self.fold_at_tokens and not self.max_new_tokens < self.fold_at_tokens <= self.max_context_tokens:
+            raise ValueError(
+                f"fold_at_tokens must be 0 or in (max_new_tokens, max_context_tokens], got {self.fold_at_tokens}"
+            )
 
 
 @dataclass(frozen=True)
@@ -68,9 +93,14 @@ class RolloutTask:
     question: str
     tools: Sequence[dict[str, object]]
     context: str = ""
+    items: int = 0  # numbered items the policy records answers for (0: a single-answer task, no ledger)
 
 
 ProgressHook = Callable[[Turn], None]
+
+
+class ReplayDiverged(ToolServerError):
+    """A replayed call did not return what it returned the first time: the tools are not frozen after all."""
 
 
 async def rollout(
@@ -81,19 +111,15 @@ async def rollout(
     cfg: RolloutConfig = RolloutConfig(),
     *,
     on_turn: ProgressHook | None = None,
+    replay: Sequence[Turn] = (),
 ) -> Episode:
-    """Play one episode to an answer or a budget, top to bottom."""
+    """Play one episode to an answer or a budget, top to bottom; `replay`: turns of an earlier episode of this
+    task to replay exactly before sampling on."""
     start = time.monotonic()
     session = f"{task.task_id}-{uuid.uuid4().hex[:8]}"  # this episode's image namespace on the server
-    prompt_ids = render_prompt(
-        tokenizer,
-        task.question,
-        task.tools,
-        max_calls_per_turn=cfg.max_calls_per_turn,
-        extra_context=task.context,
-    ) + tokenizer.encode(cfg.first_turn_prefix, add_special_tokens=False)
+    prompt_ids = _first_prompt(task, tokenizer, cfg)
     episode = _new_episode(task, prompt_ids, policy.version)
-    ids = list(prompt_ids)
+    ids, opened = list(prompt_ids), []  # the current segment's stream; the prompt of a segment just opened
     for index in range(cfg.max_turns):
         room = cfg.max_context_tokens - len(ids)
         if room < 16:  # not even a short answer fits
@@ -103,16 +129,22 @@ async def rollout(
             episode.stop_reason = "deadline"
             break
         prefix = cfg.first_turn_prefix if index == 0 else ""
+        redo = replay[index] if index < len(replay) else None
         try:
             turn, answer = await play_turn(
-                ids, policy, tools, tokenizer, cfg, task=task, session=session, prefix=prefix
-            )
+                ids, policy, tools, tokenizer, cfg, task=task, session=session, prefix=prefix,
+                ledger=episode.ledger, replay=redo,
+            )  # fmt: skip
         except (PolicyError, ToolServerError) as exc:  # infrastructure, not the policy's fault
             logger.warning("episode %s infra failure: %s", task.task_id, exc)
             episode.stop_reason, episode.infra_error = "infra_failed", f"{type(exc).__name__}: {exc}"
             break
+        turn = dataclasses.replace(turn, prompt_ids=opened)
+        opened = _fold(task, tokenizer, cfg, ids, turn, episode.ledger) if answer is None else []
+        if opened:
+            turn = dataclasses.replace(turn, observation_ids=[])
         episode.turns.append(turn)
-        ids += turn.completion_ids + turn.observation_ids
+        ids = opened or ids + turn.completion_ids + turn.observation_ids
         if on_turn is not None:
             on_turn(turn)
         if answer is not None:
@@ -120,6 +152,37 @@ async def rollout(
             break
     _finish(episode, start)
     return episode
+
+
+def _first_prompt(task: RolloutTask, tokenizer, cfg: RolloutConfig) -> list[int]:
+    prompt = render_prompt(
+        tokenizer,
+        task.question,
+        task.tools,
+        max_calls_per_turn=cfg.max_calls_per_turn,
+        extra_context=task.context,
+        items=task.items,
+    )
+    return prompt + tokenizer.encode(cfg.first_turn_prefix, add_special_tokens=False)
+
+
+def _fold(
+    task: RolloutTask, tokenizer, cfg: RolloutConfig, ids: list[int], turn: Turn, ledger: list[str | None]
+) -> list[int]:
+    """The next segment's prompt when the next turn could pass `fold_at_tokens`, else [] (no fold)."""
+    after = len(ids) + len(turn.completion_ids) + len(turn.observation_ids)
+    if not cfg.fold_at_tokens or after + cfg.max_new_tokens <= cfg.fold_at_tokens:
+        return []
+    return render_segment_prompt(
+        tokenizer,
+        task.question,
+        task.tools,
+        max_calls_per_turn=cfg.max_calls_per_turn,
+        extra_context=task.context,
+        items=task.items,
+        ledger=ledger,
+        observation=turn.observation_text,
+    )
 
 
 async def play_turn(
@@ -132,29 +195,43 @@ async def play_turn(
     task: RolloutTask,
     session: str,
     prefix: str,
+    ledger: list[str | None],
+    replay: Turn | None = None,
 ) -> tuple[Turn, str | None]:
-    """Sample, parse, run the calls concurrently, render the observation. Returns the turn and its answer
-    (None unless the turn answered without calling). Raises PolicyError / ToolServerError on infra failure."""
+    """Sample (or take `replay`'s sample), parse, record, run the calls concurrently, render the observation.
+    Returns the turn and the episode's answer (None unless the turn answered without calling); `ledger` takes
+    the turn's records. Raises PolicyError / ToolServerError on infra failure, ReplayDiverged when a replayed
+    turn observes something else than it did."""
     t0 = time.monotonic()
     room = cfg.max_context_tokens - len(ids)
-    sample = await policy.sample(ids, max_new_tokens=min(cfg.max_new_tokens, room))
+    sample = (
+        await policy.sample(ids, max_new_tokens=min(cfg.max_new_tokens, room)) if replay is None else None
+    )
+    sample = sample or Sample(
+        replay.completion_ids, replay.completion_logprobs, replay.completion_text, "stop"
+    )
     t1 = time.monotonic()
     names = [str(t["function"]["name"]) for t in task.tools]  # type: ignore[index]
     parsed = parse_completion(prefix + sample.text, tool_names=names)
     calls = parsed.calls[: cfg.max_calls_per_turn]
+    records, bad_items = _record(parsed.records, ledger)
     results = await run_calls(
         tools, calls, session=session, tokenizer=tokenizer, budget=cfg.observation_tokens
     )
     t2 = time.monotonic()
     answer = parsed.answer if not calls else None
-    errors = list(parsed.errors) + _dropped_note(len(parsed.calls) - len(calls))
+    errors = list(parsed.errors) + bad_items + _dropped_note(len(parsed.calls) - len(calls))
     if cfg.untagged_is_answer and not calls and answer is None and [e.kind for e in errors] == ["no_action"]:
         answer, errors = sample.text.strip(), []
-    text = "" if answer is not None else render_observation(results, parse_errors=errors)
+    if answer is not None and task.items:
+        answer = ledger_answer(ledger, answer)
+    text = "" if answer is not None else render_observation(results, parse_errors=errors, records=records)
     obs_ids = (
         []
         if answer is not None
-        else observation_ids(tokenizer, results, completion_ids=sample.ids, parse_errors=errors)
+        else observation_ids(
+            tokenizer, results, completion_ids=sample.ids, parse_errors=errors, records=records
+        )
     )
     turn = Turn(
         completion_ids=list(sample.ids),
@@ -165,12 +242,46 @@ async def play_turn(
         calls=calls,
         results=results,
         parse_errors=errors,
-        policy_version=policy.version,
+        policy_version=policy.version if replay is None else replay.policy_version,
         policy_s=t1 - t0,
         tools_s=t2 - t1,
-        exact=sample.exact,
+        exact=sample.exact if replay is None else replay.exact,
+        records=records,
     )
+    if replay is not None and text != replay.observation_text:
+        raise ReplayDiverged(
+            f"replayed turn observed {text[:200]!r}, first time {replay.observation_text[:200]!r}"
+        )
     return turn, answer
+
+
+def _record(records: Sequence[Record], ledger: list[str | None]) -> tuple[list[Record], list[ParseError]]:
+    """Write the records of items the task has into `ledger` (a later record of an item replaces an earlier
+    one); the others become errors for the policy to read."""
+    kept, errors = [], []
+    for record in records:
+        if 1 <= record.item <= len(ledger):
+            ledger[record.item - 1] = record.text
+            kept.append(record)
+        elif ledger:
+            errors.append(
+                ParseError("bad_item", f"no item {record.item}: items are 1 to {len(ledger)}", record.raw)
+            )
+        else:
+            errors.append(
+                ParseError("bad_item", "this task has no items to record: answer instead", record.raw)
+            )
+    return kept, errors
+
+
+def ledger_answer(ledger: Sequence[str | None], answer: str | None) -> str:
+    """The final answer of an item task: one line per item, the recorded answer where there is one, else the
+    answer's line of the same number (when the policy answered), else an empty line."""
+    lines = (answer or "").splitlines()
+    return "\n".join(
+        text if text is not None else (lines[i].strip() if i < len(lines) else "")
+        for i, text in enumerate(ledger)
+    )
 
 
 async def run_calls(
@@ -211,6 +322,7 @@ def to_tool_result(r: CallResult, observation: str) -> ToolResult:
 
 def _new_episode(task: RolloutTask, prompt_ids: list[int], version: int) -> Episode:
     return Episode(
+        ledger=[None] * task.items,
         task_id=task.task_id,
         question=task.question,
         prompt_ids=prompt_ids,
@@ -225,6 +337,9 @@ def _new_episode(task: RolloutTask, prompt_ids: list[int], version: int) -> Epis
 
 
 def _finish(episode: Episode, start: float) -> None:
+    if episode.answer is None and any(text is not None for text in episode.ledger):
+        if episode.stop_reason != "infra_failed":  # a budget ran out: the recorded items are the answer
+            episode.answer = ledger_answer(episode.ledger, None)
     episode.wall_s = time.monotonic() - start
     episode.policy_s = sum(t.policy_s for t in episode.turns)
     episode.tools_s = sum(t.tools_s for t in episode.turns)

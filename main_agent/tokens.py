@@ -6,7 +6,8 @@ An episode's sequence is the concatenation of the ids the policy saw and produce
 
 `loss_mask` is 1 exactly on completion ids (what the policy sampled); `old_logprobs` holds the sampler's
 log-probs there; `advantages` holds each turn's advantage on that turn's completion ids. Elsewhere all three
-are 0. Nothing is re-tokenised.
+are 0. Nothing is re-tokenised. A folded episode (main_agent.types) gives one such sequence per segment, each
+starting with its own prompt; its turns keep their own advantages, so the segments share the episode's credit.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from main_agent.types import Episode
+from main_agent.types import Episode, Turn
 
 
 @dataclass(frozen=True)
@@ -32,23 +33,34 @@ class TrainSequence:
         assert lengths == (n, n, n), f"misaligned sequence: ids {n}, mask/logprobs/advantages {lengths}"
 
 
-def episode_ids(episode: Episode) -> list[int]:
-    """The whole token stream of an episode, exactly as the policy saw and produced it."""
-    ids = list(episode.prompt_ids)
-    for turn in episode.turns:
+def segment_ids(episode: Episode) -> list[list[int]]:
+    """Each segment's token stream, exactly as the policy saw and produced it (one list when never folded)."""
+    return [_stream(prompt, turns) for prompt, turns in episode.segments]
+
+
+def _stream(prompt: Sequence[int], turns: Sequence[Turn]) -> list[int]:
+    ids = list(prompt)
+    for turn in turns:
         ids += turn.completion_ids + turn.observation_ids
     return ids
 
 
-def to_sequence(episode: Episode, turn_advantages: Sequence[float]) -> TrainSequence:
-    """Lay out one episode with one advantage per turn."""
+def to_sequences(episode: Episode, turn_advantages: Sequence[float]) -> list[TrainSequence]:
+    """Lay out one episode with one advantage per turn: one sequence per segment, in order."""
     assert len(turn_advantages) == len(episode.turns), (
         f"{len(turn_advantages)} advantages for {len(episode.turns)} turns"
     )
-    n_prompt = len(episode.prompt_ids)
-    ids, mask = list(episode.prompt_ids), [0] * n_prompt
-    logprobs, advantages = [0.0] * n_prompt, [0.0] * n_prompt
-    for turn, advantage in zip(episode.turns, turn_advantages, strict=True):
+    sequences, start = [], 0
+    for prompt, turns in episode.segments:
+        sequences.append(_lay_out(prompt, turns, turn_advantages[start : start + len(turns)]))
+        start += len(turns)
+    return sequences
+
+
+def _lay_out(prompt: Sequence[int], turns: Sequence[Turn], turn_advantages: Sequence[float]) -> TrainSequence:
+    ids, mask = list(prompt), [0] * len(prompt)
+    logprobs, advantages = [0.0] * len(prompt), [0.0] * len(prompt)
+    for turn, advantage in zip(turns, turn_advantages, strict=True):
         n_c, n_o = len(turn.completion_ids), len(turn.observation_ids)
         ids += turn.completion_ids + turn.observation_ids
         mask += [1] * n_c + [0] * n_o

@@ -6,6 +6,12 @@ next assistant header, never trained on). Nothing here re-tokenises text. An epi
 
     prompt_ids + turns[0].completion_ids + turns[0].observation_ids + turns[1].completion_ids + ...
 
+unless it was folded: a long episode continues in a new **segment** when its context would pass the rollout's
+`fold_at_tokens`. The turn that opens a segment carries that segment's prompt in `Turn.prompt_ids` (the task, the
+ledger of recorded items and the last observation, rendered fresh), and the turn before it appends no
+observation ids (its observation went into the new prompt). `Episode.segments` cuts the turns at those points;
+each segment is one sequence exactly as the policy saw it, and the trainer trains each on its own.
+
 `Episode.to_json()` / `Episode.from_json()` round-trip losslessly (one JSON line per episode in rollout logs).
 """
 
@@ -26,6 +32,8 @@ ParseErrorKind = Literal[
     "bad_arguments",  # "arguments" is neither an object nor a JSON string holding one
     "answer_ignored",  # an <answer> in a turn that also made valid calls: the calls run, the answer is dropped
     "too_many_calls",  # calls past the per-turn cap: they were not run
+    "bad_record",  # a <record> tag without a positive item number
+    "bad_item",  # a record of an item the task does not have (or a task without items)
 ]
 
 StopReason = Literal["answer", "max_turns", "max_context", "deadline", "infra_failed"]
@@ -38,6 +46,15 @@ class ToolCall:
     name: str
     arguments: dict[str, object]
     raw: str  # the `<tool_call>...</tool_call>` text as written, for traces
+
+
+@dataclass(frozen=True)
+class Record:
+    """One finished item's answer, written `<record item="3">ABC123</record>`; it goes into the ledger."""
+
+    item: int  # 1-based, as the task numbers its items
+    text: str
+    raw: str
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,7 @@ class ParsedTurn:
     calls: list[ToolCall]
     answer: str | None
     errors: list[ParseError]
+    records: list[Record] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -89,6 +107,10 @@ class Turn:
     policy_s: float  # seconds spent generating this turn
     tools_s: float  # seconds spent waiting for this turn's tool calls
     exact: bool = True  # False: the sampler returned re-tokenised ids or lacked log-probs; never trained on
+    records: list[Record] = field(default_factory=list)  # items this turn recorded, in the order written
+    prompt_ids: list[int] = field(
+        default_factory=list
+    )  # non-empty: this turn opens a segment with this prompt
 
     def __post_init__(self) -> None:
         n_ids, n_lp = len(self.completion_ids), len(self.completion_logprobs)
@@ -113,6 +135,25 @@ class Episode:
     infra_error: str | None = None  # set iff stop_reason == "infra_failed": the episode is invalid, not wrong
     reward: float | None = None
     turn_rewards: list[float] = field(default_factory=list)
+    ledger: list[str | None] = field(default_factory=list)  # item i+1's recorded answer (None: not recorded)
+
+    @property
+    def segments(self) -> list[tuple[list[int], list[Turn]]]:
+        """(prompt ids, turns) of each segment in order: one for an episode that never folded."""
+        segments: list[tuple[list[int], list[Turn]]] = [(self.prompt_ids, [])]
+        for turn in self.turns:
+            if turn.prompt_ids:
+                segments.append((turn.prompt_ids, []))
+            segments[-1][1].append(turn)
+        return segments
+
+    @property
+    def segment_tokens(self) -> list[int]:
+        """Length of each segment's token stream: what the main context held at the end of that segment."""
+        return [
+            len(prompt) + sum(len(t.completion_ids) + len(t.observation_ids) for t in turns)
+            for prompt, turns in self.segments
+        ]
 
     @property
     def exact(self) -> bool:
@@ -138,8 +179,8 @@ class Episode:
 
     @property
     def context_tokens(self) -> int:
-        """Length of the whole token stream the policy saw and produced."""
-        return len(self.prompt_ids) + sum(len(t.completion_ids) + len(t.observation_ids) for t in self.turns)
+        """The peak main context: the longest segment's token stream (the whole stream when never folded)."""
+        return max(self.segment_tokens)
 
     @property
     def subagent_tokens_read(self) -> int:
@@ -159,4 +200,6 @@ def _turn_from_dict(data: dict[str, object]) -> Turn:
     calls = [ToolCall(**c) for c in data["calls"]]  # type: ignore[attr-defined]
     results = [ToolResult(**r) for r in data["results"]]  # type: ignore[attr-defined]
     errors = [ParseError(**e) for e in data["parse_errors"]]  # type: ignore[attr-defined]
-    return Turn(**{**data, "calls": calls, "results": results, "parse_errors": errors})  # type: ignore[arg-type]
+    records = [Record(**r) for r in data.get("records", [])]  # type: ignore[attr-defined]
+    parts = {"calls": calls, "results": results, "parse_errors": errors, "records": records}
+    return Turn(**{**data, **parts})  # type: ignore[arg-type]

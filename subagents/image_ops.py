@@ -2,10 +2,17 @@
 
 Images live in an `ImageStore` under the caller's session (one episode), named by short ids like
 `img_3f2a9c`. Pixel ops store a NEW image and leave the source alone; the server serves a PNG thumbnail of
-any stored image at `/v1/images/{id}`. Two OCR ops (subagents/ocr.py: the process's one rapidocr engine) model
-two ways of looking. `find_text` runs the text detector alone at the image's own resolution (rapidocr caps the long
-side at 2000 px) and returns where text is, labelled by shape and confidence, never what it says: it tells the
-caller where to zoom. `read` is the only reader: it sees the image resized to `reader_side` (384 px) on the long
+any stored image at `/v1/images/{id}`. An id is derived from how its image was made (`derivation`: the load
+source as written, or the parent id and the canonical request), never drawn at random: a replay of an
+episode prefix in a new session sees the same ids, so the same observations byte for byte, and episodes of a
+group making the same call see the same id, so their calls share anchors for turn credit. Ids are 6 hex
+digits: two different derivations inside one session may collide, but for a session of 32 images the odds
+are about 3e-5 (`ImageStore`).
+
+Two OCR ops (subagents/ocr.py: the process's one rapidocr engine) model two ways of looking. `find_text`
+runs the text detector alone at the image's own resolution (rapidocr caps the long side at 2000 px) and
+returns where text is, labelled by shape and confidence, never what it says: it tells the caller where to
+zoom. `read` is the only reader: it sees the image resized to `reader_side` (384 px) on the long
 side, like a vision model's fixed input, so small text needs a crop or zoom first. On the first 40 shared US
 plate photos `read` finds 14 plates in the full photo and 30 after a crop to 3x the plate box; on 40 train
 photos a zoom on the detector's box around the plate, grown by one box height on every side, reads 32.
@@ -23,10 +30,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import io
+import json
 import math
 import re
-import secrets
 import struct
 import threading
 import warnings
@@ -144,7 +152,7 @@ async def _run(request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Respon
     new_image = request.op not in ("find_text", "read")
     if new_image and request.op != "load":
         image = await asyncio.to_thread(transform, image, request, cfg)
-    image_id = rt.state.put(rt.session, image) if new_image else request.image
+    image_id = rt.state.put(rt.session, image, derivation(request)) if new_image else request.image
     response = Response(op=request.op, image_id=image_id, width=image.width, height=image.height)
     response.thumbnail_url = f"/v1/images/{image_id}"
     if request.op == "read":
@@ -156,6 +164,21 @@ async def _run(request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Respon
         response.boxes = boxes[: cfg.find_text_top]
     response.tokens_returned = rt.count_tokens(response.summary())
     return response
+
+
+def derivation(request: Request) -> str:
+    """How a pixel op's image is made, the text its id is hashed from: `load` and the source as written, or
+    the parent id and the whole request as canonical JSON (sorted keys, compact, defaults filled in), so every
+    field that can change the pixels is in it and an omitted default names the same image as an explicit one."""
+    if request.op == "load":
+        return f"load\n{request.image}"
+    canonical = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return f"{request.image}\n{canonical}"
+
+
+def derived_id(derivation: str) -> str:
+    """`img_` and the first 6 hex digits of the derivation's SHA-1: short, as the policy reads ids."""
+    return "img_" + hashlib.sha1(derivation.encode()).hexdigest()[:6]
 
 
 async def source_bytes(source: str, cfg: Config, rt: Runtime[ImageStore]) -> bytes:
@@ -312,33 +335,44 @@ def detect(image: Image.Image, *, offset: tuple[int, int] = (0, 0)) -> list[Text
 
 
 class ImageStore:
-    """Images by id (unique over all sessions), each owned by one session; bounded per session, in sessions
-    and in total pixels, evicting the least recently used (`get` counts as use). One lock guards the maps;
-    stored images are never modified, so callers may read them after the lock is released."""
+    """Images by (session, id), the id derived from how the image was made (`derived_id`): the same call in
+    two sessions gives the same id in each, each session holding its own entry, and (files unchanged) the same
+    pixels. Putting an id the session already holds replaces that entry. Two different derivations sharing 6 hex
+    digits inside one session would make the later image replace the earlier: for a full session of 32 images
+    the odds are 32*31/2 / 16**6, about 3e-5 (1 in 34,000), and sessions never collide with each other.
+
+    Bounded per session, in sessions and in total pixels, evicting the least recently used (`get` and a
+    repeated `put` count as use). One lock guards the maps; stored images are never modified, so callers may
+    read them after the lock is released."""
 
     def __init__(self, cfg: Config | None = None) -> None:
         self.cfg = cfg or Config()
         self._lock = threading.Lock()
-        self._images: OrderedDict[str, tuple[str, Image.Image]] = OrderedDict()  # id -> (session, image)
+        # (session, id) -> image, least recently used first
+        self._images: OrderedDict[tuple[str, str], Image.Image] = OrderedDict()
         self._sessions: OrderedDict[str, int] = OrderedDict()  # session -> images held; least recent first
         self._pixels = 0
 
-    def put(self, session: str, image: Image.Image) -> str:
-        """Store `image` for `session` and return its new id, evicting as the bounds require."""
+    def put(self, session: str, image: Image.Image, derivation: str) -> str:
+        """Store `image` for `session` under the id `derivation` gives (replacing the session's entry of that
+        id, if any) and return the id, evicting as the bounds require."""
         check_pixels(image.size, self.cfg.max_total_pixels, what="the image to store")
+        image_id = derived_id(derivation)
+        key = (session, image_id)
         with self._lock:
+            old = self._images.pop(key, None)
+            if old is not None:  # a refresh: the session keeps its place in the count until re-added below
+                self._pixels -= old.width * old.height
+                self._sessions[session] -= 1
             if session not in self._sessions and len(self._sessions) >= self.cfg.max_sessions:
                 oldest = next(iter(self._sessions))
-                for image_id in [i for i, (owner, _) in self._images.items() if owner == oldest]:
-                    self._evict(image_id)
+                for stale in [k for k in self._images if k[0] == oldest]:
+                    self._evict(stale)
             if self._sessions.get(session, 0) >= self.cfg.max_images_per_session:
-                self._evict(next(i for i, (owner, _) in self._images.items() if owner == session))
+                self._evict(next(k for k in self._images if k[0] == session))
             while self._pixels + image.width * image.height > self.cfg.max_total_pixels:
                 self._evict(next(iter(self._images)))
-            image_id = f"img_{secrets.token_hex(3)}"
-            while image_id in self._images:
-                image_id = f"img_{secrets.token_hex(3)}"
-            self._images[image_id] = (session, image)
+            self._images[key] = image
             self._sessions[session] = self._sessions.get(session, 0) + 1
             self._sessions.move_to_end(session)
             self._pixels += image.width * image.height
@@ -346,19 +380,24 @@ class ImageStore:
 
     def get(self, session: str, image_id: str) -> Image.Image:
         """The image `image_id` of `session`; ToolFailure(not_found) for unknown, evicted or foreign ids."""
+        key = (session, image_id)
         with self._lock:
-            owner, image = self._images.get(image_id, ("", None))
-            if image is None or owner != session:
+            image = self._images.get(key)
+            if image is None:
                 raise ToolFailure("not_found", f"no image {image_id[:40]!r} in this session: load one first")
-            self._images.move_to_end(image_id)
+            self._images.move_to_end(key)
             self._sessions.move_to_end(session)
             return image
 
     def thumbnail_png(self, image_id: str, *, session: str | None = None) -> bytes | None:
-        """A PNG at most `thumbnail_side` px on its longest side; None if unknown (or of another session)."""
+        """A PNG at most `thumbnail_side` px on its longest side; None if unknown. With `session`, only that
+        session's image; without, any session's image of that id (the same derivation, so the same pixels)."""
         with self._lock:
-            owner, image = self._images.get(image_id, ("", None))
-        if image is None or (session is not None and owner != session):
+            if session is not None:
+                image = self._images.get((session, image_id))
+            else:  # the most recently used holder
+                image = next((img for (_, i), img in reversed(self._images.items()) if i == image_id), None)
+        if image is None:
             return None
         side = self.cfg.thumbnail_side
         image = scaled(image, side, Image.Resampling.BILINEAR) if max(image.size) > side else image
@@ -366,9 +405,10 @@ class ImageStore:
         image.save(buffer, format="PNG")
         return buffer.getvalue()
 
-    def _evict(self, image_id: str) -> None:
-        session, image = self._images.pop(image_id)
+    def _evict(self, key: tuple[str, str]) -> None:
+        image = self._images.pop(key)
         self._pixels -= image.width * image.height
+        session = key[0]
         self._sessions[session] -= 1
         if self._sessions[session] == 0:
             del self._sessions[session]

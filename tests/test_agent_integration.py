@@ -8,7 +8,7 @@ import pytest
 
 from main_agent.policy import SamplingConfig, TransformersPolicy, load_model
 from main_agent.rollout import RolloutConfig, RolloutTask, rollout
-from main_agent.tokens import episode_ids
+from main_agent.tokens import segment_ids
 from main_agent.trace import render_html
 from tests.tool_server_fakes import page_server, serving
 from tool_server.app import create_app
@@ -60,7 +60,7 @@ async def test_real_episode_over_a_real_page(smollm2_path, shared_data):
     payload = result.payload or {}
     assert str(payload["quote"]) in html or str(payload["quote"]) in str(payload["chunks"])
     assert result.tokens_read > 10 * result.tokens_returned  # the page stayed out of the main context
-    assert episode_ids(episode) == policy.prompts[-1] + policy.last.ids + episode.turns[-1].observation_ids
+    assert segment_ids(episode) == [policy.prompts[-1] + policy.last.ids + episode.turns[-1].observation_ids]
     page = render_html([episode])
     for turn in episode.turns:
         for call in turn.calls:

@@ -1,10 +1,11 @@
 """image_ops: decoding guards (bombs, truncation, formats, EXIF, byte caps), path and source checks, every
-pixel op, request validation, the bounded per-session store, and real OCR on generated images and on the
+pixel op, request validation, derived image ids, the bounded per-session store, and real OCR on generated images and on the
 shared US plate photos (crop-then-read finds many more plates than reading the whole photo)."""
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import math
@@ -119,12 +120,14 @@ CFG = Config()
 @pytest.mark.parametrize("fmt", ["JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF"])
 async def test_every_allowed_format_loads_as_a_new_stored_image(fmt: str) -> None:
     """Each format of the allowlist (MPO: camera JPEGs with a second picture) decodes to an RGB image of the
-    right size, stored under a fresh id."""
+    right size, stored under the id derived from the load source."""
     rt = runtime()
     extra = {"save_all": True, "append_images": [marked()]} if fmt == "MPO" else {}
-    response = await call(rt, CFG, op="load", image=data_uri(encoded(marked(), fmt, **extra)))
+    source = data_uri(encoded(marked(), fmt, **extra))
+    response = await call(rt, CFG, op="load", image=source)
     assert response.ok, response.error
     assert re.fullmatch(r"img_[0-9a-f]{6}", response.image_id)
+    assert response.image_id == "img_" + hashlib.sha1(f"load\n{source}".encode()).hexdigest()[:6]
     assert (response.width, response.height) == (60, 40)
     assert response.thumbnail_url == f"/v1/images/{response.image_id}"
     assert rt.state.get("s1", response.image_id).mode == "RGB"
@@ -493,7 +496,8 @@ def test_ocr_summaries_are_compact_and_only_read_quotes_text() -> None:
 
 
 async def test_ids_are_private_to_their_session() -> None:
-    """Another session's id and an unknown id are not_found; the thumbnail route sees only the owner's."""
+    """An id is usable only in a session that made it: another session's id (until that session makes the
+    same image itself) and an unknown id are not_found; the thumbnail route with a session sees only its own."""
     store = ImageStore()
     mine = await loaded(runtime(store, session="a"), CFG, marked())
     theirs = await call(runtime(store, session="b"), CFG, op="crop", image=mine.image_id, box=[0, 0, 5, 5])
@@ -508,7 +512,10 @@ async def test_ids_are_private_to_their_session() -> None:
 def test_thumbnails_are_small_pngs() -> None:
     """A large image's thumbnail is a PNG at most thumbnail_side on its longest side; small ones keep size."""
     store = ImageStore(Config(thumbnail_side=64))
-    big, small = store.put("s", Image.new("RGB", (400, 100))), store.put("s", Image.new("RGB", (30, 20)))
+    big, small = (
+        store.put("s", Image.new("RGB", (400, 100)), "big"),
+        store.put("s", Image.new("RGB", (30, 20)), "small"),
+    )
     with Image.open(io.BytesIO(store.thumbnail_png(big) or b"")) as thumb:
         assert (thumb.format, thumb.size) == ("PNG", (64, 16))
     with Image.open(io.BytesIO(store.thumbnail_png(small) or b"")) as thumb:
@@ -518,9 +525,9 @@ def test_thumbnails_are_small_pngs() -> None:
 def test_each_session_keeps_its_most_recently_used_images() -> None:
     """Past max_images_per_session the least recently used image of that session goes (a get is a use)."""
     store = ImageStore(Config(max_images_per_session=3))
-    ids = [store.put("s", Image.new("RGB", (4, 4))) for _ in range(3)]
+    ids = [store.put("s", Image.new("RGB", (4, 4)), f"load\n{n}.png") for n in range(3)]
     store.get("s", ids[0])
-    newest = store.put("s", Image.new("RGB", (4, 4)))
+    newest = store.put("s", Image.new("RGB", (4, 4)), "load\n3.png")
     with pytest.raises(ToolFailure) as evicted:
         store.get("s", ids[1])
     assert evicted.value.error.kind == "not_found"
@@ -531,9 +538,9 @@ def test_each_session_keeps_its_most_recently_used_images() -> None:
 def test_the_least_recently_used_session_is_dropped_whole() -> None:
     """Past max_sessions, every image of the session used longest ago goes; the others stay."""
     store = ImageStore(Config(max_sessions=2))
-    a = [store.put("a", Image.new("RGB", (4, 4))) for _ in range(2)]
-    b = store.put("b", Image.new("RGB", (4, 4)))
-    c = store.put("c", Image.new("RGB", (4, 4)))
+    a = [store.put("a", Image.new("RGB", (4, 4)), f"load\n{n}.png") for n in range(2)]
+    b = store.put("b", Image.new("RGB", (4, 4)), "load\nb.png")
+    c = store.put("c", Image.new("RGB", (4, 4)), "load\nc.png")
     assert all(store.thumbnail_png(i) is None for i in a)
     assert store.get("b", b) and store.get("c", c)
 
@@ -542,30 +549,117 @@ def test_total_pixels_are_bounded() -> None:
     """Past max_total_pixels the oldest images go until the new one fits; one bigger than the bound is
     too_large."""
     store = ImageStore(Config(max_total_pixels=10_000))
-    ids = [store.put(f"s{i}", Image.new("RGB", (50, 50))) for i in range(4)]  # 4 x 2,500 = the bound
-    store.put("s9", Image.new("RGB", (50, 100)))  # 5,000 more: the two oldest go
+    ids = [store.put(f"s{i}", Image.new("RGB", (50, 50)), f"load\n{i}.png") for i in range(4)]  # 4 x 2,500
+    store.put("s9", Image.new("RGB", (50, 100)), "load\n9.png")  # 5,000 more: the two oldest go
     assert [store.thumbnail_png(i) is None for i in ids] == [True, True, False, False]
     with pytest.raises(ToolFailure) as refused:
-        store.put("s9", Image.new("RGB", (101, 100)))
+        store.put("s9", Image.new("RGB", (101, 100)), "load\nhuge.png")
     assert refused.value.error.kind == "too_large"
 
 
-def test_concurrent_puts_keep_the_bounds_and_unique_ids() -> None:
-    """Worker threads putting into one store at once never exceed the per-session bound or reuse an id."""
+def test_concurrent_puts_keep_the_bounds_and_the_same_ids_in_every_session() -> None:
+    """Worker threads putting the same 50 derivations into 8 sessions of one store at once: every session
+    gets the same 50 ids (distinct within the session) and keeps exactly its 5 most recent images."""
     store = ImageStore(Config(max_images_per_session=5))
-    ids: list[str] = []
+    ids: dict[str, list[str]] = {}
 
     def work(session: str) -> None:
-        ids.extend(store.put(session, Image.new("RGB", (2, 2))) for _ in range(50))
+        ids[session] = [store.put(session, Image.new("RGB", (2, 2)), f"load\n{n}.png") for n in range(50)]
 
-    threads = [threading.Thread(target=work, args=(f"s{n}",)) for n in range(8)]
+    sessions = [f"s{n}" for n in range(8)]
+    threads = [threading.Thread(target=work, args=(session,)) for session in sessions]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert len(set(ids)) == len(ids) == 400
-    alive = [i for i in ids if store.thumbnail_png(i) is not None]
-    assert len(alive) == 8 * 5
+    assert all(ids[session] == ids["s0"] for session in sessions) and len(set(ids["s0"])) == 50
+    for session in sessions:
+        alive = [i for i in ids[session] if store.thumbnail_png(i, session=session) is not None]
+        assert alive == ids[session][-5:], session
+
+
+def test_a_refreshed_id_replaces_its_entry_and_counts_its_pixels_once() -> None:
+    """Putting an id the session already holds replaces its pixels and makes it the most recently used, and
+    the total-pixel bound counts it once: refreshing it evicts nothing, and a later put evicts the older image."""
+    store = ImageStore(Config(max_total_pixels=3 * 100))
+    first = store.put("a", Image.new("RGB", (10, 10), "red"), "load\nx.png")
+    other = store.put("b", Image.new("RGB", (10, 10)), "load\ny.png")
+    for _ in range(5):
+        assert store.put("a", Image.new("RGB", (10, 10), "blue"), "load\nx.png") == first
+    assert store.get("a", first).getpixel((0, 0)) == (0, 0, 255) and store.get("b", other)
+    store.put("a", Image.new("RGB", (10, 10)), "load\nz.png")
+    store.get("a", first)  # the refreshed image is now used after `other`
+    store.put("c", Image.new("RGB", (10, 10)), "load\nw.png")  # over the bound: the least recently used goes
+    with pytest.raises(ToolFailure):
+        store.get("b", other)
+    assert store.get("a", first).getpixel((0, 0)) == (0, 0, 255)
+
+
+def test_refreshing_a_sessions_only_image_drops_no_other_session() -> None:
+    """A session already counted is not a new one: refreshing its only image at max_sessions keeps the rest."""
+    store = ImageStore(Config(max_sessions=2))
+    mine = store.put("a", Image.new("RGB", (4, 4)), "load\nx.png")
+    theirs = store.put("b", Image.new("RGB", (4, 4)), "load\ny.png")
+    store.put("a", Image.new("RGB", (4, 4)), "load\nx.png")
+    assert store.get("a", mine) and store.get("b", theirs)
+
+
+def test_two_sessions_holding_the_same_id_are_independent() -> None:
+    """Sessions that made the same image hold the same id, each its own entry: evicting it from one session
+    (its own per-session bound) or dropping that session whole (max_sessions) keeps the other's image."""
+    store = ImageStore(Config(max_images_per_session=1, max_sessions=2))
+    shared = store.put("a", marked(), "load\nshared.png")
+    assert store.put("b", marked(), "load\nshared.png") == shared
+    store.put("a", Image.new("RGB", (4, 4)), "load\nother.png")  # a's one slot: a's copy goes
+    with pytest.raises(ToolFailure) as evicted:
+        store.get("a", shared)
+    assert evicted.value.error.kind == "not_found" and store.thumbnail_png(shared, session="a") is None
+    assert store.get("b", shared).tobytes() == marked().tobytes()
+    store.put("a", marked(), "load\nshared.png")  # a makes it again; then a, the older session, is dropped
+    store.get("b", shared)
+    store.put("c", Image.new("RGB", (4, 4)), "load\nc.png")
+    with pytest.raises(ToolFailure):
+        store.get("a", shared)
+    assert store.get("b", shared).tobytes() == marked().tobytes()
+    assert store.thumbnail_png(shared) == store.thumbnail_png(shared, session="b") is not None
+
+
+async def test_ids_are_derived_from_the_call_that_made_the_image() -> None:
+    """The same call gives the same id (also with a default spelled out); a different source, op, box,
+    factor, angle or direction gives a different id, and repeating a call adds no image."""
+    rt = runtime(ImageStore(Config(max_images_per_session=14)))  # room for the 14 distinct images only
+    source = await loaded(rt, CFG, marked(60, 40))
+    again = await loaded(rt, CFG, marked(60, 40))
+    assert again.image_id == source.image_id
+    other = await call(rt, CFG, op="load", image=data_uri(encoded(marked(60, 41))))
+    made = [source.image_id, other.image_id]
+    for args in [
+        {"op": "crop", "box": [0, 0, 30, 20]},
+        {"op": "crop", "box": [0, 0, 30, 21]},
+        {"op": "crop", "box": [0, 0, 0.5, 0.5]},
+        {"op": "zoom", "box": [0, 0, 30, 20]},
+        {"op": "zoom", "box": [0, 0, 30, 20], "factor": 2},
+        {"op": "zoom"},
+        {"op": "rotate"},
+        {"op": "rotate", "degrees": 45},
+        {"op": "flip"},
+        {"op": "flip", "direction": "vertical"},
+        {"op": "autocontrast"},
+    ]:
+        response = await call(rt, CFG, image=source.image_id, **args)
+        assert response.ok, (args, response.error)
+        made.append(response.image_id)
+    assert len(set(made)) == len(made), made
+    from_other = await call(rt, CFG, op="flip", image=other.image_id)
+    assert from_other.image_id not in made
+    explicit = await call(rt, CFG, op="zoom", image=source.image_id, factor=3.0)  # 3 is the default
+    assert explicit.image_id == made[7]
+    for image_id in [*made, from_other.image_id]:  # repeats took no slot: nothing was evicted
+        assert rt.state.get("s1", image_id)
+    assert image_ops.derivation(Request(op="zoom", image="img_abcdef", box=[1, 2, 3, 4])) == (
+        'img_abcdef\n{"box":[1.0,2.0,3.0,4.0],"degrees":90.0,"direction":"horizontal","factor":3.0,'
+        '"image":"img_abcdef","op":"zoom"}'
+    )
 
 
 # ---------------------------------------------------------------- real OCR
@@ -688,6 +782,38 @@ async def test_cropping_around_the_plate_lets_the_reader_find_many_more_plates(s
     )
     assert 5 <= whole <= 22, whole
     assert cropped >= whole + 10 and cropped >= 24, (whole, cropped)
+
+
+@pytest.mark.slow
+async def test_the_same_calls_in_a_new_session_give_byte_identical_responses(shared_data: Path) -> None:
+    """Replaying an episode's calls (load a shared plate photo, find_text, zoom on the plate, read) in another
+    session of the same store and in a fresh store gives the same response JSON byte for byte (latency aside,
+    which is timing, not observation) and the same thumbnails: ids are derived, not random."""
+    folder = shared_data / "images" / "plates" / "endtoend" / "us"
+    photos = sorted(folder.glob("*.jpg"))
+    if not photos:
+        pytest.skip(f"no US plate photos in {folder}")
+    photo = photos[0]
+    _, *box, _plate = photo.with_suffix(".txt").read_text(encoding="utf-8").split()
+    store = ImageStore()
+
+    async def episode(rt: Runtime[ImageStore]) -> tuple[list[str], list[bytes | None]]:
+        source = await call(rt, CFG, op="load", image=photo.name)
+        found = await call(rt, CFG, op="find_text", image=source.image_id)
+        zoom_box = padded(tuple(map(int, box)), (source.width, source.height))  # type: ignore[arg-type]
+        zoomed = await call(rt, CFG, op="zoom", image=source.image_id, box=zoom_box, factor=2)
+        read = await call(rt, CFG, op="read", image=zoomed.image_id)
+        responses = [source, found, zoomed, read]
+        assert all(r.ok for r in responses), [r.error for r in responses]
+        jsons = [r.model_dump_json(exclude={"latency_ms"}) + r.observation() for r in responses]
+        thumbs = [rt.state.thumbnail_png(r.image_id, session=rt.session) for r in (source, zoomed)]
+        return jsons, thumbs
+
+    first = await episode(runtime(store, session="episode-1", roots=(str(folder),)))
+    replay = await episode(runtime(store, session="episode-2", roots=(str(folder),)))
+    fresh = await episode(runtime(ImageStore(), session="episode-1", roots=(str(folder),)))
+    assert first == replay == fresh
+    assert all(thumb is not None for thumb in first[1])
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 
 from main_agent.rollout import RolloutConfig, RolloutTask, rollout
-from main_agent.tokens import episode_ids, to_sequence
+from main_agent.tokens import segment_ids, to_sequences
 from main_agent.types import Episode
 from tests.fakes import TOOLS, ByteChatTokenizer, ScriptedPolicy, call_text, fake_tool_server, ok_result
 from tool_server.client import ToolClient
@@ -52,8 +52,8 @@ async def test_calls_of_a_turn_run_concurrently():
 async def test_token_stream_is_exactly_what_the_policy_saw():
     """The training sequence is the concatenation of ids: the last prompt plus the last completion."""
     episode, policy = await play(two_calls_then_answer)
-    assert episode_ids(episode) == policy.prompts[-1] + policy.samples[-1].ids
-    seq = to_sequence(episode, [1.0] * len(episode.turns))
+    assert segment_ids(episode) == [policy.prompts[-1] + policy.samples[-1].ids]
+    [seq] = to_sequences(episode, [1.0] * len(episode.turns))
     sampled = [i for i, m in zip(seq.input_ids, seq.loss_mask, strict=True) if m]
     assert sampled == [i for s in policy.samples for i in s.ids]
     assert sum(seq.loss_mask) == sum(len(t.completion_ids) for t in episode.turns)
@@ -189,7 +189,7 @@ async def test_first_turn_prefix_joins_the_prompt_and_the_first_parse():
     episode, policy = await play(continue_call, cfg=RolloutConfig(first_turn_prefix=prefix))
     assert policy.tokenizer.decode(episode.prompt_ids).endswith(prefix)
     assert [c.name for c in episode.turns[0].calls] == ["search"] and episode.answer == "y"
-    assert episode_ids(episode) == policy.prompts[-1] + policy.samples[-1].ids
+    assert segment_ids(episode) == [policy.prompts[-1] + policy.samples[-1].ids]
 
 
 async def test_untagged_text_ends_the_episode_only_when_asked():

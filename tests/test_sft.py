@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from main_agent.rollout import RolloutConfig, rollout
-from main_agent.tokens import collate, to_sequence
+from main_agent.tokens import collate, to_sequences
 from main_agent.types import Episode
 from tests.fakes import TOOLS, ByteChatTokenizer, fake_tool_server, ok_result
 from tool_server.client import ToolClient
@@ -319,7 +319,7 @@ async def test_only_the_experts_tokens_are_in_the_loss():
     """The loss mask is 1 on exactly the oracle's replies (no prompt, no tool response), and the SFT loss is the
     mean cross-entropy of those tokens alone."""
     episode = await play(PLATE)
-    seq = to_sequence(episode, [0.0] * len(episode.turns))
+    [seq] = to_sequences(episode, [0.0] * len(episode.turns))
     masked = [i for i, m in zip(seq.input_ids, seq.loss_mask, strict=True) if m]
     assert masked == [i for t in episode.turns for i in t.completion_ids]
     text = ByteChatTokenizer().decode(masked)
@@ -386,3 +386,40 @@ async def test_oracle_reads_real_plates_through_the_real_tool_server(shared_data
         assert episode.tool_errors == 0 and episode.num_parse_errors == 0 and episode.stop_reason == "answer"
     right = sum(task_data.success(t, e.answer) for t, e in zip(ready, played, strict=True))
     print(f"oracle on 2 real plates: {right} right; calls:", [len(e.turns) for e in played])
+
+
+@pytest.mark.slow
+async def test_oracle_audits_real_plates_item_by_item(shared_data, tmp_path):
+    """plate_audit with 3 real photos through the real tool server: the expert reads photo after photo,
+    records each reading in the ledger (image paths relative to the first root) and ends with the ledger as its
+    answer; the recorded plates are the item expert's readings."""
+    from transformers import AutoTokenizer
+
+    from conductor.models import ModelNotFound, resolve_model
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            resolve_model("smollm2-135m-instruct"), local_files_only=True
+        )
+    except ModelNotFound as exc:
+        pytest.skip(str(exc))
+    audits = task_data.load_family("plate_audit", "train", data_dir=shared_data, items=3, limit=1)
+    session = tool_session(audits, work_dir=tmp_path, access=ToolAccess(), data_dir=shared_data)
+    async with session as (client, ready):
+        expert = OraclePolicy(ready[0], tokenizer)
+        [[episode]] = await play_tasks(
+            ready,
+            lambda task: expert,
+            tools=client,
+            tokenizer=tokenizer,
+            cfg=RolloutConfig(max_turns=30, max_new_tokens=320, max_context_tokens=8192),
+            max_concurrent=1,
+            on_turn_for=lambda task: expert.observe,
+        )
+    assert episode.tool_errors == 0 and episode.num_parse_errors == 0 and episode.stop_reason == "answer"
+    loads = [c.arguments["image"] for t in episode.turns for c in t.calls if c.arguments["op"] == "load"]
+    assert loads == [line.split(": ", 1)[1] for line in ready[0].context.splitlines()]
+    assert all(text is not None for text in episode.ledger)
+    assert episode.answer == "\n".join(episode.ledger)
+    right = sum(task_data.item_reward(ready[0], i + 1, t) for i, t in enumerate(episode.ledger))
+    print(f"oracle audit of 3 real plates: {right:.0f} right in {episode.num_calls} calls")

@@ -29,6 +29,12 @@ def test_counts_per_split(shared_data: Path) -> None:
         "multihop_pages": {"train": 500, "dev": 300, "test": 500},
         "plate_reading": {"train": 233, "dev": 49, "test": 48},
         "video_qa": {"train": 7, "dev": 2, "test": 3},
+        "plate_audit": {
+            "train": 58,
+            "dev": 12,
+            "test": 12,
+        },  # 4 photos each (the default), remainder left out
+        "multihop_batch": {"train": 125, "dev": 75, "test": 125},
     }
     ids: list[str] = []
     for family in FAMILIES:
@@ -217,3 +223,45 @@ def test_musique_tasks_carry_their_decomposition(shared_data: Path, tmp_path: Pa
     path = tmp_path / "musique.jsonl"
     T.save_tasks(path, musique)
     assert T.load_tasks(path) == musique
+
+
+def test_item_tasks_bundle_one_split_deterministically(shared_data: Path) -> None:
+    """A bundle's items come from its own split only, every item at most once per N, the same items for the same
+    id on every load; its reference is its items' references, one per line."""
+    for family in ("plate_audit", "multihop_batch"):
+        for n in (1, 4, 8):
+            tasks = T.load_family(family, "dev", data_dir=shared_data, items=n)
+            assert all(len(t.items) == n and all(i.meta.split == "dev" for i in t.items) for t in tasks)
+            items = [i.task_id for t in tasks for i in t.items]
+            assert len(items) == len(set(items))
+            again = T.load_family(family, "dev", data_dir=shared_data, items=n)
+            assert [(t.task_id, t.items) for t in again] == [(t.task_id, t.items) for t in tasks]
+            assert tasks[0].reference.splitlines() == [i.reference for i in tasks[0].items]
+    audit = T.load_family("plate_audit", "dev", data_dir=shared_data, items=32)
+    assert len(audit) == 1 and audit[0].task_id == "plate_audit-dev-n32-000"
+    assert (
+        audit[0].context.splitlines()[0].startswith("Image 1: ") and "/" in audit[0].context.splitlines()[0]
+    )
+
+
+def test_item_rewards_score_each_line_against_its_item(shared_data: Path) -> None:
+    """Reward is the mean per-line score (missing lines 0); success needs every line; one recorded item is
+    scored by its own reference."""
+    [task] = T.load_family("plate_audit", "dev", data_dir=shared_data, items=4, limit=1)
+    plates = [i.reference for i in task.items]
+    assert T.reward_for(task, "\n".join(plates)) == 1.0 and T.success(task, "\n".join(plates))
+    half = "\n".join([plates[0], "WRONG1", plates[2]])
+    assert T.reward_for(task, half) == 0.5 and not T.success(task, half)
+    assert T.item_reward(task, 2, plates[1].lower()) == 1.0 and T.item_reward(task, 2, plates[0]) == 0.0
+    [batch] = T.load_family("multihop_batch", "dev", data_dir=shared_data, items=2, limit=1)
+    answers = [i.reference for i in batch.items]
+    assert T.reward_for(batch, "\n".join(answers)) == 1.0
+    assert T.reward_for(batch, answers[0]) == 0.5
+
+
+def test_item_tasks_round_trip_through_jsonl(shared_data: Path, tmp_path: Path) -> None:
+    """Bundles with their nested items survive save_tasks -> load_tasks unchanged."""
+    tasks = T.load_family("plate_audit", "train", data_dir=shared_data, items=4, limit=3)
+    tasks += T.load_family("multihop_batch", "train", data_dir=shared_data, items=2, limit=3)
+    T.save_tasks(tmp_path / "t.jsonl", tasks)
+    assert T.load_tasks(tmp_path / "t.jsonl") == tasks

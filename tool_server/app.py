@@ -195,9 +195,9 @@ async def _batch_item(host: ToolHost, call: BatchCall, session: str) -> ToolResp
 
 @router.get("/v1/images/{image_id}")
 async def image_thumbnail(image_id: str, request: Request) -> Response:
-    """The one route a sub-agent adds: image_ops's images as PNG thumbnails for trace viewers. Ids are unique
-    across sessions, so a viewer may fetch one without the session header; with the header, only that
-    session's images are found."""
+    """The one route a sub-agent adds: image_ops's images as PNG thumbnails for trace viewers. An id is
+    derived from how its image was made, so the same id in two sessions is the same picture and a viewer may
+    fetch one without the session header; with the header, only that session's images are found."""
     session = request.headers.get(SESSION_HEADER)
     store = _host(request).states.get(image_ops.NAME)
     png = None

@@ -3,7 +3,7 @@
 A group is the G episodes sampled for one task. Episode i has a final reward R_i, and turns t = 0 .. T_i - 1,
 each with a turn reward r_{i,t} (see `rewards.turn_reward`) and an anchor key (a string such as the turn's
 `rewards.call_key`, or None when the turn has none). The result is one advantage per turn; every sampled token of
-a turn then carries that turn's advantage (`main_agent.tokens.to_sequence`).
+a turn then carries that turn's advantage (`main_agent.tokens.to_sequences`).
 
 Outcome credit (`mode="outcome"`, GRPO):
     A_i = R_i - mean_j R_j                  [/ (std_j R_j + eps) when normalize_std]

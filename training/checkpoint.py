@@ -84,6 +84,10 @@ class TrainState:
     """Training wall-clock time before this checkpoint, so time budgets survive a resume."""
     config_hash: str = ""
     """sha256 of the resolved config JSON; `save_checkpoint` fills it."""
+    items: int = 0
+    """Item tasks: the current horizon N (training/curriculum.py); 0 for other families."""
+    recent: tuple[bool, ...] = ()
+    """Item tasks: successes of the latest episodes at the current N, the curriculum's rolling window."""
 
 
 def save_checkpoint(
@@ -288,7 +292,7 @@ def load_checkpoint(
     _set_rng_state(torch.load(path / "rng.pt", weights_only=True))
     fields = json.loads((path / "state.json").read_text())
     try:
-        return TrainState(**fields)
+        return TrainState(**{**fields, "recent": tuple(fields.get("recent", ()))})
     except TypeError as exc:
         raise CheckpointError(f"{path}/state.json does not fit TrainState: {exc}") from exc
 

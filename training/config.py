@@ -7,6 +7,7 @@
     [turn_rewards]                   # training.rewards.TurnRewardWeights: shaping terms per turn
     [sampling]                       # main_agent.policy.SamplingConfig: who samples (transformers, vllm, server)
     [tools]                          # tool_server.embedded.ToolAccess: a running tool server, or one in-process
+    [horizon]                        # training.curriculum.HorizonConfig: items per item task, and its curriculum
 
     cfg = load_train_config(Path("train.toml"), ["group_size=8", "credit.mode=turn", "rollout.max_turns=6"])
 
@@ -31,9 +32,13 @@ from main_agent.policy import SamplingConfig
 from main_agent.rollout import RolloutConfig
 from tool_server.embedded import ToolAccess
 from training.advantages import CreditConfig
+from training.curriculum import HorizonConfig
 from training.rewards import TurnRewardWeights
 
-RESUME_KEYS = ("task", "split", "limit", "seed", "batch_tasks", "group_size")
+RESUME_KEYS = (
+    *("task", "split", "limit", "seed", "batch_tasks", "group_size"),
+    *("horizon.items", "horizon.max_items", "horizon.factor"),
+)
 """Settings a resumed run must share with the saved one: they define the data order and the batch shape, so
 changing them would make "continue exactly" a lie. `--force` overrides the check."""
 
@@ -134,6 +139,9 @@ class TrainConfig:
     tools: ToolAccess = field(default_factory=ToolAccess)
     """The tool server (`[tools]`): a running one at `url`, or one in this process (the built-in model behind
     every tool, loopback pages allowed for the multihop page server, the tasks' media folders readable)."""
+    horizon: HorizonConfig = field(default_factory=HorizonConfig)
+    """Item families (plate_audit, multihop_batch): items per task and the curriculum that grows them
+    (`[horizon]`); other families ignore it."""
 
     def __post_init__(self) -> None:
         checks = {

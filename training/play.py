@@ -34,7 +34,7 @@ def rollout_task(task: Task, schemas: Sequence[dict[str, object]]) -> RolloutTas
     missing = set(task.tools) - {s["function"]["name"] for s in mine}  # type: ignore[index]
     if missing:
         raise ValueError(f"task {task.task_id} needs tools {sorted(missing)} the tool server does not offer")
-    return RolloutTask(task.task_id, task.question, mine, context=task.context)
+    return RolloutTask(task.task_id, task.question, mine, context=task.context, items=len(task.items))
 
 
 async def play(
@@ -62,6 +62,15 @@ async def play(
     return [list(episodes[i * group_size : (i + 1) * group_size]) for i in range(len(tasks))]
 
 
+def media_roots(tasks: Sequence[Task]) -> list[str]:
+    """The folders the tool server may read the tasks' photos and clips from. An item task's `media_root` comes
+    first: its items name their photos relative to it ("us/x.jpg", training/tasks/plate_audit.py), and the
+    server resolves relative names in its first root."""
+    first = {t.meta.media_root for t in tasks if t.meta.media_root}
+    single = {str(Path(p).parent) for t in tasks if (p := t.meta.image_path or t.meta.video_path)}
+    return sorted(first) + sorted(single - first)
+
+
 @contextlib.asynccontextmanager
 async def tool_session(
     tasks: Sequence[Task],
@@ -78,8 +87,7 @@ async def tool_session(
     server binds 127.0.0.1, so with `access.url` multihop tasks need that server on this machine.
     """
     with task_data.prepared(tasks, work_dir, data_dir=data_dir) as ready:
-        media = [t.meta.image_path or t.meta.video_path for t in ready]
-        roots = sorted({str(Path(p).parent) for p in media if p})
-        loopback = any(t.meta.page_paths for t in ready)
+        roots = media_roots(ready)
+        loopback = any(t.meta.page_paths or any(i.meta.page_paths for i in t.items) for t in ready)
         async with open_tools(access, roots=roots, loopback=loopback, transport=transport) as tools:
             yield tools, ready

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import random
@@ -36,6 +37,7 @@ from training import play
 from training import tasks as task_data
 from training.checkpoint import CheckpointError, TrainState
 from training.config import RESUME_KEYS, TrainConfig, config_to_dict
+from training.curriculum import Horizon, advance, horizons
 from training.metrics import MetricsLog, save_rollouts, trim_metrics
 from training.sampler import start_sampler
 from training.tasks import Task
@@ -47,7 +49,10 @@ logger = logging.getLogger(__name__)
 
 
 def next_tasks(tasks: Sequence[Task], state: TrainState, cfg: TrainConfig) -> tuple[list[Task], TrainState]:
-    """The next `batch_tasks` tasks of a seeded per-epoch shuffle, and the state with the cursor moved past them."""
+    """The next `batch_tasks` tasks of a seeded per-epoch shuffle, and the state with the cursor moved past them.
+    Item tasks are drawn from those of the current horizon (`state.items`) only."""
+    if state.items:
+        tasks = [t for t in tasks if len(t.items) == state.items]
     picked: list[Task] = []
     epoch, position = state.epoch, state.position
     while len(picked) < cfg.batch_tasks:
@@ -121,7 +126,8 @@ async def start_run(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / (cfg.warmup_steps + 1))
     )
-    state = TrainState(seed=cfg.seed)
+    tasks = load_tasks(cfg)
+    state = TrainState(seed=cfg.seed, items=cfg.horizon.items if tasks[0].items else 0)
     if latest is not None:
         ckpt.check_resume_compatible(
             ckpt.saved_config(latest), config_to_dict(cfg), force=force, keys=RESUME_KEYS
@@ -129,14 +135,26 @@ async def start_run(
         state = ckpt.load_checkpoint(latest, model=model, optimizer=optimizer, scheduler=scheduler)
         set_learning_rate(optimizer, scheduler, cfg.learning_rate)
         logger.info("resuming %s at step %d", latest, state.step)
-    tasks = task_data.load_family(cfg.task, cfg.split, data_dir=cfg.data_dir, limit=cfg.limit)
-    if not tasks:
-        raise ValueError(f"no tasks in {cfg.task}/{cfg.split}")
     policy = await start_sampler(cfg, model, tokenizer, version=state.policy_version)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     trim_metrics(cfg.run_dir / "metrics.jsonl", after_step=state.step)  # steps redone after a kill
     log = MetricsLog(cfg.run_dir / "metrics.jsonl")
     return Run(cfg, model, tokenizer, policy, optimizer, scheduler, ref_model, tasks, state, log, on_step)
+
+
+def load_tasks(cfg: TrainConfig) -> list[Task]:
+    """The split's tasks; for an item family, its tasks at every horizon the curriculum can reach (prepared
+    together, drawn by the current one)."""
+    if not hasattr(task_data.FAMILIES.get(cfg.task), "item_reward"):
+        tasks = task_data.load_family(cfg.task, cfg.split, data_dir=cfg.data_dir, limit=cfg.limit)
+    else:
+        load = functools.partial(
+            task_data.load_family, cfg.task, cfg.split, data_dir=cfg.data_dir, limit=cfg.limit
+        )
+        tasks = [t for n in horizons(cfg.horizon) for t in load(items=n)]
+    if not tasks:
+        raise ValueError(f"no tasks in {cfg.task}/{cfg.split}")
+    return tasks
 
 
 def set_learning_rate(
@@ -184,17 +202,21 @@ def finish_step(
     state: TrainState,
     episodes: Sequence[Episode],
     stepped: bool,
+    successes: Sequence[bool] = (),
+    items: int = 0,
 ) -> None:
     """Advance the state past `step`, log the row, save the rollouts, report the row (`on_step`), checkpoint
     when due.
 
     `state` carries the data cursor after this step's tasks; `stepped` says whether the optimizer stepped (the
-    learning-rate schedule counts optimizer steps).
+    learning-rate schedule counts optimizer steps); `successes` of the step's episodes, played at horizon
+    `items`, move the curriculum when that is still the current one (an async batch may predate a raise).
     """
     cfg = run.cfg
-    row = {**row, "optim/lr": run.optimizer.param_groups[0]["lr"]}  # the rate this step's update used
+    row = {**row, "optim/lr": run.optimizer.param_groups[0]["lr"], "horizon/items": run.state.items}
     if stepped:
         run.scheduler.step()
+    state = next_horizon(run.state, state, successes if items == run.state.items else (), cfg)
     run.state = dataclasses.replace(
         state,
         step=step,
@@ -220,6 +242,19 @@ def finish_step(
             keep_last=cfg.keep_last,
             tokenizer=run.tokenizer,
         )
+
+
+def next_horizon(
+    now: TrainState, after: TrainState, successes: Sequence[bool], cfg: TrainConfig
+) -> TrainState:
+    """`after` (the data cursor past this step) with the curriculum moved by `successes`; a raise restarts the
+    cursor, now over the tasks of the new horizon."""
+    if not now.items:
+        return after
+    horizon = advance(Horizon(now.items, now.recent), successes, cfg.horizon)
+    if horizon.items != now.items:
+        return dataclasses.replace(after, items=horizon.items, recent=(), epoch=0, position=0)
+    return dataclasses.replace(after, items=now.items, recent=horizon.recent)
 
 
 def steps_left(run: Run) -> range:

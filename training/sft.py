@@ -36,7 +36,7 @@ from conductor.models import DEFAULT_MODEL
 from conductor.settings import load_settings
 from main_agent.policy import Sample, SamplingConfig, TransformersPolicy, load_policy
 from main_agent.rollout import RolloutConfig
-from main_agent.tokens import collate, micro_batches, to_sequence
+from main_agent.tokens import collate, micro_batches, to_sequences
 from main_agent.types import Episode, Turn
 from tool_server.client import ToolClient
 from tool_server.embedded import ToolAccess
@@ -135,7 +135,7 @@ def sft(
     """AdamW on the expert's tokens, one optimizer step per length-sorted micro-batch, micro-batches shuffled
     each epoch; returns the loss of every step. A non-finite loss or gradient raises: the data is fixed and
     clean, so it is a bug or divergence, not noise to skip."""
-    sequences = [to_sequence(e, [0.0] * len(e.turns)) for e in episodes if e.turns]
+    sequences = [s for e in episodes if e.turns for s in to_sequences(e, [0.0] * len(e.turns))]
     if not sequences:
         raise ValueError("no expert episodes to fine-tune on")
     batches = micro_batches(sequences, max_tokens=micro_batch_tokens)

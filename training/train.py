@@ -30,7 +30,7 @@ import httpx
 import torch
 from torch import nn
 
-from main_agent.tokens import Batch, TrainSequence, collate, micro_batches, to_sequence
+from main_agent.tokens import Batch, TrainSequence, collate, micro_batches, to_sequences
 from main_agent.types import Episode, Turn
 from training import tasks as task_data
 from training.advantages import EpisodeCredit, TurnCredit, group_advantages
@@ -120,7 +120,7 @@ def group_to_sequences(episodes: Sequence[Episode], cfg: TrainConfig) -> list[Tr
         credits.append(EpisodeCredit(e.reward, turns))
     advantages = group_advantages(credits, cfg.credit)
     trainable = zip(episodes, advantages, strict=True)
-    return [to_sequence(e, a) for e, a in trainable if e.turns and e.exact]
+    return [s for e, a in trainable if e.turns and e.exact for s in to_sequences(e, a)]
 
 
 def filter_groups(groups: Sequence[list[Episode]], cfg: TrainConfig) -> list[list[Episode]]:
@@ -313,7 +313,10 @@ async def train_loop(run: Run, *, transport: httpx.AsyncBaseTransport | None = N
             seconds = (t1 - t0, t2 - t1, sync_s)
             row = step_row(step, run.policy.version, groups, scored, stats, seconds=seconds)
             episodes = [e for g in groups for e in g]
-            finish_step(run, step, row, state=state, episodes=episodes, stepped=stats.skipped is None)
+            finish_step(
+                run, step, row, state=state, episodes=episodes, stepped=stats.skipped is None,
+                successes=scored.successes, items=len(batch[0].items),
+            )  # fmt: skip
 
 
 def train(

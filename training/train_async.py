@@ -20,6 +20,7 @@ depends on timing); train.py is the exactly reproducible loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,9 +55,11 @@ async def produce(
     """Collect steps state.step+1 .. steps, each once the trainer has finished the step two before it."""
     cfg, state = run.cfg, run.state
     for step in range(run.state.step + 1, cfg.steps + 1):
-        batch_tasks, state = next_tasks(tasks, state, cfg)
         async with synced:
             await synced.wait_for(finished(run, step - 2))
+            if run.state.items != state.items:  # the curriculum raised the horizon: its tasks from the start
+                state = dataclasses.replace(state, items=run.state.items, recent=(), epoch=0, position=0)
+            batch_tasks, state = next_tasks(tasks, state, cfg)
             seed_step(cfg, step)
             t0 = time.monotonic()
             groups = await collect(run, tools, batch_tasks)
@@ -122,8 +125,9 @@ async def train_loop(run: Run, *, transport: httpx.AsyncBaseTransport | None = N
                     )
                     episodes = [e for g in batch.groups for e in g]
                     finish_step(
-                        run, step, row, state=batch.state, episodes=episodes, stepped=stats.skipped is None
-                    )
+                        run, step, row, state=batch.state, episodes=episodes, stepped=stats.skipped is None,
+                        successes=scored.successes, items=len(batch.tasks[0].items),
+                    )  # fmt: skip
                     synced.notify_all()
         finally:
             producer.cancel()

@@ -6,6 +6,9 @@
     prepared(tasks, work_dir, *, data_dir=None)             context manager: the tasks ready to play
     oracle_reply(task, turns, *, trust_reference) -> str    the scripted expert's next reply (SFT)
 
+Item families (plate_audit, multihop_batch: N tasks of another family in one episode, training/tasks/batch.py)
+also take `load(..., items=N)` and have `item_reward(text, item_reference)`, the score of one recorded item.
+
     tasks = load_family("plate_reading", "dev", limit=16)
     with prepared(tasks, work_dir) as ready:               # pages served, clips subtitled, as each family needs
         ...
@@ -19,7 +22,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from training.tasks import multihop, plates, video
+from training.tasks import multihop, multihop_batch, plate_audit, plates, video
 from training.tasks.task import SPLITS, Task, TaskMeta, data_root, hash_split, load_tasks, save_tasks
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "data_root",
     "family_of",
     "hash_split",
+    "item_reward",
     "load_family",
     "load_tasks",
     "prepared",
@@ -42,18 +46,29 @@ FAMILIES = {
     multihop.NAME: multihop,
     plates.NAME: plates,
     video.NAME: video,
+    plate_audit.NAME: plate_audit,
+    multihop_batch.NAME: multihop_batch,
 }
 
 
 def load_family(
-    name: str, split: str, *, data_dir: Path | None = None, limit: int | None = None
+    name: str, split: str, *, data_dir: Path | None = None, limit: int | None = None, items: int | None = None
 ) -> list[Task]:
-    """The tasks of one family and split, in a fixed order; `limit` keeps the first ones."""
+    """The tasks of one family and split, in a fixed order; `limit` keeps the first ones; `items`: items per
+    task of an item family (None: the family's default; other families ignore it)."""
     if name not in FAMILIES:
         raise ValueError(f"unknown task family {name!r}; known: {sorted(FAMILIES)}")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; known: {SPLITS}")
-    return FAMILIES[name].load(data_root(data_dir), split, limit=limit)
+    family = FAMILIES[name]
+    if items is not None and hasattr(family, "item_reward"):
+        return family.load(data_root(data_dir), split, limit=limit, items=items)
+    return family.load(data_root(data_dir), split, limit=limit)
+
+
+def item_reward(task: Task, item: int, text: str) -> float:
+    """The item family's score of `text` recorded for item `item` (1-based) of an item task."""
+    return family_of(task).item_reward(text, task.items[item - 1].reference)
 
 
 def family_of(task: Task):

@@ -41,6 +41,7 @@ class TaskMeta:
     video_path: str | None = None  # video: absolute path of the clip the policy is pointed at
     subtitle: str | None = None  # video: the sentence `prepared` muxes in; None: the clip is used as is
     split: str = ""  # train, dev or test
+    media_root: str | None = None  # item tasks: the folder their items' short media names are relative to
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Task:
     reference: str  # the gold answer
     context: str = ""  # lines appended to the question, e.g. "Image: /abs/x.jpg" or "Page: <title> <url>"
     meta: TaskMeta = TaskMeta()
+    items: tuple[Task, ...] = ()  # an item task's items (training/tasks/batch.py), one answer line each
 
 
 def save_tasks(path: Path, tasks: Iterable[Task]) -> None:
@@ -67,12 +69,13 @@ def save_tasks(path: Path, tasks: Iterable[Task]) -> None:
 
 def load_tasks(path: Path) -> list[Task]:
     """Read what `save_tasks` wrote. Every JSON list is a tuple in the dataclasses, so the round trip is exact."""
-    tasks = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        row = json.loads(line)
-        meta = TaskMeta(**{k: _tuples(v) for k, v in row.pop("meta").items()})  # type: ignore[arg-type]
-        tasks.append(Task(**{**row, "tools": tuple(row["tools"]), "meta": meta}))
-    return tasks
+    return [_task(json.loads(line)) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def _task(row: dict) -> Task:
+    meta = TaskMeta(**{k: _tuples(v) for k, v in row.pop("meta").items()})  # type: ignore[arg-type]
+    items = tuple(_task(item) for item in row.pop("items", []))
+    return Task(**{**row, "tools": tuple(row["tools"]), "meta": meta, "items": items})
 
 
 def _tuples(value: object) -> object:

@@ -1,0 +1,176 @@
+"""Long horizons in the rollout: the ledger of recorded items, folding into segments, exact replay."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from main_agent.parse import parse_completion
+from main_agent.rollout import ReplayDiverged, RolloutConfig, RolloutTask, ledger_answer, rollout
+from main_agent.tokens import segment_ids, to_sequences
+from main_agent.types import Episode
+from tests.fakes import TOOLS, ScriptedPolicy, call_text, echo_tool, fake_tool_server, ok_result
+from tool_server.client import ToolClient
+
+IMAGE_TOOLS = [t for t in TOOLS if t["function"]["name"] == "image_ops"]  # type: ignore[index]
+
+
+def audit_task(n: int) -> RolloutTask:
+    context = "\n".join(f"Image {i}: /photos/{i}.jpg" for i in range(1, n + 1))
+    return RolloutTask(f"audit-{n}", f"Read the plate in each of these {n} photos.", IMAGE_TOOLS, context, n)
+
+
+def plate_of(photo: int) -> str:
+    return f"P{photo:03d}X"
+
+
+async def plate_tool(name: str, arguments: dict[str, object]) -> dict[str, object]:
+    """load -> an id naming the photo; read -> the photo's plate; anything else -> a new id."""
+    photo = re.search(r"(\d+)", str(arguments["image"])).group(1)  # type: ignore[union-attr]
+    if arguments["op"] == "read":
+        return ok_result(f"img_{photo} read: {plate_of(int(photo))}")
+    return ok_result(f"img_{photo} 400x300 ({arguments['op']})")
+
+
+def auditor(n: int, *, answer: bool = True):
+    """A scripted policy over n photos: load, zoom, read each, recording a plate in the turn after its read
+    (beside the next load); after the last, it records and answers (or only records)."""
+
+    def reply(history: str, turn: int) -> str:
+        photo, step = divmod(turn, 3)  # the 0-based photo being worked on
+        record = f'<record item="{photo}">{plate_of(photo)}</record>' if step == 0 and photo else ""
+        if photo == n:
+            return record + ("<answer>done</answer>" if answer else "")
+        op = ("load", "zoom", "read")[step]
+        image = f"/photos/{photo + 1}.jpg" if op == "load" else f"img_{photo + 1}"
+        return record + call_text("image_ops", op=op, image=image)
+
+    return reply
+
+
+async def play(
+    task: RolloutTask, reply, cfg: RolloutConfig, handler=plate_tool, replay=()
+) -> tuple[Episode, ScriptedPolicy]:
+    policy = ScriptedPolicy(reply)
+    async with ToolClient("http://tools", transport=fake_tool_server(handler), deadline_s=5.0) as tools:
+        episode = await rollout(task, policy, tools, policy.tokenizer, cfg, replay=replay)
+    return episode, policy
+
+
+def test_record_tags_parse_beside_calls_and_answers() -> None:
+    """A record is read with its item number and stripped text, beside calls; a bad item number is an error."""
+    turn = parse_completion(
+        '<record item="3"> AB12 </record>' + call_text("search", query="x") + "<record item=x>y</record>",
+        tool_names={"search"},
+    )
+    assert [(r.item, r.text) for r in turn.records] == [(3, "AB12")]
+    assert [c.name for c in turn.calls] == ["search"]
+    assert [e.kind for e in turn.errors] == ["bad_record"]
+    alone = parse_completion("<record item=2>CD34", tool_names=set())
+    assert [(r.item, r.text) for r in alone.records] == [(2, "CD34")] and not alone.errors
+
+
+def test_the_final_answer_of_an_item_task_is_the_ledger_filled_from_the_answer() -> None:
+    """Recorded items win; the answer's line of the same number fills an item the ledger lacks."""
+    assert ledger_answer(["A1", None, "C3"], "x\nB2\ny") == "A1\nB2\nC3"
+    assert ledger_answer([None, None], None) == "\n"
+
+
+async def test_records_fill_the_ledger_and_a_budget_out_still_scores_it() -> None:
+    """Every recorded item lands in the ledger; an episode that runs out of turns answers with its ledger."""
+    cfg = RolloutConfig(max_turns=3 * 4 + 1, max_context_tokens=100_000)
+    episode, _ = await play(audit_task(4), auditor(4, answer=False), cfg)
+    assert episode.stop_reason == "max_turns"
+    assert episode.ledger == [plate_of(i) for i in range(1, 5)]
+    assert episode.answer == "\n".join(plate_of(i) for i in range(1, 5))
+    assert "recorded 1: P001X" in episode.turns[3].observation_text
+
+
+async def test_a_record_of_an_item_the_task_lacks_is_an_observation() -> None:
+    """Item 9 of a 2-item task is refused with an error the policy reads; the ledger is unchanged."""
+
+    def reply(history: str, turn: int) -> str:
+        return '<record item="9">X</record>' if turn == 0 else "<answer>a\nb</answer>"
+
+    episode, _ = await play(audit_task(2), reply, RolloutConfig())
+    assert "no item 9" in episode.turns[0].observation_text
+    assert episode.ledger == [None, None] and episode.answer == "a\nb"
+
+
+async def test_a_long_episode_folds_into_segments_that_stay_under_the_limit() -> None:
+    """With fold_at_tokens each segment stays under it; each segment's stream is what the policy was given,
+    and the new segment's prompt holds the ledger and the last observation."""
+    cfg = RolloutConfig(max_turns=40, max_new_tokens=96, max_context_tokens=4096, fold_at_tokens=1400)
+    episode, policy = await play(audit_task(8), auditor(8), cfg)
+    assert episode.stop_reason == "answer" and episode.ledger == [plate_of(i) for i in range(1, 9)]
+    segments = segment_ids(episode)
+    assert len(segments) >= 3
+    assert max(episode.segment_tokens) <= cfg.fold_at_tokens
+    for ids, (_, turns) in zip(segments, episode.segments, strict=True):
+        first = policy.samples.index(next(s for s in policy.samples if s.ids == turns[0].completion_ids))
+        assert ids[: len(policy.prompts[first])] == policy.prompts[first]
+    opened = policy.tokenizer.decode(episode.segments[1][0])
+    assert "Recorded so far" in opened and "Last results:" in opened
+
+
+async def test_segments_train_on_exactly_the_sampled_ids() -> None:
+    """A folded episode lays out one sequence per segment; the masked-in ids over all of them are exactly the
+    ids the policy sampled, with each turn's own advantage."""
+    cfg = RolloutConfig(max_turns=40, max_new_tokens=96, max_context_tokens=4096, fold_at_tokens=1400)
+    episode, policy = await play(audit_task(8), auditor(8), cfg)
+    advantages = [float(i) for i in range(len(episode.turns))]
+    sequences = to_sequences(episode, advantages)
+    assert len(sequences) == len(episode.segments)
+    sampled = [i for s in sequences for i, m in zip(s.input_ids, s.loss_mask, strict=True) if m]
+    assert sampled == [i for s in policy.samples for i in s.ids]
+    laid = [a for s in sequences for a, m in zip(s.advantages, s.loss_mask, strict=True) if m]
+    assert laid == [a for t, a in zip(episode.turns, advantages, strict=True) for _ in t.completion_ids]
+
+
+async def test_a_scripted_policy_makes_over_100_calls_with_a_bounded_context() -> None:
+    """32 photos x 3 calls: 96 image calls plus records and an answer, in segments of at most 2,048 tokens."""
+    cfg = RolloutConfig(max_turns=110, max_new_tokens=96, max_context_tokens=2048, fold_at_tokens=2048)
+    episode, _ = await play(audit_task(32), auditor(32), cfg)
+    assert episode.num_calls == 96 and len(episode.turns) >= 97
+    assert episode.stop_reason == "answer" and episode.answer == "\n".join(plate_of(i) for i in range(1, 33))
+    assert episode.context_tokens <= 2048 < sum(episode.segment_tokens)
+
+
+async def test_a_replayed_prefix_observes_the_same_and_continues() -> None:
+    """Replaying the first turns of an episode reproduces their observations and segments byte for byte; the
+    policy is asked only for the turns after them."""
+    cfg = RolloutConfig(max_turns=40, max_new_tokens=96, max_context_tokens=4096, fold_at_tokens=1400)
+    original, _ = await play(audit_task(8), auditor(8), cfg)
+    cut = 14
+    calls = []
+
+    def continuation(history: str, turn: int) -> str:
+        calls.append(turn)
+        return auditor(8)(history, turn + cut)
+
+    branch, policy = await play(audit_task(8), continuation, cfg, replay=original.turns[:cut])
+    assert len(policy.samples) == len(original.turns) - cut
+    assert [t.observation_text for t in branch.turns] == [t.observation_text for t in original.turns]
+    assert segment_ids(branch) == segment_ids(original)
+    assert branch.ledger == original.ledger
+
+
+async def test_a_replay_that_observes_something_else_is_an_infra_failure() -> None:
+    """A tool that answers differently the second time makes the replay fail loudly, not train on a lie."""
+    cfg = RolloutConfig(max_turns=6)
+    original, _ = await play(audit_task(2), auditor(2), cfg, handler=echo_tool)
+
+    async def changed(name: str, arguments: dict[str, object]) -> dict[str, object]:
+        return ok_result("something else")
+
+    branch, _ = await play(audit_task(2), auditor(2), cfg, handler=changed, replay=original.turns[:2])
+    assert branch.stop_reason == "infra_failed" and ReplayDiverged.__name__ in str(branch.infra_error)
+
+
+def test_fold_at_tokens_must_leave_room_for_a_turn() -> None:
+    """A fold threshold under one turn's tokens or over the context is refused."""
+    with pytest.raises(ValueError, match="fold_at_tokens"):
+        RolloutConfig(max_new_tokens=320, fold_at_tokens=300)
+    with pytest.raises(ValueError, match="fold_at_tokens"):
+        RolloutConfig(max_context_tokens=2048, fold_at_tokens=4096)
