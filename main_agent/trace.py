@@ -6,6 +6,11 @@ through `html.escape`, so a completion that writes markup shows as text. Payload
 are read defensively: fields the viewer knows get their own view, everything else is shown as collapsed JSON.
 Images appear only when `image_base_url` is given (thumbnails are served by the tool server, not embedded).
 
+Long episodes: a folded episode's turns are cut by a divider where each later segment starts (its prompt's length;
+the viewer has no tokenizer, so prompt ids are never decoded), the facts give each segment's tokens, and an item
+task's ledger is a collapsed table (item, recorded text, the turn that recorded it last). One-segment episodes
+without a ledger render as before, apart from the summary's "segments" column.
+
     from main_agent.trace import load_episodes, write_html
     write_html(load_episodes(Path("rollouts.jsonl")), Path("trace.html"))
 """
@@ -17,7 +22,7 @@ from collections.abc import Sequence
 from html import escape
 from pathlib import Path
 
-from main_agent.types import Episode, ParseError, ToolCall, ToolResult, Turn
+from main_agent.types import Episode, ParseError, Record, ToolCall, ToolResult, Turn
 
 _CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}
@@ -26,6 +31,8 @@ details.episode{margin-left:0;border-top:1px solid #ccc;padding-top:.4em}
 pre{background:#f6f6f6;padding:.5em;white-space:pre-wrap;word-break:break-word;margin:.3em 0}
 table{border-collapse:collapse;margin:.4em 0}td,th{border:1px solid #ddd;padding:2px 8px;text-align:left;
 vertical-align:top}
+.segment{margin:.6em 0 .3em;padding:.2em .4em;border-top:2px dashed #8a8fb0;color:#3a3f66;font-weight:600}
+.record{color:#1b5e7f}
 .bad{color:#b00020;font-weight:600}.ok{color:#1b7f2a}.muted{color:#777}.facts td:first-child{color:#555}
 """
 
@@ -96,10 +103,13 @@ def load_episodes(path: Path) -> list[Episode]:
 
 
 def _summary_table(episodes: Sequence[Episode]) -> str:
-    head = "<tr><th>#</th><th>task</th><th>reward</th><th>stop</th><th>calls</th><th>context tokens</th></tr>"
+    head = (
+        "<tr><th>#</th><th>task</th><th>reward</th><th>stop</th><th>calls</th><th>segments</th>"
+        "<th>context tokens</th></tr>"
+    )
     rows = [
         f"<tr><td>{i}</td><td>{escape(ep.task_id)}</td><td>{_reward(ep.reward)}</td><td>{_stop(ep)}</td>"
-        f"<td>{ep.num_calls}</td><td>{ep.context_tokens:,}</td></tr>"
+        f"<td>{ep.num_calls}</td><td>{len(ep.segments)}</td><td>{ep.context_tokens:,}</td></tr>"
         for i, ep in enumerate(episodes)
     ]
     return f'<table class="summary">{head}{"".join(rows)}</table>'
@@ -110,34 +120,88 @@ def _episode(ep: Episode, index: int, *, open_: bool, image_base_url: str | None
         f"<b>#{index} {escape(ep.task_id)}</b> · {_stop(ep)} · reward {_reward(ep.reward)} · "
         f"{ep.num_calls} calls · {len(ep.turns)} turns"
     )
-    turns = [_turn(t, i, ep.turn_rewards, image_base_url=image_base_url) for i, t in enumerate(ep.turns)]
-    body = _facts(_episode_facts(ep)) + "".join(turns)
+    segments, seg_tokens = ep.segments, ep.segment_tokens
+    parts = [_facts(_episode_facts(ep, seg_tokens)), _ledger(ep)]
+    at = 0  # the next turn's index in the episode
+    for number, (prompt, turns) in enumerate(segments, 1):
+        if number > 1:  # a segment after the first always starts at a turn (the one carrying its prompt)
+            parts.append(
+                f'<div class="segment">segment {number} — new prompt: {len(prompt):,} tokens · '
+                f"{seg_tokens[number - 1]:,} tokens in this segment</div>"
+            )
+        for turn in turns:
+            folds = at + 1 < len(ep.turns) and bool(ep.turns[at + 1].prompt_ids)
+            parts.append(_turn(turn, at, ep.turn_rewards, folds=folds, image_base_url=image_base_url))
+            at += 1
+    body = "".join(parts)
     return f'<details class="episode"{" open" if open_ else ""}><summary>{label}</summary>{body}</details>'
 
 
-def _episode_facts(ep: Episode) -> list[tuple[str, str]]:
+def _episode_facts(ep: Episode, seg_tokens: list[int]) -> list[tuple[str, str]]:
     per_tool = ", ".join(f"{escape(name)}: {n}" for name, n in sorted(ep.calls_per_tool.items())) or "none"
     facts = [
         ("question", _pre(ep.question)),
         ("answer", _pre(ep.answer) if ep.answer is not None else '<span class="muted">none</span>'),
-        ("stop reason", _stop(ep)),
+    ]
+    if ep.ledger:
+        facts.append(("items recorded", f"{sum(t is not None for t in ep.ledger)} of {len(ep.ledger)}"))
+    facts.append(("stop reason", _stop(ep)))
+    if ep.infra_error is not None:
+        facts.append(("infra error", f'<span class="bad">{escape(ep.infra_error)}</span>'))
+    facts += [
         ("reward", _reward(ep.reward)),
         ("wall time", f"{_sec(ep.wall_s)} (policy {_sec(ep.policy_s)}, tools {_sec(ep.tools_s)})"),
-        ("main-context tokens", f"{ep.context_tokens:,} (prompt {len(ep.prompt_ids):,})"),
+    ]
+    if len(seg_tokens) > 1:
+        per_segment = " / ".join(f"{n:,}" for n in seg_tokens)
+        facts.append(("segments", f"{len(seg_tokens)} ({per_segment} tokens)"))
+        peak = f"{ep.context_tokens:,} (first prompt {len(ep.prompt_ids):,})"
+        facts.append(("peak main-context tokens", peak))
+    else:
+        facts.append(("main-context tokens", f"{ep.context_tokens:,} (prompt {len(ep.prompt_ids):,})"))
+    facts += [
         ("sub-agent tokens read", f"{ep.subagent_tokens_read:,}"),
         ("calls per tool", per_tool),
         ("errors", f"{ep.tool_errors} tool, {ep.num_parse_errors} parse"),
         ("policy version", str(ep.policy_version)),
     ]
-    if ep.infra_error is not None:
-        facts.insert(3, ("infra error", f'<span class="bad">{escape(ep.infra_error)}</span>'))
     return facts
+
+
+def _ledger(ep: Episode) -> str:
+    """The final ledger of an item task as a collapsed table; "" for a single-answer task."""
+    if not ep.ledger:
+        return ""
+    last: dict[int, int] = {}  # item -> index of the last turn that recorded it
+    times: dict[int, int] = {}
+    for index, turn in enumerate(ep.turns):
+        for record in turn.records:
+            last[record.item] = index
+            times[record.item] = times.get(record.item, 0) + 1
+    dash = '<span class="muted">—</span>'
+    rows = []
+    for item, text in enumerate(ep.ledger, 1):
+        shown = dash if text is None else escape(text)
+        where = dash if item not in last else str(last[item])
+        if times.get(item, 0) > 1:
+            where += f' <span class="muted">({times[item]} records)</span>'
+        rows.append(f"<tr><td>{item}</td><td>{shown}</td><td>{where}</td></tr>")
+    recorded = sum(text is not None for text in ep.ledger)
+    table = (
+        '<table class="ledger"><tr><th>item</th><th>recorded</th><th>last recorded in turn</th></tr>'
+        + "".join(rows)
+        + "</table>"
+    )
+    return _collapsed(f"ledger: {recorded} of {len(ep.ledger)} items recorded", table)
 
 
 # ---- turn and call level ----------------------------------------------------------------------------------------
 
 
-def _turn(turn: Turn, index: int, turn_rewards: list[float], *, image_base_url: str | None) -> str:
+def _turn(
+    turn: Turn, index: int, turn_rewards: list[float], *, folds: bool = False, image_base_url: str | None
+) -> str:
+    """One turn; `folds`: the next turn opens a segment, so this turn's observation went into that prompt."""
     names = ", ".join(escape(c.name) for c in turn.calls) or "no calls"
     label = (
         f"turn {index} · v{turn.policy_version} · {names} · policy {_sec(turn.policy_s)} · "
@@ -145,19 +209,26 @@ def _turn(turn: Turn, index: int, turn_rewards: list[float], *, image_base_url: 
     )
     if index < len(turn_rewards):
         label += f" · turn reward {turn_rewards[index]:.3f}"
+    if turn.records:
+        label += f" · {len(turn.records)} record(s)"
     if turn.parse_errors:
         label += f' · <span class="bad">{len(turn.parse_errors)} parse error(s)</span>'
     parts = [f"<div>completion</div>{_pre(turn.completion_text)}"]
+    parts += [_record(r) for r in turn.records]
     parts += [_parse_error(e) for e in turn.parse_errors]
     parts += [
         _call(c, r, image_base_url=image_base_url) for c, r in zip(turn.calls, turn.results, strict=True)
     ]
-    parts.append(
-        _collapsed(
-            f"appended after the completion ({len(turn.observation_ids)} tokens)", _pre(turn.observation_text)
-        )
-    )
+    if folds:
+        appended = "observation (not appended: it went into the next segment's prompt)"
+    else:
+        appended = f"appended after the completion ({len(turn.observation_ids)} tokens)"
+    parts.append(_collapsed(appended, _pre(turn.observation_text)))
     return f'<details class="turn"><summary>{label}</summary>{"".join(parts)}</details>'
+
+
+def _record(record: Record) -> str:
+    return f'<div class="record">recorded {record.item}: {escape(record.text)}</div>'
 
 
 def _parse_error(err: ParseError) -> str:

@@ -183,6 +183,17 @@ class Episode:
         return max(self.segment_tokens)
 
     @property
+    def turn_context_tokens(self) -> list[int]:
+        """The main context each turn was sampled from (its segment's prompt and the turns before it there)."""
+        sizes = []
+        for prompt, turns in self.segments:
+            size = len(prompt)
+            for turn in turns:
+                sizes.append(size)
+                size += len(turn.completion_ids) + len(turn.observation_ids)
+        return sizes
+
+    @property
     def subagent_tokens_read(self) -> int:
         return sum(r.tokens_read for t in self.turns for r in t.results)
 

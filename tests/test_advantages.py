@@ -8,9 +8,11 @@ import pytest
 
 from training.advantages import (
     STD_EPS,
+    BranchValues,
     CreditConfig,
     EpisodeCredit,
     TurnCredit,
+    branch_advantages,
     group_advantages,
     returns_to_go,
 )
@@ -139,3 +141,40 @@ def test_turn_credit_std_normalised() -> None:
     cfg = CreditConfig(mode="turn", normalize_std=True)
     s = math.sqrt(0.905 / 5) + STD_EPS
     assert group_advantages(GROUP, cfg) == approx_rows([[0.45 / s, 0.5 / s], [-0.45 / s, -0.5 / s, 0.0]])
+
+
+# ---------------------------------------------------------------- branch credit
+
+
+def test_branch_credit_by_hand() -> None:
+    """Episode 0 (R = 1), turn 1 branched: before (0, 0) -> 0; after (1, 0) plus the episode's 1 -> 2/3; so
+    A = 2/3. Its unbranched turn 0 gets the outcome advantage 1 - 0.5 = 0.5. Episode 1 (R = 0), turn 0 branched
+    with the group's other episode (R = 1) as before and after (0, 0) plus its own 0: A = 0 - 1 = -1; turns 1
+    and 2 get -0.5."""
+    values = [[BranchValues(1, (0.0, 0.0), (1.0, 0.0))], [BranchValues(0, (1.0,), (0.0, 0.0))]]
+    result = branch_advantages(GROUP, values, normalize_std=False)
+    assert result == approx_rows([[0.5, 2 / 3], [-1.0, -0.5, -0.5]])
+
+
+def test_branch_credit_after_the_last_turn_is_the_episodes_own_reward() -> None:
+    """A branched last turn has no continuation after it: A = R - mean(before) = 0 - 0.25."""
+    values = [[], [BranchValues(2, (0.5, 0.0), ())]]
+    result = branch_advantages(GROUP, values, normalize_std=False)
+    assert result[1][2] == pytest.approx(-0.25) and result[0] == approx_rows([[0.5, 0.5]])[0]
+
+
+def test_branch_credit_without_branches_is_grpo() -> None:
+    """No turn branched: exactly the outcome advantages (the estimator degrades to GRPO, not to zero)."""
+    assert branch_advantages(GROUP, [[], []], normalize_std=False) == group_advantages(GROUP, CreditConfig())
+
+
+def test_branch_credit_of_equal_values_is_exactly_zero() -> None:
+    """Before and after all equal to the episode's reward: the advantage is 0.0, not a rounding residue."""
+    values = [[BranchValues(0, (1.0, 1.0), (1.0,))], []]
+    assert branch_advantages(GROUP, values, normalize_std=False)[0][0] == 0.0
+
+
+def test_branch_credit_refuses_a_turn_with_nothing_before_it() -> None:
+    """A branched turn needs at least one continuation from before it to compare with."""
+    with pytest.raises(ValueError, match="no continuation"):
+        branch_advantages(GROUP, [[BranchValues(0, (), (1.0,))], []], normalize_std=False)

@@ -174,3 +174,66 @@ def test_fold_at_tokens_must_leave_room_for_a_turn() -> None:
         RolloutConfig(max_new_tokens=320, fold_at_tokens=300)
     with pytest.raises(ValueError, match="fold_at_tokens"):
         RolloutConfig(max_context_tokens=2048, fold_at_tokens=4096)
+
+
+# ---------------------------------------------------------------- exact replay on the real tool server
+
+
+class NeverSample:
+    """A policy for a replay that covers the whole episode: asking it for a turn is a test failure."""
+
+    version = 0
+    eos_token_id = 0
+
+    async def sample(self, prompt_ids: list[int], *, max_new_tokens: int):
+        raise AssertionError("a full replay must not sample")
+
+    async def aclose(self) -> None:
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache", [True, False])
+async def test_replays_on_the_real_tool_server_observe_byte_identical_results(shared_data, tmp_path, cache):
+    """An expert episode of real plates (image_ops with OCR) and of a real two-page question (page_qa with the
+    built-in model), replayed whole in fresh sessions: every observation byte-identical, with the result cache
+    on (page_qa answers from it) and off (everything recomputed)."""
+    from transformers import AutoTokenizer
+
+    from conductor.models import ModelNotFound, resolve_model
+    from tool_server.embedded import ToolAccess
+    from training import tasks as task_data
+    from training.play import play, rollout_task, tool_session
+    from training.sft import OraclePolicy
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            resolve_model("smollm2-135m-instruct"), local_files_only=True
+        )
+    except ModelNotFound as exc:
+        pytest.skip(str(exc))
+    config = tmp_path / "server.toml"
+    config.write_text(f"[cache]\nenabled = {str(cache).lower()}\n", encoding="utf-8")
+    chosen = [
+        *task_data.load_family("plate_audit", "train", data_dir=shared_data, items=2, limit=1),
+        *task_data.load_family("multihop_pages", "dev", data_dir=shared_data, limit=1),
+    ]
+    access = ToolAccess(config=config)
+    cfg = RolloutConfig(max_turns=20, max_context_tokens=8192)
+    async with tool_session(chosen, work_dir=tmp_path, access=access, data_dir=shared_data) as (tools, ready):
+        experts = {t.task_id: OraclePolicy(t, tokenizer) for t in ready}
+        groups = await play(
+            ready, lambda t: experts[t.task_id], tools=tools, tokenizer=tokenizer, cfg=cfg, max_concurrent=2,
+            on_turn_for=lambda t: experts[t.task_id].observe,
+        )  # fmt: skip
+        schemas = await tools.tools()
+        for task, [original] in zip(ready, groups, strict=True):
+            job = rollout_task(task, schemas)
+            replayed = await rollout(job, NeverSample(), tools, tokenizer, cfg, replay=original.turns)
+            assert original.num_calls >= 2 and replayed.stop_reason == original.stop_reason == "answer"
+            assert [t.observation_text for t in replayed.turns] == [
+                t.observation_text for t in original.turns
+            ]
+            assert replayed.answer == original.answer and replayed.ledger == original.ledger
+            page_hits = [r.cached for t in replayed.turns for r in t.results if r.name == "page_qa"]
+            assert all(page_hits) if cache else not any(page_hits)

@@ -97,9 +97,16 @@ def test_turn_reward_components_and_total() -> None:
     assert parts.total == pytest.approx(0.0)
     metrics = parts.metrics()
     assert set(metrics) == {
-        f"turn_reward/{k}" for k in ("valid_call", "malformed_call", "repeated_call", "new_evidence", "total")
+        f"turn_reward/{k}"
+        for k in ("valid_call", "malformed_call", "repeated_call", "new_evidence", "recorded_item", "total")
     }
     assert metrics["turn_reward/total"] == parts.total
+
+
+def test_recorded_items_pay_their_share_of_the_weight() -> None:
+    """Recording items pays recorded_item times the recorded score (already divided by the item count)."""
+    parts = turn_reward(TurnFacts(1, 0, 0, False, recorded_score=0.25), TurnRewardWeights(recorded_item=0.5))
+    assert parts.recorded_item == pytest.approx(0.125) and parts.total == pytest.approx(0.175)
 
 
 def test_turn_reward_nothing_happened_is_zero() -> None:

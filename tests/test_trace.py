@@ -1,16 +1,19 @@
-"""HTML trace viewer (main_agent.trace): content coverage, escaping, well-formed tree, JSONL round trip."""
+"""HTML trace viewer (main_agent.trace): content coverage, escaping, well-formed tree, JSONL round trip, long
+episodes (segments, ledger, page size)."""
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
+import re
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
 from main_agent.trace import load_episodes, render_html, write_html
-from main_agent.types import Episode, ParseError, ToolCall, ToolResult, Turn
+from main_agent.types import Episode, ParseError, Record, ToolCall, ToolResult, Turn
 
 XSS = "<script>alert(1)</script>"
 
@@ -296,3 +299,121 @@ def test_bad_line_names_line_number(tmp_path: Path, bad: str) -> None:
     log.write_text(episodes()[0].to_json() + "\n" + bad + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"rollouts\.jsonl:2:"):
         load_episodes(log)
+
+
+FOLDS = (25, 50, 75)  # turns of the long episode that open a segment
+PLATE_COUNT, UNRECORDED = 32, (5, 12, 19, 30)
+
+
+def long_episode() -> Episode:
+    """100 turns in 4 segments of a 32-plate task: 28 plates recorded (plate 3 twice), sizes like a real run."""
+    prose = "I zoomed on the rear bumper; the plate reads clearly, moving on to the next photo. " * 4
+    obs = "image img-{i} 1024x768; text: plate AB{i:03d}CD | region 412,300 180x60 | confidence high. " * 3
+    turns = []
+    to_record = [i for i in range(1, PLATE_COUNT + 1) if i not in UNRECORDED] + [3]
+    for i in range(100):
+        tag = f'<record item="{to_record[i // 3]}">AB{i:03d}CD</record>' if i % 3 == 0 and i < 87 else ""
+        records = [Record(to_record[i // 3], f"AB{i:03d}CD", tag)] if tag else []
+        payload = {"image_id": f"img-{i}", "text": f"AB{i:03d}CD", "chunks": [prose]}
+        t = turn(
+            prose + tag,
+            [(call("image_ops", op="ocr", image=f"img-{i}"), result("image_ops", obs.format(i=i), payload))],
+        )
+        ids = list(range(150))
+        t = dataclasses.replace(
+            t,
+            completion_ids=ids,
+            completion_logprobs=[-0.5] * len(ids),
+            observation_ids=[] if i + 1 in FOLDS else list(range(90)),
+            observation_text=obs.format(i=i),
+            records=records,
+            prompt_ids=list(range(800 + i)) if i in FOLDS else [],
+        )
+        turns.append(t)
+    ledger: list[str | None] = [None] * PLATE_COUNT
+    for t in turns:
+        for r in t.records:
+            ledger[r.item - 1] = r.text
+    return Episode(
+        "plate_audit-7", "Read all 32 plates.", list(range(1200)), turns, None, "max_turns", 5, 300.0, 120.0,
+        180.0, ledger=ledger,
+    )  # fmt: skip
+
+
+def test_long_episode_page_small_with_segments_and_ledger() -> None:
+    """A 100-turn, 4-segment, 32-item episode renders well under 1 MB, with 3 dividers, the ledger and records."""
+    ep = long_episode()
+    page = render_html([ep])
+    assert len(page.encode("utf-8")) < 1_000_000, len(page.encode("utf-8"))
+    dividers = re.findall(r'<div class="segment">(.*?)</div>', page)
+    assert [d.split(" — ")[0] for d in dividers] == ["segment 2", "segment 3", "segment 4"]
+    assert dividers[0].startswith("segment 2 — new prompt: 825 tokens")
+    assert page.index("turn 24 ·") < page.index('<div class="segment">segment 2') < page.index("turn 25 ·")
+    tokens = ep.segment_tokens
+    assert len(tokens) == 4
+    assert f"4 ({' / '.join(f'{n:,}' for n in tokens)} tokens)" in page
+    assert "peak main-context tokens" in page and f"{max(tokens):,}" in page
+    assert "<td>items recorded</td><td>28 of 32</td>" in page
+    assert page.count("went into the next segment's prompt") == len(FOLDS)
+
+
+def test_ledger_table_rows() -> None:
+    """The ledger is collapsed and lists every item: its text and last recording turn, or "—" for both."""
+    ep = long_episode()
+    page = render_html([ep])
+    assert "<details><summary>ledger: 28 of 32 items recorded</summary>" in page
+    table = page.split('<table class="ledger">')[1].split("</table>")[0]
+    rows = re.findall(r"<tr><td>(\d+)</td><td>(.*?)</td><td>(.*?)</td></tr>", table)
+    assert [int(r[0]) for r in rows] == list(range(1, PLATE_COUNT + 1))
+    for item, text, where in rows:
+        if int(item) in UNRECORDED:
+            assert "—" in text and "—" in where
+        else:
+            assert text == ep.ledger[int(item) - 1]
+    last = max(i for i, t in enumerate(ep.turns) for r in t.records if r.item == 3)
+    assert rows[2][1:] == (ep.ledger[2], f'{last} <span class="muted">(2 records)</span>')
+    assert f'<div class="record">recorded 3: {ep.ledger[2]}</div>' in page
+    assert "reward per item" not in page  # the viewer does not know per-item rewards
+
+
+def test_one_segment_no_ledger_unchanged() -> None:
+    """A single-answer, never-folded episode gets no segment divider, no ledger table, no segment facts."""
+    page = render_html(episodes()[:1])
+    for absent in (
+        'class="segment"',
+        'class="ledger"',
+        "ledger:",
+        "items recorded",
+        "peak main-context",
+        'class="record"',
+        "record(s)",
+    ):
+        assert absent not in page, absent
+    assert "<td>main-context tokens</td>" in page
+
+
+def test_summary_has_segments_column() -> None:
+    """The summary table gives each episode's number of segments."""
+    page = render_html([long_episode(), *episodes()])
+    summary = page.split('<table class="summary">')[1].split("</table>")[0]
+    header = re.findall(r"<th>(.*?)</th>", summary)
+    col = header.index("segments")
+    rows = [re.findall(r"<td>(.*?)</td>", row) for row in summary.split("<tr>")[2:]]
+    assert [row[col] for row in rows] == ["4", "1", "1"]
+
+
+def test_long_episode_escaped_balanced_and_round_trips(tmp_path: Path) -> None:
+    """Record and ledger text with markup is escaped, the long page's tags balance, and JSONL keeps it intact."""
+    ep = long_episode()
+    first = ep.turns[0]
+    ep.turns[0] = dataclasses.replace(first, records=[Record(1, XSS, f'<record item="1">{XSS}</record>')])
+    ep.ledger[0] = XSS
+    page = render_html([ep])
+    assert "<script" not in page.lower() and page.count(html.escape(XSS)) >= 2
+    parser = TagBalance()
+    parser.feed(page)
+    parser.close()
+    assert parser.stack == []
+    log = tmp_path / "long.jsonl"
+    log.write_text(ep.to_json() + "\n", encoding="utf-8")
+    assert render_html(load_episodes(log)) == page

@@ -24,6 +24,7 @@ from tests.fakes import TOOLS, ScriptedPolicy, call_text, fake_tool_server, ok_r
 from tool_server.client import ToolClient
 from training import tasks as task_data
 from training import train as train_module
+from training.advantages import CreditConfig
 from training.checkpoint import CheckpointError, TrainState
 from training.config import ConfigError, TrainConfig, config_hash, config_to_dict, load_train_config
 from training.metrics import read_metrics, rollout_metrics, step_line
@@ -94,6 +95,7 @@ async def test_score_fills_final_reward_and_each_turn_component() -> None:
         },
         {"valid_call": 0.0, "malformed_call": 0.0, "repeated_call": 0.0, "new_evidence": 0.0, "total": 0.0},
     ]
+    expected = [{**e, "recorded_item": 0.0} for e in expected]
     assert [p.metrics(prefix="") for p in parts] == [pytest.approx(e) for e in expected]
     assert episode.turn_rewards == pytest.approx([0.15, -0.1, 0.0])
 
@@ -399,6 +401,37 @@ def test_two_sync_steps_train(tiny_policy: Path, tmp_path: Path, stub_tasks, mon
     assert [r["policy_version"] for r in rows] == [1, 2]
     assert rows[0]["loss/kl"] == 0.0 and rows[1]["loss/kl"] > 0.0
     assert len(sampled_task_ids(run_dir, 2)) == 4 and (run_dir / "step_2" / "MANIFEST.json").is_file()
+
+
+@pytest.mark.slow
+def test_two_branch_credit_steps_train(tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch) -> None:
+    """credit = "branch": every episode's chosen turn is continued from exact replays (the continuations are
+    counted and their sampled tokens logged), the advantages train, the weights move, in the sync and the async
+    loop alike."""
+    monkeypatch.setattr(train_module, "score", parity_score)
+    credit = CreditConfig(mode="branch", branch_k=2, branch_turns=1)
+    for loop, name in ((train, "sync"), (train_async, "async")):
+        run_dir = loop(tiny_config(tmp_path / name, tiny_policy, credit=credit), transport=fake_tool_server())
+        rows = check_run_trained(run_dir, tiny_policy, 2)
+        assert all(r["branch/continuations"] >= 2 and r["branch/infra_failed"] == 0 for r in rows)
+        assert all(r["branch/sampled_tokens"] > 0 and r["tokens/sampled"] > 0 for r in rows)
+
+
+def test_branching_plans_states_around_chosen_turns() -> None:
+    """A chosen turn needs the state before it (not for turn 0: the group serves) and after it (not after the
+    last turn); the choice is the same for the same seed, step, task and episode."""
+    from training.branching import plan, states
+
+    episodes = [fake_episode("t1"), fake_episode("t1")]
+    for e in episodes:
+        e.turns = [_turn(), _turn(), _turn()]
+    cfg = TrainConfig(seed=3, credit=CreditConfig(mode="branch", branch_turns=0))
+    chosen = plan([episodes], [TASK], cfg, step=1)
+    assert chosen == {(0, 0): [0, 1, 2], (0, 1): [0, 1, 2]}
+    assert states([episodes], chosen) == [(0, i, s) for i in (0, 1) for s in (1, 2)]
+    one = dataclasses.replace(cfg, credit=CreditConfig(mode="branch", branch_turns=1))
+    assert plan([episodes], [TASK], one, step=1) == plan([episodes], [TASK], one, step=1)
+    assert all(len(turns) == 1 for turns in plan([episodes], [TASK], one, step=1).values())
 
 
 @pytest.mark.slow

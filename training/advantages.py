@@ -21,6 +21,20 @@ Turn credit (`mode="turn"`):
         (or when the anchor is None) the "turn_index" baseline.
     A_{i,t} = G_{i,t} - b_{i,t}          [/ (std of all A_{.,.} of the group + eps) when normalize_std]
 
+Branch credit (`mode="branch"`, per-call Monte Carlo values from exact replays; VinePPO's estimate, made cheap
+by frozen, cached tools):
+    for chosen turns t of episode i, `branch_k` continuations are sampled from the state before turn t (the
+    episode's first t turns replayed exactly, turn t sampled anew) and `branch_k` from the state after turn t's
+    observation (t + 1 turns replayed). With b the final rewards of the first and a those of the second,
+        A_{i,t} = mean(a ∪ {R_i}) - mean(b)
+    (the episode itself is one continuation from after turn t, so it counts there). After the episode's last
+    turn nothing follows, so mean({R_i}) = R_i; before turn 0 the group's other episodes are continuations from
+    the same state and serve as b without extra sampling. Turns not chosen get the outcome advantage
+    R_i - mean_j R_j, so every sampled token trains; with every turn chosen this is VinePPO's per-step advantage.
+    Continuations are value probes only and do not train: training them would need their own branches (or a
+    baseline from a group they do not form), and it would weight the states the trainer happened to branch from.
+    [/ (std of all A of the group + eps) when normalize_std]
+
 Degenerate sets: when all values in a baseline set are equal (all R_j, or all G in a turn-index / anchor set),
 the advantages are exactly 0.0 for that set, not a rounding residue. Standard deviations are population ones.
 
@@ -53,8 +67,9 @@ STD_EPS = 1e-6
 class CreditConfig:
     """How advantages are assigned within a group."""
 
-    mode: Literal["outcome", "turn"] = "outcome"
-    """"outcome": one group-relative advantage per episode (GRPO); "turn": return-to-go minus a group baseline."""
+    mode: Literal["outcome", "turn", "branch"] = "outcome"
+    """"outcome": one group-relative advantage per episode (GRPO); "turn": return-to-go minus a group baseline;
+    "branch": Monte Carlo values of chosen turns from continuations of exact replays (training/branching.py)."""
     gamma: float = 1.0
     """Discount per turn for turn credit, in (0, 1]; 1 spreads the final reward undiminished to every turn."""
     normalize_std: bool = False
@@ -67,9 +82,20 @@ class CreditConfig:
     """Fewest turns that must share an anchor for the anchor baseline to be used; smaller sets fall back to the
     turn-index baseline. At least 2, since a set of one would always give A = 0."""
 
+    branch_k: int = 2
+    """Branch credit: continuations sampled from each state around a chosen turn (before it and after it)."""
+    branch_turns: int = 2
+    """Branch credit: turns chosen per episode, at random (seeded per step and episode); 0 chooses every turn.
+    Each costs up to 2 x branch_k continuations, so on long episodes a few chosen turns are the affordable
+    budget; the others take the outcome advantage."""
+
     def __post_init__(self) -> None:
-        if self.mode not in ("outcome", "turn"):
-            raise ValueError(f"credit mode must be 'outcome' or 'turn', got {self.mode!r}")
+        if self.mode not in ("outcome", "turn", "branch"):
+            raise ValueError(f"credit mode must be 'outcome', 'turn' or 'branch', got {self.mode!r}")
+        if self.branch_k < 1 or self.branch_turns < 0:
+            raise ValueError(
+                f"branch_k must be >= 1 and branch_turns >= 0, got {self.branch_k}, {self.branch_turns}"
+            )
         if self.baseline not in ("turn_index", "anchor"):
             raise ValueError(f"baseline must be 'turn_index' or 'anchor', got {self.baseline!r}")
         if not 0.0 < self.gamma <= 1.0:
@@ -98,6 +124,40 @@ class EpisodeCredit:
     """The policy's turns in order."""
 
 
+@dataclass(frozen=True)
+class BranchValues:
+    """The final rewards of the continuations sampled around one turn of an episode."""
+
+    turn: int
+    """t, the 0-based turn index."""
+    before: tuple[float, ...]
+    """Final rewards of continuations from the state before turn t (turn t sampled anew)."""
+    after: tuple[float, ...]
+    """Final rewards of continuations from the state after turn t's observation, the episode itself excluded
+    (empty after the episode's last turn)."""
+
+
+def branch_advantages(
+    episodes: Sequence[EpisodeCredit], branches: Sequence[Sequence[BranchValues]], *, normalize_std: bool
+) -> list[list[float]]:
+    """A_{i,t} = mean(after ∪ {R_i}) - mean(before) for the turns in `branches[i]`, the outcome advantage
+    R_i - mean(R) for the others (see the module docstring)."""
+    if len(episodes) < 2:
+        raise ValueError(f"a group needs at least 2 episodes to have a baseline, got {len(episodes)}")
+    outcome = outcome_advantages(episodes, normalize_std=False)
+    rows = []
+    for episode, row, values in zip(episodes, outcome, branches, strict=True):
+        row = list(row)
+        for v in values:
+            if not v.before:
+                raise ValueError(f"turn {v.turn}: no continuation from before it to compare with")
+            row[v.turn] = _mean([*v.after, episode.final_reward]) - _mean(v.before)
+        rows.append(row)
+    if normalize_std:
+        rows = _unflatten(_scale([a for row in rows for a in row]), [len(row) for row in rows])
+    return rows
+
+
 def group_advantages(episodes: Sequence[EpisodeCredit], cfg: CreditConfig) -> list[list[float]]:
     """One advantage per turn of every episode of a group: result[i][t] is A_{i,t} (see the module docstring).
 
@@ -105,6 +165,8 @@ def group_advantages(episodes: Sequence[EpisodeCredit], cfg: CreditConfig) -> li
     """
     if len(episodes) < 2:
         raise ValueError(f"a group needs at least 2 episodes to have a baseline, got {len(episodes)}")
+    if cfg.mode == "branch":
+        raise ValueError("branch credit needs the continuations' rewards: call branch_advantages")
     if cfg.mode == "outcome":
         return outcome_advantages(episodes, normalize_std=cfg.normalize_std)
     return turn_advantages(episodes, cfg)

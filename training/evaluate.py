@@ -14,7 +14,10 @@ What the report measures, over the episodes that did not fail for infrastructure
     format_validity   share of turns whose completion parsed without any parse error
     calls_per_tool    mean calls of each tool per episode
     tool_error_rate   share of tool results that came back not ok (NaN without any call)
-    main_tokens_*     length of an episode's whole token stream (prompt, completions, observations)
+    main_tokens_*     an episode's peak main context (its longest segment; the whole stream when not folded)
+    turn_tokens_mean  the main context a turn was sampled from, over all turns
+    segments_mean, calls_mean   segments and calls per episode
+    items_right       item tasks: the share of items recorded right (apart from mean_reward)
     subagent_tokens_read  mean tokens the sub-agents read on the policy's behalf per episode
 """
 
@@ -102,6 +105,11 @@ class EvalReport:
     mean_turns: float
     stop_reasons: dict[str, int]
     wall_s: float
+    main_tokens_peak: float = math.nan
+    turn_tokens_mean: float = math.nan
+    segments_mean: float = math.nan
+    calls_mean: float = math.nan
+    items_right: float = math.nan
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -138,7 +146,18 @@ def summarise(
         mean_turns=mean([float(len(e.turns)) for e in played]),
         stop_reasons=dict(sorted(Counter(e.stop_reason for e in episodes).items())),
         wall_s=wall_s,
+        main_tokens_peak=float(max(lengths, default=math.nan)),
+        turn_tokens_mean=mean([float(n) for e in played for n in e.turn_context_tokens]),
+        segments_mean=mean([float(len(e.segments)) for e in played]),
+        calls_mean=mean([float(e.num_calls) for e in played]),
+        items_right=mean([_items_right(t, e) for t, e in valid if t.items]),
     )
+
+
+def _items_right(task: Task, episode: Episode) -> float:
+    """The share of an item task's items whose recorded answer is right."""
+    entries = [(i, text) for i, text in enumerate(episode.ledger, start=1) if text is not None]
+    return sum(task_data.item_reward(task, i, text) for i, text in entries) / len(task.items)
 
 
 def format_table(reports: Sequence[EvalReport]) -> str:
@@ -157,6 +176,13 @@ def format_table(reports: Sequence[EvalReport]) -> str:
             "main tokens mean/median",
             [f"{r.main_tokens_mean:.0f}/{r.main_tokens_median:.0f}" for r in reports],
         ),
+        (
+            "main tokens peak / per turn",
+            [f"{r.main_tokens_peak:.0f}/{r.turn_tokens_mean:.0f}" for r in reports],
+        ),
+        ("segments/episode", [f"{r.segments_mean:.2f}" for r in reports]),
+        ("calls/episode", [f"{r.calls_mean:.1f}" for r in reports]),
+        ("items right", [f"{r.items_right:.3f}" for r in reports]),
         ("sub-agent tokens read", [f"{r.subagent_tokens_read:.0f}" for r in reports]),
         ("turns/episode", [f"{r.mean_turns:.2f}" for r in reports]),
         ("wall time s", [f"{r.wall_s:.1f}" for r in reports]),

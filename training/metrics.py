@@ -8,8 +8,17 @@ Keys of a metrics row (`metrics.jsonl`, one row per step):
     optim/lr                                                           the learning rate of that step
     tools/<name>/calls, tools/<name>/error_rate, tools/cache_hit_rate, tools/calls_per_episode
     episodes/collected, episodes/infra_failed, episodes/inexact (not trained on), episodes/stale_dropped
-    context/main_tokens                                                mean length of an episode's token stream
+    context/main_tokens, context/peak_tokens                           mean and max of an episode's peak context
+    context/turn_tokens, context/segments                              mean context a turn was sampled from;
+                                                                       segments per episode (folded long ones)
+    subagents/tokens_read                                              tokens sub-agents read per episode
+    items/recorded, items/right                                        item tasks: share of items recorded, and
+                                                                       recorded right (apart from reward/final)
+    horizon/items                                                      item tasks: the curriculum's current N
     perf/episodes_per_s, perf/tokens_per_s, time/rollout, time/train   tokens = sampled completion tokens
+    tokens/sampled                                                     sampled tokens of the step's episodes
+    branch/continuations, branch/sampled_tokens, branch/cache_hit_rate,  branch credit: what its continuations
+    branch/infra_failed, time/branch                                     cost (time/rollout includes them)
     time/weight_sync                                                   pushing the weights to the sampler
 
 A mean over nothing (no valid episode, no turn) is NaN, written as JSON's NaN extension: an empty step must not
@@ -64,16 +73,24 @@ def mean(values: Sequence[float]) -> float:
 
 
 def reward_metrics(
-    scored: Sequence[Episode], *, successes: Sequence[bool], turn_parts: Sequence[TurnRewardParts]
+    scored: Sequence[Episode],
+    *,
+    successes: Sequence[bool],
+    turn_parts: Sequence[TurnRewardParts],
+    ledgers: Sequence[tuple[float, float]] = (),
 ) -> dict[str, float]:
-    """Final reward, success rate and every turn-reward component, averaged over episodes and turns."""
+    """Final reward, success rate, every turn-reward component averaged over episodes and turns, and for item
+    tasks the ledger's progress: the share of items recorded and recorded right, apart from the final reward."""
     row = {
         "reward/final": mean([e.reward for e in scored if e.reward is not None]),
         "success": mean([float(s) for s in successes]),
         "reward/turn": mean([p.total for p in turn_parts]),
     }
-    for name in ("valid_call", "malformed_call", "repeated_call", "new_evidence"):
+    for name in ("valid_call", "malformed_call", "repeated_call", "new_evidence", "recorded_item"):
         row[f"reward/turn/{name}"] = mean([getattr(p, name) for p in turn_parts])
+    if ledgers:
+        row["items/recorded"] = mean([recorded for recorded, _ in ledgers])
+        row["items/right"] = mean([right for _, right in ledgers])
     return row
 
 
@@ -85,9 +102,14 @@ def rollout_metrics(collected: Sequence[Episode], *, seconds: float) -> dict[str
         "episodes/infra_failed": sum(e.stop_reason == "infra_failed" for e in collected),
         "episodes/inexact": sum(e.stop_reason != "infra_failed" and not e.exact for e in collected),
         "context/main_tokens": mean([e.context_tokens for e in collected]),
+        "context/peak_tokens": max((e.context_tokens for e in collected), default=math.nan),
+        "context/turn_tokens": mean([n for e in collected for n in e.turn_context_tokens]),
+        "context/segments": mean([len(e.segments) for e in collected]),
+        "subagents/tokens_read": mean([e.subagent_tokens_read for e in collected]),
         "tools/calls_per_episode": mean([e.num_calls for e in collected]),
         "tools/cache_hit_rate": mean([float(r.cached) for r in results]),
         "time/rollout": seconds,
+        "tokens/sampled": sampled_tokens(collected),
         "perf/episodes_per_s": len(collected) / seconds if seconds > 0 else math.nan,
         "perf/tokens_per_s": sampled_tokens(collected) / seconds if seconds > 0 else math.nan,
     }

@@ -106,6 +106,10 @@ class TurnRewardWeights:
     """Per call whose `call_key` equals a call made earlier in the same episode."""
     new_evidence: float = 0.1
     """Paid when this turn's observation contains the gold answer and no earlier observation did."""
+    recorded_item: float = 0.5
+    """Item tasks: paid when an item is first recorded, times its item score, divided by the number of items (a
+    whole ledger recorded right earns this much in all). The per-item progress of a long episode, paid at the
+    turn that earned it; the final reward pays the whole ledger again at the end."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,9 @@ class TurnFacts:
     """Well-formed calls whose key was already seen in the episode."""
     new_evidence: bool
     """The observation holds the gold answer for the first time in the episode (see `contains_evidence`)."""
+    recorded_score: float = 0.0
+    """Item tasks: the summed item scores of the items this turn recorded for the first time, divided by the
+    number of items (in [0, 1])."""
 
     def __post_init__(self) -> None:
         counts = (self.n_valid_calls, self.n_malformed, self.n_repeated)
@@ -135,10 +142,17 @@ class TurnRewardParts:
     malformed_call: float
     repeated_call: float
     new_evidence: float
+    recorded_item: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.valid_call + self.malformed_call + self.repeated_call + self.new_evidence
+        return (
+            self.valid_call
+            + self.malformed_call
+            + self.repeated_call
+            + self.new_evidence
+            + self.recorded_item
+        )
 
     def metrics(self, prefix: str = "turn_reward/") -> dict[str, float]:
         """Flat name -> value mapping for the metrics log, the total included."""
@@ -147,16 +161,19 @@ class TurnRewardParts:
             "malformed_call": self.malformed_call,
             "repeated_call": self.repeated_call,
             "new_evidence": self.new_evidence,
+            "recorded_item": self.recorded_item,
             "total": self.total,
         }
         return {prefix + name: value for name, value in parts.items()}
 
 
 def turn_reward(facts: TurnFacts, w: TurnRewardWeights) -> TurnRewardParts:
-    """Score one turn: once-per-turn bonus for a valid new call, per-call penalties, bonus for new evidence."""
+    """Score one turn: once-per-turn bonus for a valid new call, per-call penalties, bonus for new evidence,
+    progress on recorded items."""
     return TurnRewardParts(
         valid_call=w.valid_call if facts.n_valid_calls > 0 else 0.0,
         malformed_call=w.malformed_call * facts.n_malformed,
         repeated_call=w.repeated_call * facts.n_repeated,
         new_evidence=w.new_evidence if facts.new_evidence else 0.0,
+        recorded_item=w.recorded_item * facts.recorded_score,
     )

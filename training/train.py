@@ -3,6 +3,7 @@
 Per step s = 1 .. steps:
     1. pick B tasks from a seeded shuffle (the cursor is part of the checkpoint) and reseed torch from (seed, s)
     2. collect: G episodes per task, all concurrent, so the policy batches their turns into one generate
+       (branch credit then continues exact replays of chosen turns' states: training/branching.py)
     3. filter_groups: drop groups with an infrastructure failure (fail the step when too many failed)
     4. score: final reward from the task, turn rewards from what each turn did
     5. group_to_sequences: group advantages (outcome or turn credit) laid onto each episode's tokens
@@ -19,6 +20,7 @@ train_async.py is the same loop with step s+1's rollouts running while step s tr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -32,8 +34,10 @@ from torch import nn
 
 from main_agent.tokens import Batch, TrainSequence, collate, micro_batches, to_sequences
 from main_agent.types import Episode, Turn
+from tool_server.client import ToolClient
 from training import tasks as task_data
-from training.advantages import EpisodeCredit, TurnCredit, group_advantages
+from training.advantages import BranchValues, EpisodeCredit, TurnCredit, branch_advantages, group_advantages
+from training.branching import BranchStats, branch_values
 from training.config import TrainConfig
 from training.loss import LossOutput, batch_logprobs, policy_loss
 from training.metrics import reward_metrics, rollout_metrics
@@ -75,18 +79,22 @@ class InfraFailure(RuntimeError):
 
 def score(episode: Episode, task: Task, weights: TurnRewardWeights) -> list[TurnRewardParts]:
     """Fill `episode.reward` (the task's final reward) and `episode.turn_rewards`; return each turn's parts."""
-    parts = [turn_reward(facts, weights) for facts in turn_facts(episode, task.reference)]
+    parts = [turn_reward(facts, weights) for facts in turn_facts(episode, task)]
     episode.reward = task_data.reward_for(task, episode.answer)
     episode.turn_rewards = [p.total for p in parts]
     return parts
 
 
-def turn_facts(episode: Episode, reference: str) -> list[TurnFacts]:
-    """Per turn: new valid calls, malformed ones (parse errors, rejected arguments), repeats, first evidence."""
+def turn_facts(episode: Episode, task: Task) -> list[TurnFacts]:
+    """Per turn: new valid calls, malformed ones (parse errors, rejected arguments), repeats, first evidence,
+    the score of items recorded for the first time."""
     seen: set[str] = set()
+    recorded: set[int] = set()
     found = False
     facts = []
     for turn in episode.turns:
+        first = [r for r in turn.records if r.item not in recorded and not recorded.add(r.item)]  # type: ignore[func-returns-value]
+        progress = sum(task_data.item_reward(task, r.item, r.text) for r in first) / max(len(task.items), 1)
         valid = repeated = 0
         malformed = sum(e.kind not in NOT_MALFORMED for e in turn.parse_errors)
         for call, result in zip(turn.calls, turn.results, strict=True):
@@ -99,10 +107,10 @@ def turn_facts(episode: Episode, reference: str) -> list[TurnFacts]:
                 valid += 1
             seen.add(key)
         evidence = not found and any(
-            r.ok and contains_evidence(r.observation, reference) for r in turn.results
+            r.ok and contains_evidence(r.observation, task.reference) for r in turn.results
         )
         found = found or evidence
-        facts.append(TurnFacts(valid, malformed, repeated, evidence))
+        facts.append(TurnFacts(valid, malformed, repeated, evidence, progress))
     return facts
 
 
@@ -111,14 +119,21 @@ def anchor(turn: Turn) -> str | None:
     return call_key(turn.calls[0].name, turn.calls[0].arguments) if turn.calls else None
 
 
-def group_to_sequences(episodes: Sequence[Episode], cfg: TrainConfig) -> list[TrainSequence]:
-    """One group's advantages laid onto its episodes' tokens; episodes without turns have nothing to train."""
+def group_to_sequences(
+    episodes: Sequence[Episode], cfg: TrainConfig, branches: Sequence[Sequence[BranchValues]] | None = None
+) -> list[TrainSequence]:
+    """One group's advantages laid onto its episodes' tokens; episodes without turns have nothing to train.
+    Branch credit reads each episode's continuation values (`branches`, training/branching.py)."""
     credits = []
     for e in episodes:
         assert e.reward is not None, f"episode of {e.task_id} is not scored"
         turns = tuple(TurnCredit(r, anchor(t)) for r, t in zip(e.turn_rewards, e.turns, strict=True))
         credits.append(EpisodeCredit(e.reward, turns))
-    advantages = group_advantages(credits, cfg.credit)
+    if cfg.credit.mode == "branch":
+        assert branches is not None, "branch credit needs the continuations' values"
+        advantages = branch_advantages(credits, branches, normalize_std=cfg.credit.normalize_std)
+    else:
+        advantages = group_advantages(credits, cfg.credit)
     trainable = zip(episodes, advantages, strict=True)
     return [s for e, a in trainable if e.turns and e.exact for s in to_sequences(e, a)]
 
@@ -151,18 +166,40 @@ class Scored:
     sequences: list[TrainSequence]
     successes: list[bool]
     turn_parts: list[TurnRewardParts]
+    ledgers: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    """Item tasks, per episode: the share of items recorded, and the share recorded right (`ledger_scores`)."""
 
 
-def score_groups(groups: Sequence[list[Episode]], tasks: Sequence[Task], cfg: TrainConfig) -> Scored:
-    """filter_groups, then score every episode and build the training sequences."""
+def ledger_scores(episode: Episode, task: Task) -> tuple[float, float]:
+    """The share of the task's items the episode recorded, and the share it recorded right (item scores)."""
+    entries = [(i, text) for i, text in enumerate(episode.ledger, start=1) if text is not None]
+    right = sum(task_data.item_reward(task, i, text) for i, text in entries)
+    return len(entries) / len(task.items), right / len(task.items)
+
+
+def score_groups(
+    groups: Sequence[list[Episode]],
+    tasks: Sequence[Task],
+    cfg: TrainConfig,
+    branches: Sequence[list[list[BranchValues]]] | None = None,
+) -> Scored:
+    """filter_groups, then score every episode and build the training sequences (`branches[g]`: group g's
+    continuation values under branch credit)."""
     by_id = {t.task_id: t for t in tasks}
     kept = filter_groups(groups, cfg)
     parts: list[TurnRewardParts] = []
     for e in (e for g in kept for e in g):
         parts += score(e, by_id[e.task_id], cfg.turn_rewards)
     successes = [task_data.success(by_id[e.task_id], e.answer) for g in kept for e in g]
-    sequences = [s for g in kept for s in group_to_sequences(g, cfg)]
-    return Scored(kept, sequences, successes, parts)
+    values = branches if branches is not None else [None] * len(groups)
+    valid = [
+        (g, b)
+        for g, b in zip(groups, values, strict=True)
+        if not any(e.stop_reason == "infra_failed" for e in g)
+    ]
+    sequences = [s for g, b in valid for s in group_to_sequences(g, cfg, b)]
+    ledgers = [ledger_scores(e, by_id[e.task_id]) for g in kept for e in g if by_id[e.task_id].items]
+    return Scored(kept, sequences, successes, parts, ledgers)
 
 
 # ---------------------------------------------------------------- the optimizer step
@@ -277,19 +314,24 @@ def step_row(
     *,
     seconds: tuple[float, float, float],
     stale_dropped: int = 0,
+    branching: BranchStats | None = None,
 ) -> dict[str, float]:
     """The metrics row of one step (keys listed in training/metrics.py); `seconds`: rollout, train, weight sync."""
     return {
         "step": step,
         "policy_version": version,
         **reward_metrics(
-            [e for g in scored.groups for e in g], successes=scored.successes, turn_parts=scored.turn_parts
+            [e for g in scored.groups for e in g],
+            successes=scored.successes,
+            turn_parts=scored.turn_parts,
+            ledgers=scored.ledgers,
         ),
         **rollout_metrics([e for g in collected for e in g], seconds=seconds[0]),
         **stats.metrics(),
         "episodes/stale_dropped": stale_dropped,
         "time/train": seconds[1],
         "time/weight_sync": seconds[2],
+        **(branching.metrics() if branching is not None else {}),
     }
 
 
@@ -305,18 +347,39 @@ async def train_loop(run: Run, *, transport: httpx.AsyncBaseTransport | None = N
             seed_step(cfg, step)
             t0 = time.monotonic()
             groups = await collect(run, tools, batch)
+            branches, branching = await branch(run, tools, batch, groups, step)
             t1 = time.monotonic()
-            scored = score_groups(groups, batch, cfg)
+            scored = score_groups(groups, batch, cfg, branches)
             stats = update(run.model, run.optimizer, scored.sequences, cfg, ref_model=run.ref_model)
             t2 = time.monotonic()
             sync_s = await sync_weights(run.model, run.policy, cfg) if stats.skipped is None else 0.0
             seconds = (t1 - t0, t2 - t1, sync_s)
-            row = step_row(step, run.policy.version, groups, scored, stats, seconds=seconds)
+            row = step_row(
+                step, run.policy.version, groups, scored, stats, seconds=seconds, branching=branching
+            )
             episodes = [e for g in groups for e in g]
             finish_step(
                 run, step, row, state=state, episodes=episodes, stepped=stats.skipped is None,
                 successes=scored.successes, items=len(batch[0].items),
             )  # fmt: skip
+
+
+async def branch(
+    run: Run, tools: ToolClient, tasks: Sequence[Task], groups: Sequence[list[Episode]], step: int
+) -> tuple[list[list[list[BranchValues]]] | None, BranchStats | None]:
+    """Branch credit's continuations for this step's groups (training/branching.py); nothing for other modes."""
+    if run.cfg.credit.mode != "branch":
+        return None, None
+
+    def reward_of(task: Task, episode: Episode) -> float:
+        score(episode, task, run.cfg.turn_rewards)
+        assert episode.reward is not None
+        return episode.reward
+
+    return await branch_values(
+        groups, tasks, policy=run.policy, tools=tools, tokenizer=run.tokenizer, cfg=run.cfg, step=step,
+        reward_of=reward_of,
+    )  # fmt: skip
 
 
 def train(

@@ -8,6 +8,7 @@ The same steps as train.py, from the same functions; what differs, and only this
 - The trainer drops groups sampled by weights more than `max_staleness` versions older than the trained ones
   (`episodes/stale_dropped`); the loss's importance ratio (sampler log-probs vs the trained policy's) corrects
   the one-step lag of the rest.
+- Branch credit's continuations are sampled by the producer right after its groups, with the same weights.
 - `update` runs in a worker thread (`asyncio.to_thread`), so the event loop keeps serving rollouts meanwhile. The
   sampler owns a separate copy of the weights, so the two threads share no tensors.
 - The producer holds an `asyncio.Condition` while it collects; the trainer syncs weights and finishes the step
@@ -30,12 +31,14 @@ import httpx
 
 from main_agent.types import Episode
 from tool_server.client import ToolClient
+from training.advantages import BranchValues
+from training.branching import BranchStats
 from training.checkpoint import TrainState
 from training.config import TrainConfig
 from training.run import Run, StepHook, collect, finish_step, next_tasks, seed_step, steps_left, tool_session
 from training.sampler import sync_weights
 from training.tasks import Task
-from training.train import drive, score_groups, step_row, update
+from training.train import branch, drive, score_groups, step_row, update
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,10 @@ class Batch:
     state: TrainState  # the data cursor after these tasks
     groups: list[list[Episode]]
     rollout_s: float
+    branches: (
+        list[list[list[BranchValues]]] | None
+    )  # branch credit's continuation values, sampled with the groups
+    branching: BranchStats | None
 
 
 async def produce(
@@ -63,7 +70,9 @@ async def produce(
             seed_step(cfg, step)
             t0 = time.monotonic()
             groups = await collect(run, tools, batch_tasks)
-        await queue.put(Batch(step, batch_tasks, state, groups, time.monotonic() - t0))
+            branches, branching = await branch(run, tools, batch_tasks, groups, step)
+        rollout_s = time.monotonic() - t0
+        await queue.put(Batch(step, batch_tasks, state, groups, rollout_s, branches, branching))
 
 
 def finished(run: Run, step: int) -> Callable[[], bool]:
@@ -78,6 +87,14 @@ def drop_stale(
     dropped groups held. (A group is collected under one version, so this drops exactly the stale episodes.)"""
     fresh = [g for g in groups if all(e.policy_version >= version - max_staleness for e in g)]
     return fresh, sum(map(len, groups)) - sum(map(len, fresh))
+
+
+def fresh_branches(batch: Batch, fresh: Sequence[list[Episode]]) -> list[list[list[BranchValues]]] | None:
+    """The branch values of the groups `drop_stale` kept, in their order."""
+    if batch.branches is None:
+        return None
+    kept = {id(g) for g in fresh}
+    return [b for g, b in zip(batch.groups, batch.branches, strict=True) if id(g) in kept]
 
 
 async def next_batch(queue: asyncio.Queue[Batch], producer: asyncio.Task[None]) -> Batch:
@@ -106,7 +123,7 @@ async def train_loop(run: Run, *, transport: httpx.AsyncBaseTransport | None = N
                 fresh, stale = drop_stale(
                     batch.groups, version=run.policy.version, max_staleness=cfg.max_staleness
                 )
-                scored = score_groups(fresh, batch.tasks, cfg)
+                scored = score_groups(fresh, batch.tasks, cfg, fresh_branches(batch, fresh))
                 stats = await asyncio.to_thread(
                     update, run.model, run.optimizer, scored.sequences, cfg, ref_model=run.ref_model
                 )
@@ -122,6 +139,7 @@ async def train_loop(run: Run, *, transport: httpx.AsyncBaseTransport | None = N
                         stats,
                         seconds=seconds,
                         stale_dropped=stale,
+                        branching=batch.branching,
                     )
                     episodes = [e for g in batch.groups for e in g]
                     finish_step(
