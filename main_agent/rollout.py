@@ -70,6 +70,9 @@ class RolloutConfig:
     """Text that opens the first assistant turn, e.g. '<tool_call>{"name": "' to require a call first (the
     analogue of tool_choice="required"). Its ids join the prompt (never trained on); it is parsed with the
     first completion. Empty while training: the policy must learn the format itself."""
+    turns_per_item: int = 6
+    """Item tasks get at least this many turns per item (plus one to answer) whatever `max_turns` says: a
+    plate takes 4 calls and up to 2 retries, so a horizon that grows keeps its room."""
     fold_at_tokens: int = 0
     """0: never fold (an episode stops when its context is full). > 0: when the context after a turn's
     observation plus `max_new_tokens` would pass this, the episode goes on in a new segment whose prompt is the
@@ -120,7 +123,7 @@ async def rollout(
     prompt_ids = _first_prompt(task, tokenizer, cfg)
     episode = _new_episode(task, prompt_ids, policy.version)
     ids, opened = list(prompt_ids), []  # the current segment's stream; the prompt of a segment just opened
-    for index in range(cfg.max_turns):
+    for index in range(max_turns(task, cfg)):
         room = cfg.max_context_tokens - len(ids)
         if room < 16:  # not even a short answer fits
             episode.stop_reason = "max_context"
@@ -152,6 +155,11 @@ async def rollout(
             break
     _finish(episode, start)
     return episode
+
+
+def max_turns(task: RolloutTask, cfg: RolloutConfig) -> int:
+    """`max_turns`, raised for an item task to `turns_per_item` per item plus one to answer."""
+    return max(cfg.max_turns, cfg.turns_per_item * task.items + 1) if task.items else cfg.max_turns
 
 
 def _first_prompt(task: RolloutTask, tokenizer, cfg: RolloutConfig) -> list[int]:

@@ -70,6 +70,8 @@ class EvalConfig:
     """train, dev or test."""
     n: int = 100
     """The first `n` tasks of the split, the same for every policy."""
+    items: int | None = None
+    """Item families (plate_audit, multihop_batch): items per task; None: the family's default (4)."""
     data_dir: Path | None = None
     """The shared data folder; None: $CONDUCTOR_DATA, else ../shared/data beside the repository."""
     seed: int = 0
@@ -243,7 +245,7 @@ async def _run_eval(tasks: list[Task], *, cfg: EvalConfig, episodes_out: Path | 
 def run_eval(cfg: EvalConfig, out_json: Path | None = None) -> EvalReport:
     """The `conductor eval` entry point: the first `n` tasks of `task`/`split`; with `out_json` the report
     there and the episodes beside it (`<name>.episodes.jsonl`)."""
-    tasks = task_data.load_family(cfg.task, cfg.split, data_dir=cfg.data_dir, limit=cfg.n)
+    tasks = task_data.load_family(cfg.task, cfg.split, data_dir=cfg.data_dir, limit=cfg.n, items=cfg.items)
     if not tasks:
         raise ValueError(f"no tasks in {cfg.task}/{cfg.split}")
     episodes_out = out_json.with_suffix(".episodes.jsonl") if out_json is not None else None

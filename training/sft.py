@@ -10,7 +10,7 @@
    by default writes it only when an observation showed it, so no demonstration teaches stating what no tool
    showed; otherwise it answers its own reading, which then fails the success filter. `trust_reference=True`
    answers the reference regardless (more data, less honest).
-2. `generate_expert_episodes` keeps the successful episodes (`tasks.success`).
+2. `generate_expert_episodes` keeps the successful episodes (`tasks.success`; item tasks: `worth_imitating`).
 3. `sft` minimises the cross-entropy of the oracle's tokens only (the loss mask of `main_agent.tokens`: 0 on the
    prompt and every observation), on exactly the ids the rollout laid down.
 4. `run_sft` evaluates a small dev sample before and after (format validity, success) and reports both.
@@ -103,11 +103,24 @@ async def generate_expert_episodes(
     )
     episodes = [group[0] for group in groups]
     played = Counter(t.family for t in tasks)
-    kept = [(t, e) for t, e in zip(tasks, episodes, strict=True) if task_data.success(t, e.answer)]
+    kept = [(t, e) for t, e in zip(tasks, episodes, strict=True) if worth_imitating(t, e)]
     counts = Counter(t.family for t, _ in kept)
     for family in sorted(played):
         logger.info("expert episodes %s: %d of %d succeeded", family, counts[family], played[family])
     return [e for _, e in kept]
+
+
+def worth_imitating(task: Task, episode: Episode) -> bool:
+    """A right answer; for an item task, a full ledger with at least half its items right and every call
+    served: the item expert records what the reader showed, and a misread plate is the reader's error, not a
+    lesson in what to do (the all-right rule would keep few long audits: the reader gets ~4 plates in 5)."""
+    if not task.items:
+        return task_data.success(task, episode.answer)
+    entries = list(enumerate(episode.ledger, start=1))
+    if episode.tool_errors or any(text is None for _, text in entries):
+        return False
+    right = sum(task_data.item_reward(task, i, str(text)) for i, text in entries)
+    return right >= len(entries) / 2
 
 
 # ---------------------------------------------------------------- supervised fine-tuning
@@ -181,6 +194,9 @@ class SFTConfig:
     """Built-in model name or local checkpoint dir to start from."""
     tasks: tuple[str, ...] = ("multihop_pages", "plate_reading")
     """Task families to demonstrate (keys of `training.tasks.FAMILIES`)."""
+    items: tuple[int, ...] = (1, 2, 4)
+    """Item families (plate_audit, multihop_batch): one set of `limit` tasks per value, a mix of horizons, so the
+    policy has recorded and folded before RL grows N."""
     split: str = "train"
     """Split the demonstrations are played on."""
     limit: int | None = 16
@@ -223,7 +239,14 @@ def load_sft_config(overrides: Sequence[str], path: Path | None = None) -> SFTCo
 
 
 def _tasks(cfg: SFTConfig, split: str, limit: int | None) -> list[Task]:
-    return [t for f in cfg.tasks for t in task_data.load_family(f, split, data_dir=cfg.data_dir, limit=limit)]
+    """`limit` tasks of each family (of each horizon in `items`, for item families)."""
+    load = functools.partial(task_data.load_family, split=split, data_dir=cfg.data_dir, limit=limit)
+    return [
+        t
+        for family in cfg.tasks
+        for n in (cfg.items if hasattr(task_data.FAMILIES.get(family), "item_reward") else (None,))
+        for t in load(family, items=n)
+    ]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,237 @@
+"""The long-horizon study: plate_audit at N photos per episode x credit mode, at equal sampled-token budgets.
+
+    python benchmarks/bench_horizon.py                       # N 1 4 8, 2 seeds at N = 8 -> results/bench_horizon.json
+    python benchmarks/bench_horizon.py --ns 1 4 --steps 3 --tag quick --sampler vllm
+
+From one SFT warm start (`--policy`, made as examples/train_audit.toml says), for every N and credit mode, through
+the `conductor` CLI exactly as a user would run it:
+
+  1. `conductor train examples/train_audit.toml` with the horizon fixed at N (no curriculum) -> runs/horizon*/n<N>-<credit>-s<seed>
+  2. `conductor eval` of its last checkpoint, greedy, on the first dev audits at the same N (--n audits)
+
+Equal budgets: outcome and turn credit play G = 4 episodes per audit; branch credit plays G = 2 and continues one
+chosen turn per episode once from before it and once from after it (branch_k = 1, branch_turns = 1), about two
+episodes' worth of sampling more per episode: the same sampled tokens per step by design. The table shows what
+each mode really sampled per step (episodes and branches), and the plot puts per-item accuracy of the training
+episodes against cumulative sampled tokens, so no mode can look better by sampling more.
+
+A stage whose output exists is skipped and a run cut short resumes from its last checkpoint (`--resume`), so an
+interrupted study continues where it stopped. Prints one table: N x credit -> success, per-item accuracy, calls per
+episode, peak main context, sub-agent tokens read, sampled tokens per step, wall time; writes JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from training.checkpoint import find_latest  # noqa: E402
+from training.metrics import read_metrics  # noqa: E402
+
+CONFIG = ROOT / "examples" / "train_audit.toml"
+CREDITS = {  # credit mode -> its settings at equal sampled-token budgets (see the module docstring)
+    "outcome": ("credit.mode=outcome", "group_size=4"),
+    "turn": ("credit.mode=turn", "credit.baseline=anchor", "group_size=4"),
+    "branch": ("credit.mode=branch", "credit.branch_k=1", "credit.branch_turns=1", "group_size=2"),
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    """The command line, shared by every run."""
+
+    policy: str
+    steps: int
+    eval_n: int
+    sampler: str
+    runs: Path
+
+
+def conductor(*args: str, log: Path) -> float:
+    """One `conductor` command with its output in `log`; its wall time, or exit on failure."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"$ conductor {' '.join(args)}   (log: {log})", flush=True)
+    start = time.monotonic()
+    with log.open("w", encoding="utf-8") as out:
+        code = subprocess.call(["conductor", *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    if code != 0:
+        sys.exit(f"conductor {args[0]} failed with exit code {code}; see {log}")
+    return time.monotonic() - start
+
+
+def train(n: int, credit: str, seed: int, opts: Options) -> Path:
+    """A finished run of `opts.steps` steps (trained, resumed or reused)."""
+    run_dir = opts.runs / f"n{n}-{credit}-s{seed}"
+    sets = [
+        f"policy={opts.policy}",
+        f"steps={opts.steps}",
+        f"seed={seed}",
+        f"run_dir={run_dir}",
+        f"save_every={opts.steps}",
+        f"horizon.items={n}",
+        "horizon.max_items=0",
+        f"sampling.backend={opts.sampler}",
+        *CREDITS[credit],
+    ]
+    latest = find_latest(run_dir) if run_dir.exists() else None
+    if latest is None or latest.name != f"step_{opts.steps}":
+        resume = ("--resume", str(run_dir)) if latest is not None else ()
+        args = ["train", str(CONFIG), *[a for s in sets for a in ("--set", s)], *resume]
+        conductor(*args, log=opts.runs / f"n{n}-{credit}-s{seed}.log")
+    return run_dir
+
+
+def evaluate(run_dir: Path, n: int, opts: Options) -> dict:
+    """`conductor eval` of the run's last checkpoint on the first dev audits of N photos (reused when present)."""
+    out = run_dir / f"eval-dev-n{n}.json"
+    if not out.exists():
+        policy = str(find_latest(run_dir) / "model")
+        args = [
+            "eval",
+            "--policy",
+            policy,
+            "--task",
+            "plate_audit",
+            "--split",
+            "dev",
+            "--n",
+            str(opts.eval_n),
+        ]
+        args += ["--set", f"items={n}", "--set", f"sampling.backend={opts.sampler}"]
+        args += [
+            a for s in ("rollout.fold_at_tokens=1792", "rollout.max_new_tokens=128") for a in ("--set", s)
+        ]
+        args += ["--set", "rollout.wall_clock_s=3600"]
+        conductor(*args, "--out", str(out), log=out.with_suffix(".log"))
+    return json.loads(out.read_text(encoding="utf-8"))
+
+
+def training_summary(run_dir: Path) -> dict:
+    """Sampled tokens and wall time per step, and the per-item accuracy curve, from metrics.jsonl."""
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    sampled = [r.get("tokens/sampled", 0.0) + r.get("branch/sampled_tokens", 0.0) for r in rows]
+    cumulative = [sum(sampled[: i + 1]) for i in range(len(sampled))]
+    return {
+        "steps": len(rows),
+        "wall_s": sum(r["time/rollout"] + r["time/train"] + r["time/weight_sync"] for r in rows),
+        "sampled_tokens_per_step": statistics.mean(sampled) if sampled else math.nan,
+        "branch_tokens_per_step": statistics.mean([r.get("branch/sampled_tokens", 0.0) for r in rows]),
+        "branch_cache_hit_rate": statistics.mean([r.get("branch/cache_hit_rate", math.nan) for r in rows]),
+        "curve": [(c, r.get("items/right", math.nan)) for c, r in zip(cumulative, rows, strict=True)],
+    }
+
+
+def row(n: int, credit: str, seeds: list[int], opts: Options) -> dict:
+    """One table row: the mean over seeds of the evaluations and the training costs."""
+    runs = [train(n, credit, seed, opts) for seed in seeds]
+    evals = [evaluate(run_dir, n, opts) for run_dir in runs]
+    trained = [training_summary(run_dir) for run_dir in runs]
+
+    def avg(values: list[float]) -> float:
+        return statistics.mean(values) if values else math.nan
+
+    return {
+        "n": n,
+        "credit": credit,
+        "seeds": seeds,
+        "success": avg([e["success_rate"] for e in evals]),
+        "items_right": avg([e["items_right"] for e in evals]),
+        "items_right_per_seed": [e["items_right"] for e in evals],
+        "calls": avg([e["calls_mean"] for e in evals]),
+        "peak_context": max(e["main_tokens_peak"] for e in evals),
+        "segments": avg([e["segments_mean"] for e in evals]),
+        "subagent_tokens": avg([e["subagent_tokens_read"] for e in evals]),
+        "sampled_per_step": avg([t["sampled_tokens_per_step"] for t in trained]),
+        "branch_per_step": avg([t["branch_tokens_per_step"] for t in trained]),
+        "train_wall_s": avg([t["wall_s"] for t in trained]),
+        "eval_wall_s": avg([e["wall_s"] for e in evals]),
+        "curves": [t["curve"] for t in trained],
+    }
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        f"{'N':>3} {'credit':<8} | seeds | success | items right | calls/ep | peak ctx | segs | sub-agent tok | "
+        f"sampled/step (branch) | train min | eval min"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['n']:>3} {r['credit']:<8} | {len(r['seeds']):5d} | {r['success']:7.3f} | {r['items_right']:11.3f} | "
+            f"{r['calls']:8.1f} | {r['peak_context']:8.0f} | {r['segments']:4.1f} | {r['subagent_tokens']:13.0f} | "
+            f"{r['sampled_per_step']:12.0f} ({r['branch_per_step']:5.0f}) | {r['train_wall_s'] / 60:9.1f} | "
+            f"{r['eval_wall_s'] / 60:8.1f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], n: int, out: Path) -> Path:
+    """Per-item accuracy of the training episodes against cumulative sampled tokens, each mode at N (one line per
+    seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for r in (r for r in rows if r["n"] == n):
+        for seed, curve in zip(r["seeds"], r["curves"], strict=True):
+            xs, ys = zip(*curve, strict=True) if curve else ((), ())
+            ax.plot(xs, ys, marker=".", label=f"{r['credit']} (seed {seed})")
+    ax.set(
+        title=f"plate_audit N={n}: items right while training", xlabel="sampled tokens", ylabel="items right"
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--policy", default="runs/sft-audit/model", help="the SFT warm start")
+    parser.add_argument("--ns", type=int, nargs="+", default=[1, 4, 8], help="photos per episode")
+    parser.add_argument("--credits", nargs="+", default=list(CREDITS), choices=list(CREDITS))
+    parser.add_argument("--seeds", type=int, default=1, help="seeds per N (the longest N gets --long-seeds)")
+    parser.add_argument("--long-seeds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4, help="RL steps per run")
+    parser.add_argument("--eval-n", type=int, default=4, help="dev audits per evaluation (the first ones)")
+    parser.add_argument("--sampler", default="transformers", choices=("transformers", "vllm", "auto"))
+    parser.add_argument("--tag", default="", help="names the runs and results apart")
+    args = parser.parse_args()
+    suffix = f"_{args.tag}" if args.tag else ""
+    runs = ROOT / "runs" / f"horizon{suffix}"
+    opts = Options(args.policy, args.steps, args.eval_n, args.sampler, runs)
+    start = time.monotonic()
+    longest = max(args.ns)
+    rows = [
+        row(n, credit, list(range(args.long_seeds if n == longest else args.seeds)), opts)
+        for n in sorted(args.ns)
+        for credit in args.credits
+    ]
+    results = ROOT / "benchmarks" / "results"
+    png = plot(rows, longest, results / f"bench_horizon{suffix}.png")
+    print("\n" + table(rows))
+    total = time.monotonic() - start
+    print(f"\nplot: {png}\nstudy wall time (stages run now): {total / 60:.1f} min")
+    out = results / f"bench_horizon{suffix}.json"
+    report = {"rows": rows, "settings": vars(args) | {"runs": str(runs)}, "plot": str(png), "wall_s": total}
+    out.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
