@@ -93,9 +93,10 @@ def train(n: int, credit: str, seed: int, opts: Options) -> Path:
 
 def evaluate(run_dir: Path, n: int, opts: Options) -> dict:
     """`conductor eval` of the run's last checkpoint on the first dev audits of N photos (reused when present)."""
-    out = run_dir / f"eval-dev-n{n}.json"
+    latest = find_latest(run_dir)
+    out = run_dir / f"eval-dev-n{n}-{latest.name}-first{opts.eval_n}.json"  # a longer run is evaluated anew
     if not out.exists():
-        policy = str(find_latest(run_dir) / "model")
+        policy = str(latest / "model")
         args = [
             "eval",
             "--policy",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -135,6 +136,40 @@ async def test_a_scripted_policy_makes_over_100_calls_with_a_bounded_context() -
     assert episode.num_calls == 96 and len(episode.turns) >= 97
     assert episode.stop_reason == "answer" and episode.answer == "\n".join(plate_of(i) for i in range(1, 33))
     assert episode.context_tokens <= 2048 < sum(episode.segment_tokens)
+
+
+async def test_the_trainer_consumes_100_call_episodes_segment_by_segment() -> None:
+    """Two scripted 32-photo episodes (one right, one cut short) become one sequence per segment, none longer than
+    the fold limit; the masked-in ids of each episode's sequences are exactly its sampled ids, carrying its
+    outcome advantage; one optimizer step over all of them trains on exactly those tokens."""
+    import torch
+
+    from tests.test_train import tiny_llama
+    from training.config import TrainConfig
+    from training.train import group_to_sequences, update
+
+    cfg = RolloutConfig(max_turns=110, max_new_tokens=96, max_context_tokens=2048, fold_at_tokens=2048)
+    right, right_policy = await play(audit_task(32), auditor(32), cfg)
+    short, short_policy = await play(
+        audit_task(32), auditor(32), dataclasses.replace(cfg, turns_per_item=2, max_turns=60)
+    )
+    right.reward, short.reward = 1.0, 0.0
+    for e in (right, short):
+        e.turn_rewards = [0.0] * len(e.turns)
+    sequences = group_to_sequences([right, short], TrainConfig())
+    assert len(sequences) == len(right.segments) + len(short.segments) and right.num_calls == 96
+    assert max(len(s.input_ids) for s in sequences) <= cfg.fold_at_tokens
+    for policy, advantage, seqs in (
+        (right_policy, 0.5, sequences[: len(right.segments)]),
+        (short_policy, -0.5, sequences[len(right.segments) :]),
+    ):
+        sampled = [i for s in seqs for i, m in zip(s.input_ids, s.loss_mask, strict=True) if m]
+        assert sampled == [i for s in policy.samples for i in s.ids]
+        assert {a for s in seqs for a, m in zip(s.advantages, s.loss_mask, strict=True) if m} == {advantage}
+    model = tiny_llama(258)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    stats = update(model, optimizer, sequences, TrainConfig(micro_batch_tokens=8192))
+    assert stats.skipped is None and stats.n_tokens == sum(sum(s.loss_mask) for s in sequences)
 
 
 async def test_a_replayed_prefix_observes_the_same_and_continues() -> None:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from main_agent.types import Episode, ParseError, ToolCall, ToolResult, Turn
+from main_agent.types import Episode, ParseError, Record, ToolCall, ToolResult, Turn
 
 
 def make_turn(*, n_ids: int = 3, ok: bool = True, name: str = "search", tokens_read: int = 100) -> Turn:
@@ -54,6 +54,21 @@ def test_round_trip_hand_built() -> None:
     line = episode.to_json()
     assert "\n" not in line
     assert Episode.from_json(line) == episode
+
+
+def test_a_folded_episode_round_trips_and_counts_per_segment() -> None:
+    """Records, a segment's prompt ids and the ledger survive the JSON round trip; segments cut the turns where a
+    prompt opens, the peak context is the longest segment, and each turn's context is its segment's so far."""
+    opened = Turn(
+        **{**make_turn(n_ids=2).__dict__, "prompt_ids": [7] * 6, "records": [Record(1, "AB12", "<r>")]}
+    )
+    folded = Turn(**{**make_turn(n_ids=3).__dict__, "observation_ids": []})
+    episode = make_episode([make_turn(n_ids=3), folded, opened, make_turn(n_ids=1)])
+    episode.ledger = ["AB12", None]
+    assert Episode.from_json(episode.to_json()) == episode
+    assert [len(turns) for _, turns in episode.segments] == [2, 2]
+    assert episode.segment_tokens == [4 + 5 + 3, 6 + 4 + 3] and episode.context_tokens == 13
+    assert episode.turn_context_tokens == [4, 9, 6, 10]
 
 
 def test_turn_rejects_mismatched_logprobs() -> None:
