@@ -1,6 +1,6 @@
 """page_qa: read one web page and answer a question about it, with a quote that occurs verbatim on the page.
 
-    fetch (rt.fetcher, SSRF-safe) -> main text (trafilatura) -> paragraph-aware chunks
+    fetch (rt.fetcher, SSRF-safe) -> main text (trafilatura; pypdf for PDFs) -> paragraph-aware chunks
     -> BM25 over the chunks (bm25s, one tiny index per page) -> the frozen model answers from the top chunks
     -> the quote: the sentence of those chunks sharing most words with answer and question, cut from the page
 
@@ -22,10 +22,12 @@ from dataclasses import dataclass
 import numpy as np
 import trafilatura
 from pydantic import BaseModel, ConfigDict, Field
+from pypdf.errors import PyPdfError
 from trafilatura.settings import Document as Extracted
 
 from subagents.backends import BackendError, Message
 from subagents.common import Runtime, ToolFailure, ToolResponse, bm25_terms, guarded, truncate
+from subagents.documents import pdf_text
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,7 @@ DESCRIPTION = (
 )
 
 HTML_TYPES = frozenset({"text/html", "application/xhtml+xml"})
+PDF_TYPE = "application/pdf"  # what servers send and what file:// URLs of *.pdf are guessed as (mimetypes)
 MAX_TITLE_CHARS = 200  # page titles past this are boilerplate-stuffed; the policy needs only a label
 SYSTEM_PROMPT = (
     "Answer the question using only the page text. Reply with a short answer of a few words. "
@@ -139,7 +142,8 @@ def prepare(body: bytes, content_type: str, *, question: str, cfg: Config) -> Pr
 
 
 def extract_page(body: bytes, content_type: str) -> PageText:
-    """Title and main text of a fetched body: HTML through trafilatura, text/* as it is.
+    """Title and main text of a fetched body: HTML through trafilatura, PDF through pypdf (text layer only),
+    text/* (plain, Markdown, ...) as it is.
 
     Raises ToolFailure(unsupported_media) for other media types and for pages with no readable text.
     """
@@ -147,10 +151,12 @@ def extract_page(body: bytes, content_type: str) -> PageText:
     looks_html = not media and body.lstrip()[:1] == b"<"  # servers that send no type: sniff the first byte
     if media in HTML_TYPES or looks_html:
         page = _extract_html(body, charset)
+    elif media == PDF_TYPE or (not media and body.startswith(b"%PDF-")):
+        page = _extract_pdf(body)
     elif media.startswith("text/") or not media:
         page = PageText(title="", text=_decode(body, charset).strip())
     else:
-        raise ToolFailure("unsupported_media", f"page_qa reads HTML and plain text pages, not {media}")
+        raise ToolFailure("unsupported_media", f"page_qa reads HTML, PDF and plain text pages, not {media}")
     if not page.text:
         raise ToolFailure(
             "unsupported_media", "no readable text on this page (empty, or it needs JavaScript to render)"
@@ -183,6 +189,16 @@ def _extract_html(body: bytes, charset: str | None) -> PageText:
         return PageText(title="", text="")
     assert isinstance(doc, Extracted), type(doc)  # as_dict=False returns the Document object
     return PageText(title=(doc.title or "")[:MAX_TITLE_CHARS], text=(doc.text or "").strip())
+
+
+def _extract_pdf(body: bytes) -> PageText:
+    try:
+        title, text = pdf_text(body)
+    except PyPdfError as exc:  # damaged, truncated by the fetch cap, or password-protected
+        raise ToolFailure("unsupported_media", f"cannot read this PDF: {exc}") from exc
+    if not text:
+        raise ToolFailure("unsupported_media", "this PDF has no text layer (a scan?); page_qa does no OCR")
+    return PageText(title=title[:MAX_TITLE_CHARS], text=text)
 
 
 def split_chunks(text: str, chunk_chars: int) -> list[list[str]]:

@@ -15,9 +15,9 @@ from urllib.request import url2pathname
 import pydantic
 import pytest
 
-from subagents import page_qa, search
+from subagents import documents, page_qa, search
 from subagents.backends import Generation, Message
-from subagents.common import Runtime, approx_tokens
+from subagents.common import Runtime, ToolFailure, approx_tokens
 from subagents.fetch import FetchConfig, Fetcher
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "corpus"
@@ -239,3 +239,134 @@ def test_hotpotqa_supporting_paragraphs_rank_in_top_5(shared_data: Path, tmp_pat
         found_any += bool(supporting & top)
         found_both += supporting <= top
     assert found_any >= 18 and found_both >= 10, (found_any, found_both)
+
+
+def minimal_pdf(lines: list[str], *, title: str | None = None) -> bytes:
+    """A valid one-page PDF showing `lines` in Helvetica (written by hand: pypdf reads text, it cannot typeset),
+    with an /Info /Title when `title` is given; the xref table has exact byte offsets."""
+    shown = " 0 -16 Td ".join(f"({line}) Tj" for line in lines)
+    stream = f"BT /F1 12 Tf 72 720 Td {shown} ET".encode()
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R"
+        b" /Resources << /Font << /F1 5 0 R >> >> >>",
+        b"<< /Length %d >>\nstream\n%s\nendstream" % (len(stream), stream),
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+        f"<< /Title ({title}) >>".encode() if title else b"<< >>",
+    ]
+    out, offsets = bytearray(b"%PDF-1.4\n"), []
+    for number, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n%s\nendobj\n" % (number, body)
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
+    trailer = b"trailer\n<< /Size %d /Root 1 0 R /Info 6 0 R >>\nstartxref\n%d\n%%%%EOF\n"
+    out += trailer % (len(objects) + 1, xref)
+    return bytes(out)
+
+
+PDF_LINES = ["Basalt columns form when thick lava cools slowly.", "Giants Causeway has about 40000 of them."]
+
+
+@pytest.fixture
+def mixed(folder: Path) -> Path:
+    """The folder fixture plus a real PDF with a metadata title and one without."""
+    (folder / "basalt.pdf").write_bytes(minimal_pdf(PDF_LINES, title="Columnar basalt"))
+    (folder / "notes" / "untitled_scan.pdf").write_bytes(minimal_pdf(["Obsidian is volcanic glass."]))
+    return folder
+
+
+def test_the_hand_written_pdf_is_read_by_pypdf() -> None:
+    """The test PDF is valid: pypdf returns its metadata title and both lines of its text."""
+    title, text = documents.pdf_text(minimal_pdf(PDF_LINES, title="Columnar basalt"))
+    assert title == "Columnar basalt"
+    assert all(line in text for line in PDF_LINES), text
+
+
+def test_build_reads_html_markdown_text_and_pdf(mixed: Path) -> None:
+    """All four kinds are indexed; a PDF is titled by its metadata, else by its file name, and is searchable."""
+    corpus = search.Corpus.build(mixed, max_docs=100)
+    titles = sorted(doc.title for doc in corpus.documents)
+    assert titles == ["Baking bread", "Columnar basalt", "Volcanoes of Iceland", "tea", "untitled scan"]
+    assert corpus.search("basalt lava columns", 1)[0].url == (mixed / "basalt.pdf").resolve().as_uri()
+
+
+def test_the_persistent_index_is_reused_until_a_file_changes(
+    mixed: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second build of an unchanged folder extracts nothing (read_document is not called) and finds the
+    same documents; editing a file (size or mtime) re-extracts, and the edit is searchable."""
+    cache = tmp_path_factory.mktemp("index")
+    first = search.Corpus.build(mixed, max_docs=100, cache_dir=cache)
+
+    def no_extraction(path: Path, *, url: str) -> None:
+        raise AssertionError(f"extracted {path} although the folder is unchanged")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(documents, "read_document", no_extraction)
+        again = search.Corpus.build(mixed, max_docs=100, cache_dir=cache)
+    assert again.documents == first.documents
+    (mixed / "tea.txt").write_text("Oolong tea is partly oxidised.", encoding="utf-8")
+    changed = search.Corpus.build(mixed, max_docs=100, cache_dir=cache)
+    assert changed.search("oolong", 1)[0].title == "tea"
+
+
+def test_progress_reports_each_extracted_file_and_nothing_on_a_cache_hit(
+    mixed: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """`progress(done, total)` is called once per candidate file while extracting, and never when the
+    persistent index is reused (so `conductor ask` shows no bar for a cached folder)."""
+    reports: list[tuple[int, int]] = []
+    cache = tmp_path_factory.mktemp("index")
+    search.Corpus.build(mixed, max_docs=100, cache_dir=cache, progress=lambda d, t: reports.append((d, t)))
+    assert reports == [(i, 6) for i in range(1, 7)]  # 6 candidates, 5 with text
+    search.Corpus.build(mixed, max_docs=100, cache_dir=cache, progress=lambda d, t: reports.append((d, t)))
+    assert len(reports) == 6
+
+
+def test_a_torn_index_file_is_rebuilt_not_trusted(
+    mixed: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """An unreadable documents.json (a crash of an older writer, an edit by hand) is ignored and rewritten."""
+    cache = tmp_path_factory.mktemp("index")
+    (cache / "documents.json").write_text('{"format": 1, "fingerp', encoding="utf-8")
+    assert len(search.Corpus.build(mixed, max_docs=100, cache_dir=cache)) == 5
+    assert json.loads((cache / "documents.json").read_text(encoding="utf-8"))["format"] == documents.FORMAT
+
+
+def test_index_dir_is_per_folder_and_base_url_under_conductor_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The persistent index lives under $CONDUCTOR_HOME/indexes, one folder per (resolved folder, base_url)."""
+    monkeypatch.setenv("CONDUCTOR_HOME", str(tmp_path / "home"))
+    plain = search.index_dir(tmp_path, None)
+    assert plain.parent == tmp_path / "home" / "indexes"
+    assert search.index_dir(tmp_path / "sub" / "..", None) == plain
+    assert search.index_dir(tmp_path, "http://127.0.0.1:1/") != plain
+
+
+def test_page_qa_reads_a_pdf_as_a_fetched_page_and_from_its_file_url(mixed: Path) -> None:
+    """page_qa's extraction reads application/pdf bodies (what a server sends and what file://*.pdf is guessed
+    as), so a PDF search hit can be opened and quoted; a damaged PDF is unsupported_media, not a crash."""
+    page = page_qa.extract_page((mixed / "basalt.pdf").read_bytes(), "application/pdf")
+    assert page.title == "Columnar basalt" and PDF_LINES[1] in page.text
+    with pytest.raises(ToolFailure) as failure:
+        page_qa.extract_page(b"%PDF-1.4\nnot really", "application/pdf")
+    assert failure.value.error.kind == "unsupported_media"
+
+
+async def test_a_pdf_hit_opens_in_page_qa_through_the_real_fetcher(mixed: Path) -> None:
+    """A PDF hit's file:// URL goes through the fetcher (content type guessed from the name) into page_qa,
+    whose quote is a sentence of the PDF."""
+    hit = search.Corpus.build(mixed, max_docs=100).search("Giants Causeway basalt", 1)[0]
+    fetcher = Fetcher(FetchConfig(), roots=(str(mixed),))
+    rt = Runtime(llm=FixedLLM(), fetcher=fetcher, state=None)  # type: ignore[arg-type]
+    request = page_qa.Request(url=hit.url, question="How many columns?")
+    try:
+        response = await page_qa.run(request, page_qa.Config(), rt)
+    finally:
+        await fetcher.aclose()
+    assert response.ok, response.observation()
+    assert response.title == "Columnar basalt" and response.quote in " ".join(PDF_LINES)

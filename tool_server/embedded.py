@@ -7,7 +7,8 @@
 The in-process server is the real app (tool_server/app.py) driven through httpx's ASGI transport: no port is
 opened. It starts from `access.config` (a server TOML: which models answer for the sub-agents, their limits) or
 the defaults, plus what the caller's own inputs need (`embedded_config`): their folders readable, loopback pages
-fetchable, a corpus to search. This is the one place `conductor ask`, training, evaluation and SFT get tools.
+fetchable, a corpus (or SearXNG) to search. This is the one place `conductor ask`, training, evaluation and
+SFT get tools.
 """
 
 from __future__ import annotations
@@ -40,9 +41,17 @@ class ToolAccess:
 
 
 def embedded_config(
-    base: ServerConfig, *, roots: Sequence[str] = (), loopback: bool = False, corpus: Path | None = None
+    base: ServerConfig,
+    *,
+    roots: Sequence[str] = (),
+    loopback: bool = False,
+    corpus: Path | None = None,
+    persist_index: bool = False,
+    search_url: str | None = None,
 ) -> ServerConfig:
-    """`base` plus what the caller's inputs need: `roots` readable, loopback fetchable, `corpus` searched.
+    """`base` plus what the caller's inputs need: `roots` readable, loopback fetchable, `corpus` searched (its
+    extracted text kept under $CONDUCTOR_HOME/indexes with `persist_index`), or the web through SearXNG at
+    `search_url` instead.
 
     Limit: opening 127.0.0.0/8 lets page_qa reach any loopback service of this machine (the multihop tasks
     serve their pages there).
@@ -54,11 +63,13 @@ def embedded_config(
     if loopback:
         cidrs = tuple(dict.fromkeys((*base.fetch.allow_private_cidrs, "127.0.0.0/8")))
         cfg = dataclasses.replace(cfg, fetch=dataclasses.replace(base.fetch, allow_private_cidrs=cidrs))
+    search = cfg.tools["search"].config
     if corpus is not None:
-        search = cfg.tools["search"]
-        searched = dataclasses.replace(
-            search, config=dataclasses.replace(search.config, corpus_dir=str(corpus))
-        )
+        search = dataclasses.replace(search, corpus_dir=str(corpus), persist_index=persist_index)
+    if search_url is not None:
+        search = dataclasses.replace(search, backend="searxng", searxng_url=search_url)
+    if search is not cfg.tools["search"].config:
+        searched = dataclasses.replace(cfg.tools["search"], config=search)
         cfg = dataclasses.replace(cfg, tools={**cfg.tools, "search": searched})
     return cfg
 
@@ -70,9 +81,12 @@ async def open_tools(
     roots: Sequence[str] = (),
     loopback: bool = False,
     corpus: Path | None = None,
+    persist_index: bool = False,
+    search_url: str | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> AsyncIterator[ToolClient]:
-    """A client for `access.url` (checked with /health), or for a server started here (`embedded_config`).
+    """A client for `access.url` (checked with /health), or for a server started here (`embedded_config`;
+    `corpus`, `persist_index` and `search_url` configure its search tool).
 
     `transport` (tests) stands in for the server. Raises ToolServerError when the URL does not answer.
     """
@@ -81,7 +95,11 @@ async def open_tools(
             from tool_server.app import create_app
 
             base = load_config(access.config)
-            app = create_app(embedded_config(base, roots=roots, loopback=loopback, corpus=corpus))
+            cfg = embedded_config(
+                base, roots=roots, loopback=loopback, corpus=corpus, persist_index=persist_index,
+                search_url=search_url,
+            )  # fmt: skip
+            app = create_app(cfg)
             await stack.enter_async_context(app.router.lifespan_context(app))
             transport = httpx.ASGITransport(app=app)
         url = access.url or EMBEDDED_URL

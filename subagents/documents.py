@@ -1,0 +1,191 @@
+"""Local documents: the readable text of HTML, Markdown, plain text and PDF files, and a folder's persistent index.
+
+`read_document` turns one file into a `Document` (title, the URL page_qa opens it with, text); `pdf_text` is
+shared with page_qa so a PDF hit reads the same whether it is indexed or opened. `read_folder` extracts every
+candidate file of a folder, or, given a `cache_dir`, reuses what it extracted last time while no file changed:
+
+    <cache_dir>/documents.json   {"format", "fingerprint", "folder", "documents": [{title, url, text}, ...]}
+
+The fingerprint is a SHA-256 over (relative path, size, mtime_ns) of every candidate file, so adding, removing,
+editing or touching a file re-extracts the whole folder (extraction is the slow part: ~50 ms an HTML page,
+more for a long PDF; BM25 indexing of the cached texts takes well under a second per thousand documents).
+The file is written atomically (temp file + os.replace): a crash or a concurrent build never leaves a torn one.
+
+Limits: an edit that keeps size and mtime is not seen; a change of extraction code needs `FORMAT` bumped;
+PDFs give only what pypdf extracts (no OCR of scanned pages; multi-column layouts may interleave).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pypdf
+import trafilatura
+from pypdf.errors import PyPdfError
+from trafilatura.settings import Document as Extracted
+
+logger = logging.getLogger(__name__)
+
+SUFFIXES = frozenset({".html", ".htm", ".txt", ".md", ".pdf"})
+HTML_SUFFIXES = frozenset({".html", ".htm"})
+# A saved news page is ~0.3 MB, a 30-page paper ~2 MB; the cap equals page_qa's fetch cap (FetchConfig.max_bytes),
+# so every indexed file can also be opened.
+MAX_FILE_BYTES = 5_000_000
+FORMAT = 1  # of documents.json; bump when extraction changes so stale caches are rebuilt
+
+Progress = Callable[[int, int], None]
+"""`progress(done, total)`: called after each file extracted (never on a cache hit)."""
+
+
+@dataclass(frozen=True)
+class Document:
+    """One indexed file: its title, the URL page_qa opens it with, and its readable text."""
+
+    title: str
+    url: str
+    text: str
+
+
+def document_paths(folder: Path, max_docs: int) -> list[Path]:
+    """The files of `folder` (recursively) with a readable suffix, in path order, at most `max_docs`.
+    Raises PermissionError when the folder itself cannot be listed."""
+    paths = sorted(p for p in folder.rglob("*") if p.suffix.lower() in SUFFIXES and p.is_file())
+    if len(paths) > max_docs:
+        logger.warning("search corpus: indexing the first %d of %d files in %s", max_docs, len(paths), folder)
+    return paths[:max_docs]
+
+
+def document_url(path: Path, folder: Path, *, base_url: str | None) -> str:
+    """`base_url/relative/path` when the folder is served over HTTP, else the file's absolute file:// URL."""
+    if base_url is None:
+        return path.resolve().as_uri()
+    return base_url.rstrip("/") + "/" + quote(path.relative_to(folder).as_posix())
+
+
+def read_folder(
+    folder: Path,
+    paths: Sequence[Path],
+    *,
+    base_url: str | None,
+    cache_dir: Path | None = None,
+    progress: Progress | None = None,
+) -> list[Document]:
+    """The documents of `paths` (files under `folder`): from `cache_dir` when the folder is unchanged, else
+    extracted (reporting to `progress`) and, with a `cache_dir`, stored there for next time."""
+    key = fingerprint(folder, paths) if cache_dir is not None else ""
+    if cache_dir is not None and (cached := load_cached(cache_dir, key)) is not None:
+        logger.info("search corpus: %d documents of %s from the index at %s", len(cached), folder, cache_dir)
+        return cached
+    documents = []
+    for done, path in enumerate(paths, 1):
+        document = read_document(path, url=document_url(path, folder, base_url=base_url))
+        if document is not None:
+            documents.append(document)
+        if progress is not None:
+            progress(done, len(paths))
+    if cache_dir is not None:
+        save_cached(cache_dir, key, folder=folder, documents=documents)
+    return documents
+
+
+def fingerprint(folder: Path, paths: Sequence[Path]) -> str:
+    """SHA-256 over (relative path, size, mtime_ns) of every path: changes whenever a candidate file does."""
+    rows = []
+    for path in paths:
+        status = path.stat()
+        rows.append([path.relative_to(folder).as_posix(), status.st_size, status.st_mtime_ns])
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+
+
+def load_cached(cache_dir: Path, key: str) -> list[Document] | None:
+    """The documents stored under `cache_dir` for fingerprint `key`; None when absent, stale or unreadable."""
+    try:
+        stored = json.loads((cache_dir / "documents.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:  # unreadable or torn by hand: rebuilt, never trusted
+        logger.warning("search corpus: ignoring the index at %s (%s)", cache_dir, exc)
+        return None
+    if not isinstance(stored, dict) or stored.get("format") != FORMAT or stored.get("fingerprint") != key:
+        return None
+    return [Document(**row) for row in stored["documents"]]
+
+
+def save_cached(cache_dir: Path, key: str, *, folder: Path, documents: list[Document]) -> None:
+    """Store `documents` under `cache_dir` atomically (temp file in the same folder, then os.replace)."""
+    body: dict[str, Any] = {
+        "format": FORMAT, "fingerprint": key, "folder": str(folder.resolve()),
+        "documents": [asdict(d) for d in documents],
+    }  # fmt: skip
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(dir=cache_dir, prefix=".documents-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            json.dump(body, file, ensure_ascii=False)
+        os.replace(temp, cache_dir / "documents.json")
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
+def read_document(path: Path, *, url: str) -> Document | None:
+    """Title and text of one file; None (with a warning) for a file too big, unreadable or without text."""
+    try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            logger.warning("search corpus: skipping %s (over %d bytes)", path, MAX_FILE_BYTES)
+            return None
+        raw = path.read_bytes()
+        title, text = _file_text(raw, path.suffix.lower())
+    except (OSError, PyPdfError) as exc:
+        logger.warning("search corpus: skipping %s (%s)", path, exc)
+        return None
+    if not text:
+        logger.warning("search corpus: skipping %s (no readable text)", path)
+        return None
+    return Document(title=title or path.stem.replace("_", " "), url=url, text=text)
+
+
+def _file_text(raw: bytes, suffix: str) -> tuple[str, str]:
+    if suffix in HTML_SUFFIXES:
+        return html_text(raw)
+    if suffix == ".pdf":
+        return pdf_text(raw)
+    return plain_text(raw)
+
+
+def html_text(raw: bytes) -> tuple[str, str]:
+    """Title and main text of an HTML file (trafilatura); ("", "") when it has none."""
+    doc = trafilatura.bare_extraction(raw, output_format="python", include_comments=False, with_metadata=True)
+    if doc is None:
+        return "", ""
+    assert isinstance(doc, Extracted), type(doc)  # as_dict=False returns the Document object
+    return doc.title or "", (doc.text or "").strip()
+
+
+def plain_text(raw: bytes) -> tuple[str, str]:
+    """Text files as they are; a Markdown file's leading `# Heading` is its title."""
+    text = raw.decode("utf-8", errors="replace").strip()
+    first, _, rest = text.partition("\n")
+    if first.startswith("# "):
+        return first[2:].strip(), rest.strip()
+    return "", text
+
+
+def pdf_text(raw: bytes) -> tuple[str, str]:
+    """A PDF's metadata title ("" when absent) and its pages' text, one page after another.
+
+    Raises pypdf's PyPdfError for a file it cannot parse (damaged, encrypted with a password)."""
+    reader = pypdf.PdfReader(io.BytesIO(raw))
+    title = reader.metadata.title if reader.metadata is not None else None
+    pages = [page.extract_text().strip() for page in reader.pages]
+    return (title or "").strip(), "\n\n".join(page for page in pages if page)
