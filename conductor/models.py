@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -26,6 +27,11 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_POLICY = "conductor-default"
+"""The trained orchestrator `conductor ask` uses: a LoRA adapter over DEFAULT_MODEL shipped in the package
+(conductor/policies/default/, with its model card), made by examples/default_policy.toml."""
+POLICIES = Path(__file__).resolve().parent / "policies"
+SHIPPED_POLICIES = {DEFAULT_POLICY: POLICIES / "default"}
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,11 @@ def is_prepared(path: Path) -> bool:
 
 def resolve_model(ref: str) -> Path:
     """Turn a model reference into a local checkpoint directory, or raise ModelNotFound saying what to do."""
+    if ref in SHIPPED_POLICIES:
+        path = SHIPPED_POLICIES[ref]
+        if not (path / "adapter_config.json").is_file():
+            raise ModelNotFound(f"{ref}: the shipped adapter is missing from {path}; reinstall conductor")
+        return path
     if ref in BUILTIN_MODELS:
         path = builtin_dir(ref)
         if not is_prepared(path):
@@ -90,6 +101,37 @@ def resolve_model(ref: str) -> Path:
         return path
     known = ", ".join(BUILTIN_MODELS)
     raise ModelNotFound(f"{ref!r} is neither a built-in model ({known}) nor a local checkpoint directory")
+
+
+def portable_adapter(folder: Path) -> None:
+    """Name a built-in base model by its name, not its local path, in the adapter saved in `folder` (no-op for
+    a dense checkpoint): the adapter then loads on any machine where that model is prepared."""
+    config_path = folder / "adapter_config.json"
+    if not config_path.is_file():
+        return
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    base = str(config.get("base_model_name_or_path") or "")
+    for name in BUILTIN_MODELS:
+        if base and Path(base).resolve() == builtin_dir(name).resolve():
+            config["base_model_name_or_path"] = name
+            config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def export_adapter(source: Path, target: Path) -> Path:
+    """Copy the LoRA adapter in `source` to `target` as a shippable policy: adapter_config.json naming its
+    built-in base by name, and the weights in float16 (half the bytes; the LoRA factors are small numbers that
+    float16 holds to ~3 significant digits, and they load back into float32 modules). Returns the weights file."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if not (source / "adapter_config.json").is_file():
+        raise ModelNotFound(f"{source} holds no LoRA adapter (adapter_config.json)")
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source / "adapter_config.json", target / "adapter_config.json")
+    portable_adapter(target)
+    weights = load_file(source / "adapter_model.safetensors")
+    save_file({k: v.to(torch.float16) for k, v in weights.items()}, target / "adapter_model.safetensors")
+    return target / "adapter_model.safetensors"
 
 
 def prepare_default(name: str = DEFAULT_MODEL, *, force: bool = False) -> Path:
@@ -140,8 +182,8 @@ def _convert_gguf(source: Path, out_dir: Path) -> None:
 
 
 def list_models() -> list[tuple[str, str, str]]:
-    """(name, status, location) for each built-in model."""
-    rows = []
+    """(name, status, location) for each built-in model and shipped policy."""
+    rows = [(name, "shipped", str(path)) for name, path in SHIPPED_POLICIES.items() if path.is_dir()]
     for name, model in BUILTIN_MODELS.items():
         target = builtin_dir(name)
         if is_prepared(target):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ from typing import Literal, Protocol
 import httpx
 
 from conductor.batching import GenerationError, MicroBatcher, left_pad
-from conductor.models import default_device, past_key_values_accepted, resolve_model
+from conductor.models import ModelNotFound, default_device, past_key_values_accepted, resolve_model
 from main_agent.tokens import common_prefix
 
 logger = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ def load_policy(
     if backend == "transformers":
         model, tokenizer = load_model(path, lora_rank=lora_rank, device=device)
         return TransformersPolicy(model, tokenizer, cfg=sampling, max_batch=max_batch), tokenizer
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(path), local_files_only=True)
     if backend == "server":
         assert sampling.url is not None  # SamplingConfig checks it
         return OpenAIPolicy(sampling.url, sampling.model, tokenizer, cfg=sampling, seed=seed), tokenizer
@@ -149,19 +150,39 @@ def load_model(path: Path, *, lora_rank: int = 0, device: str = "auto"):
     rank on q, k, v, o). Float32, on `device` ("auto": cuda when a GPU is visible, else cpu)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if (path / "adapter_config.json").is_file():
-        from peft import AutoPeftModelForCausalLM
+    base = adapter_base(path)
+    model = AutoModelForCausalLM.from_pretrained(base or path, local_files_only=True, dtype="float32")
+    if base is not None:
+        from peft import PeftModel
 
-        model = AutoPeftModelForCausalLM.from_pretrained(path, is_trainable=True, local_files_only=True)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="float32")
-        if lora_rank:
-            from peft import LoraConfig, get_peft_model
+        model = PeftModel.from_pretrained(model, path, is_trainable=True, local_files_only=True)
+    elif lora_rank:
+        from peft import LoraConfig, get_peft_model
 
-            lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=list(LORA_TARGETS))
-            model = get_peft_model(model, lora)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=list(LORA_TARGETS))
+        model = get_peft_model(model, lora)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(path), local_files_only=True)
     return model.to(default_device() if device == "auto" else device), tokenizer
+
+
+def tokenizer_dir(path: Path) -> Path:
+    """Where the tokenizer of the checkpoint in `path` is: its own, else (an adapter without one) its base's."""
+    if (path / "tokenizer_config.json").is_file():
+        return path
+    return adapter_base(path) or path
+
+
+def adapter_base(path: Path) -> Path | None:
+    """The base checkpoint of the LoRA adapter in `path` (None for a dense checkpoint). The adapter names it by
+    path, or by built-in name (a shipped adapter: conductor/policies/), resolved here; an adapter without its
+    own tokenizer uses the base's."""
+    config = path / "adapter_config.json"
+    if not config.is_file():
+        return None
+    base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    if not base:
+        raise ModelNotFound(f"{path}: adapter_config.json names no base model")
+    return resolve_model(str(base))
 
 
 # Prompts sharing fewer leading ids than this are sampled without a shared prefix: the extra one-row forward

@@ -60,6 +60,8 @@ async def test_report_counts_success_format_calls_errors_and_tokens():
     assert report.format_validity == 4 / 5  # France 2 clean turns; Hamlet 1 bad turn of 3
     assert report.calls_per_tool == {"page_qa": 0.5, "search": 0.5}
     assert report.tool_error_rate == 0.5
+    assert report.answer_rate == 1.0
+    assert report.valid_call_rate == 1 / 3  # search served; the bad JSON call and the failed page_qa are not
     lengths = sorted(e.context_tokens for e in episodes)
     assert report.main_tokens_mean == sum(lengths) / 2 and report.main_tokens_median == sum(lengths) / 2
     assert report.subagent_tokens_read == 60.0
@@ -89,6 +91,7 @@ def test_infrastructure_failures_are_counted_but_not_scored():
     assert (report.n, report.n_infra_failed, report.success_rate, report.mean_reward) == (2, 1, 1.0, 1.0)
     assert report.stop_reasons == {"answer": 1, "infra_failed": 1}
     assert math.isnan(report.format_validity) and math.isnan(report.tool_error_rate)  # no turns, no calls
+    assert report.answer_rate == 1.0 and math.isnan(report.valid_call_rate)  # over the played episodes
 
 
 async def test_report_serialises_and_tabulates_side_by_side():

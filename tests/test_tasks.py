@@ -17,10 +17,12 @@ from training import tasks as T
 from training.tasks import Task, TaskMeta, multihop, video
 
 FAMILIES = tuple(T.FAMILIES)
+EVAL_ONLY = ("research_corpus",)  # no train split: held out of training on purpose
 
 
 def all_splits(family: str, data: Path) -> dict[str, list[Task]]:
-    return {split: T.load_family(family, split, data_dir=data) for split in T.SPLITS}
+    splits = [s for s in T.SPLITS if not (family in EVAL_ONLY and s == "train")]
+    return {split: T.load_family(family, split, data_dir=data) for split in splits}
 
 
 def test_counts_per_split(shared_data: Path) -> None:
@@ -35,12 +37,14 @@ def test_counts_per_split(shared_data: Path) -> None:
             "test": 12,
         },  # 4 photos each (the default), remainder left out
         "multihop_batch": {"train": 125, "dev": 75, "test": 125},
+        "corpus_qa": {"train": 500, "dev": 300, "test": 500},
+        "research_corpus": {"dev": 36, "test": 36},  # one held-out set: dev and test are the same questions
     }
     ids: list[str] = []
     for family in FAMILIES:
         by_split = all_splits(family, shared_data)
         assert {s: len(ts) for s, ts in by_split.items()} == expected[family]
-        ids += [t.task_id for ts in by_split.values() for t in ts]
+        ids += [t.task_id for s, ts in by_split.items() for t in ts if family not in EVAL_ONLY or s == "dev"]
     assert len(ids) == len(set(ids))
 
 
@@ -99,7 +103,13 @@ def test_limit_keeps_the_first_tasks(shared_data: Path) -> None:
 
 def test_jsonl_round_trip_is_lossless(shared_data: Path, tmp_path: Path) -> None:
     """Tasks of every family (tuples, None, boxes, unicode titles) survive save_tasks -> load_tasks unchanged."""
-    tasks = [t for family in FAMILIES for t in T.load_family(family, "train", data_dir=shared_data, limit=20)]
+    tasks = [
+        t
+        for family in FAMILIES
+        for t in T.load_family(
+            family, "dev" if family in EVAL_ONLY else "train", data_dir=shared_data, limit=20
+        )
+    ]
     path = tmp_path / "tasks.jsonl"
     T.save_tasks(path, tasks)
     assert T.load_tasks(path) == tasks

@@ -43,6 +43,8 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler as Scheduler
 
+from conductor.models import portable_adapter
+
 if TYPE_CHECKING:  # annotations only: peft is imported lazily where it is needed
     from peft import PeftModel
     from transformers import PreTrainedModel
@@ -118,6 +120,7 @@ def save_checkpoint(
     config_hash = hashlib.sha256(config_json.encode()).hexdigest()
     announce("weights")
     model.save_pretrained(str(tmp / "model"))
+    portable_adapter(tmp / "model")
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp / "model"))
     announce("optimizer")

@@ -9,9 +9,11 @@ the last bits when episodes are batched differently (padding changes the matmul 
 
 What the report measures, over the episodes that did not fail for infrastructure reasons (those are counted in
 `n_infra_failed` and excluded: an unreachable tool server says nothing about the policy):
+    answer_rate       share of episodes that ended with an answer (not a budget or an infrastructure failure)
     success_rate      tasks.success (exact match; plate match for plates)
     mean_reward       tasks.reward_for (token F1; plate match for plates)
     format_validity   share of turns whose completion parsed without any parse error
+    valid_call_rate   share of attempted calls (served or rejected by the parser) that parsed and came back ok
     calls_per_tool    mean calls of each tool per episode
     tool_error_rate   share of tool results that came back not ok (NaN without any call)
     main_tokens_*     an episode's peak main context (its longest segment; the whole stream when not folded)
@@ -112,6 +114,8 @@ class EvalReport:
     segments_mean: float = math.nan
     calls_mean: float = math.nan
     items_right: float = math.nan
+    answer_rate: float = math.nan
+    valid_call_rate: float = math.nan
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -153,7 +157,23 @@ def summarise(
         segments_mean=mean([float(len(e.segments)) for e in played]),
         calls_mean=mean([float(e.num_calls) for e in played]),
         items_right=mean([_items_right(t, e) for t, e in valid if t.items]),
+        answer_rate=mean([float(e.answer is not None) for e in played]),
+        valid_call_rate=_valid_call_rate(turns),
     )
+
+
+CALL_ERRORS = frozenset({"unclosed_tag", "bad_json", "missing_name", "unknown_tool", "bad_arguments"})
+"""Parse errors that are a call the policy tried to make."""
+
+
+def _valid_call_rate(turns: Sequence) -> float:
+    """The share of attempted calls that parsed and were served: ok results over results plus call-shaped
+    parse errors (a malformed call, an unknown tool, bad arguments)."""
+    served = sum(r.ok for turn in turns for r in turn.results)
+    attempted = sum(len(turn.results) for turn in turns) + sum(
+        e.kind in CALL_ERRORS for turn in turns for e in turn.parse_errors
+    )
+    return served / attempted if attempted else math.nan
 
 
 def _items_right(task: Task, episode: Episode) -> float:
@@ -169,9 +189,11 @@ def format_table(reports: Sequence[EvalReport]) -> str:
         ("policy", [r.policy for r in reports]),
         ("tasks", [r.tasks for r in reports]),
         ("episodes (infra failed)", [f"{r.n} ({r.n_infra_failed})" for r in reports]),
+        ("answer rate", [f"{r.answer_rate:.3f}" for r in reports]),
         ("success rate", [f"{r.success_rate:.3f}" for r in reports]),
         ("mean reward", [f"{r.mean_reward:.3f}" for r in reports]),
         ("format validity", [f"{r.format_validity:.3f}" for r in reports]),
+        ("valid call rate", [f"{r.valid_call_rate:.3f}" for r in reports]),
         *[(f"calls/episode {t}", [f"{r.calls_per_tool.get(t, 0.0):.2f}" for r in reports]) for t in tools],
         ("tool error rate", [f"{r.tool_error_rate:.3f}" for r in reports]),
         (

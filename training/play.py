@@ -71,6 +71,17 @@ def media_roots(tasks: Sequence[Task]) -> list[str]:
     return sorted(first) + sorted(single - first)
 
 
+def search_corpus(tasks: Sequence[Task]) -> Path | None:
+    """The folder the tasks' search indexes (corpus_qa, research_corpus); None when no task searches one. The
+    tool server indexes one corpus, so tasks naming two cannot share a session (a ValueError)."""
+    folders = sorted({t.meta.corpus for t in tasks if t.meta.corpus})
+    if len(folders) > 1:
+        raise ValueError(
+            f"tasks search different corpora ({', '.join(folders)}): play them in separate sessions"
+        )
+    return Path(folders[0]) if folders else None
+
+
 @contextlib.asynccontextmanager
 async def tool_session(
     tasks: Sequence[Task],
@@ -83,11 +94,15 @@ async def tool_session(
     """A tool client and the tasks ready to play (`tasks.prepared` under `work_dir`).
 
     Without `access.url` the tool server runs in this process, allowed to read the tasks' media folders and to
-    fetch their loopback pages (`tool_server.embedded`); `transport` (tests) replaces the server. The page
+    fetch their loopback pages, with search over their corpus (`tool_server.embedded`); `transport` (tests) replaces the server. The page
     server binds 127.0.0.1, so with `access.url` multihop tasks need that server on this machine.
     """
     with task_data.prepared(tasks, work_dir, data_dir=data_dir) as ready:
         roots = media_roots(ready)
-        loopback = any(t.meta.page_paths or any(i.meta.page_paths for i in t.items) for t in ready)
-        async with open_tools(access, roots=roots, loopback=loopback, transport=transport) as tools:
+        served = [t for t in ready if not t.meta.corpus]  # corpus pages are files, not loopback pages
+        loopback = any(t.meta.page_paths or any(i.meta.page_paths for i in t.items) for t in served)
+        corpus = search_corpus(ready)
+        async with open_tools(
+            access, roots=roots, loopback=loopback, corpus=corpus, transport=transport
+        ) as tools:
             yield tools, ready

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from conductor.models import DEFAULT_MODEL
+from conductor.models import DEFAULT_MODEL, portable_adapter
 from conductor.settings import load_settings
 from main_agent.policy import Sample, SamplingConfig, TransformersPolicy, load_policy
 from main_agent.rollout import RolloutConfig
@@ -204,7 +204,10 @@ class SFTConfig:
     epochs: int = 3
     """Passes over the kept expert episodes."""
     lr: float = 1e-5
-    """AdamW learning rate for full fine-tuning of a 135M model."""
+    """AdamW learning rate: 1e-5 suits full fine-tuning of a 135M model; LoRA adapters need ~1e-4."""
+    lora_rank: int = 0
+    """0 fine-tunes every weight; > 0 trains a LoRA of this rank on q, k, v, o and saves only the adapter (the
+    shipped default policy is one: examples/default_policy.toml)."""
     micro_batch_tokens: int = 2048
     """Padded tokens per optimizer step; the [tokens, vocab] logits dominate memory (400 MB at 2048 x 49152)."""
     out_dir: Path = Path("runs/sft")
@@ -306,11 +309,12 @@ def run_sft(cfg: SFTConfig) -> SFTReport:
     # In process: SFT trains these weights; the before/after evaluations decode them greedily.
     sampling = SamplingConfig(backend="transformers", temperature=0.0)
     policy, tokenizer = load_policy(
-        cfg.policy, sampling, max_batch=cfg.max_concurrent_episodes, seed=cfg.seed
+        cfg.policy, sampling, lora_rank=cfg.lora_rank, max_batch=cfg.max_concurrent_episodes, seed=cfg.seed
     )
     assert isinstance(policy, TransformersPolicy), policy
     report = asyncio.run(_demonstrate_and_learn(cfg, policy, tokenizer))
     policy.model.save_pretrained(report.model_dir)
+    portable_adapter(report.model_dir)
     tokenizer.save_pretrained(report.model_dir)  # type: ignore[attr-defined]
     (cfg.out_dir / "sft_report.json").write_text(report.to_json() + "\n", encoding="utf-8")
     return report

@@ -22,7 +22,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from training.tasks import multihop, multihop_batch, plate_audit, plates, video
+from training.tasks import corpus_qa, multihop, multihop_batch, plate_audit, plates, research_corpus, video
 from training.tasks.task import SPLITS, Task, TaskMeta, data_root, hash_split, load_tasks, save_tasks
 
 __all__ = [
@@ -48,6 +48,8 @@ FAMILIES = {
     video.NAME: video,
     plate_audit.NAME: plate_audit,
     multihop_batch.NAME: multihop_batch,
+    corpus_qa.NAME: corpus_qa,
+    research_corpus.NAME: research_corpus,
 }
 
 

@@ -42,6 +42,7 @@ class TaskMeta:
     subtitle: str | None = None  # video: the sentence `prepared` muxes in; None: the clip is used as is
     split: str = ""  # train, dev or test
     media_root: str | None = None  # item tasks: the folder their items' short media names are relative to
+    corpus: str | None = None  # search families: the folder the tool server's search indexes
 
 
 @dataclass(frozen=True)

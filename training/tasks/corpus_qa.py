@@ -1,0 +1,160 @@
+"""corpus_qa: multihop questions over one searchable corpus: find the pages with search, read them with page_qa.
+
+The questions are multihop_pages' (HotpotQA, plus HippoRAG's HotpotQA and MuSiQue on train), but no page is listed:
+the pages of every question of the split, deduplicated, form one folder of Markdown files that the tool server's
+search indexes and page_qa opens as file:// URLs. So a question needs a search before page_qa can read anything,
+as in `conductor ask` with no attachment. The other questions' pages are the distractors (~11 a question).
+
+Reward: SQuAD token F1 against the gold answer; success: normalised exact match (as multihop_pages).
+
+Expert: step by step (one step for a HotpotQA question, one per hop where MuSiQue decomposes it), it searches with
+the step's question (`#k` filled from the answer it observed for hop k), then asks page_qa that question on the
+hits that are the step's supporting pages (the metadata chooses among hits the policy saw; the top hit when none
+is), then answers. Two turns a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from main_agent.types import Turn
+from training.tasks import multihop
+from training.tasks.task import NO_ANSWER, Task, answer_text, call_text, data_root, payload_field
+
+NAME = "corpus_qa"
+TOOLS = ("search", "page_qa")
+SEARCH_K = 5  # the search tool's default: 5 hits with snippets fit one observation
+MAX_READS = 2  # page_qa calls a step makes: a HotpotQA question has two supporting pages
+_NOT_NAME = re.compile(r"[^A-Za-z0-9]+")
+
+reward = multihop.reward
+success = multihop.success
+
+# ---------------------------------------------------------------- loading: one corpus a split
+
+
+@functools.lru_cache(maxsize=4)
+def _split(data_dir: Path, split: str) -> tuple[tuple[Task, ...], dict[str, str]]:
+    """The split's tasks, each naming its pages' corpus files in `meta.page_paths`, and the corpus itself
+    (file name -> Markdown). A paragraph shared by several questions is one file; two different paragraphs
+    with one title (MuSiQue) are two files ("Title.md", "Title-2.md")."""
+    files: dict[str, str] = {}
+    by_content: dict[tuple[str, str], str] = {}
+    tasks = []
+    for task, paragraphs in multihop._records(data_dir, split):
+        names = [_file_for(title, sentences, files, by_content) for title, sentences in paragraphs]
+        meta = dataclasses.replace(task.meta, page_paths=tuple(names))
+        mine = dataclasses.replace(
+            task, task_id=f"corpus-{task.task_id}", family=NAME, tools=TOOLS, meta=meta
+        )
+        tasks.append(mine)
+    return tuple(tasks), files
+
+
+def _file_for(title: str, sentences: Sequence[str], files: dict[str, str], seen: dict) -> str:
+    text = " ".join(s.strip() for s in sentences if s.strip())
+    if (title, text) in seen:
+        return seen[(title, text)]
+    stem = _NOT_NAME.sub("_", title).strip("_")[:80] or "page"
+    name, n = f"{stem}.md", 1
+    while name in files:
+        n += 1
+        name = f"{stem}-{n}.md"
+    files[name] = f"# {title}\n\n{text}\n"
+    seen[(title, text)] = name
+    return name
+
+
+def load(data_dir: Path, split: str, *, limit: int | None = None) -> list[Task]:
+    """The split's questions in multihop_pages' order; `meta.corpus` is set by `prepared`."""
+    return list(_split(data_dir, split)[0][:limit])
+
+
+# ---------------------------------------------------------------- preparation: the corpus folder
+
+
+def write_corpus(splits: Sequence[str], folder: Path, *, data_dir: Path | None = None) -> int:
+    """Write the corpus files of `splits` into `folder` (unchanged files are left alone); return how many."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = 0
+    for split in splits:
+        for name, text in _split(data_root(data_dir), split)[1].items():
+            path = folder / split / name
+            if not path.is_file() or path.read_text(encoding="utf-8") != text:
+                path.parent.mkdir(exist_ok=True)
+                path.write_text(text, encoding="utf-8")
+            written += 1
+    return written
+
+
+@contextlib.contextmanager
+def prepared(tasks: Sequence[Task], work_dir: Path, *, data_dir: Path | None = None) -> Iterator[list[Task]]:
+    """The tasks with `meta.corpus` naming the folder the corpus of their splits is written to (one folder a
+    split under `work_dir/corpus`: the tool server searches one corpus, so a session's tasks share it)."""
+    folder = work_dir / "corpus"
+    splits = sorted({t.meta.split for t in tasks})
+    write_corpus(splits, folder, data_dir=data_dir)
+    paths = {t.task_id: f"{t.meta.split}/" for t in tasks}
+    yield [_in_corpus(t, folder, paths[t.task_id]) for t in tasks]
+
+
+def _in_corpus(task: Task, folder: Path, prefix: str) -> Task:
+    pages = tuple(prefix + p for p in task.meta.page_paths)
+    return dataclasses.replace(
+        task, meta=dataclasses.replace(task.meta, corpus=str(folder), page_paths=pages)
+    )
+
+
+# ---------------------------------------------------------------- the expert
+
+
+def steps(task: Task) -> list[tuple[str, tuple[int, ...]]]:
+    """(question, its pages) for each step: the hops of a decomposed question, else the question and its
+    supporting pages (the first two when none is marked)."""
+    if task.meta.hops:
+        return [(question, (page,)) for question, page in task.meta.hops]
+    titles = task.meta.page_titles
+    support = [i for i, title in enumerate(titles) if title in task.meta.supporting_titles] or [0, 1]
+    return [(task.question, tuple(support))]
+
+
+def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool) -> str:
+    """Search for the step's question, read the step's pages among the hits, and after the last step answer."""
+    plan, step = steps(task), len(turns) // 2
+    answers = {k + 1: _read_answer(turns[2 * k + 1]) for k in range(min(step, len(plan)))}
+    if step < len(plan):
+        question = multihop.hop_question(plan[step][0], answers) if task.meta.hops else plan[step][0]
+        if len(turns) % 2 == 0:
+            return call_text("search", query=question)
+        urls = _pick(task, _hits(turns[-1]), plan[step][1])
+        if urls:
+            return "\n".join(call_text("page_qa", url=url, question=question) for url in urls)
+    useful = [a for a in answers.values() if a != NO_ANSWER]
+    guess = useful[-1] if useful else NO_ANSWER
+    return answer_text(multihop._grounded(task, turns, guess, trust_reference))
+
+
+def _hits(turn: Turn) -> list[str]:
+    hits = payload_field(turn.results[0], "hits") if turn.results and turn.results[0].ok else None
+    return [str(hit.get("url")) for hit in hits or []]
+
+
+def _pick(task: Task, urls: list[str], pages: tuple[int, ...]) -> list[str]:
+    """The hit URLs of the step's pages (at most MAX_READS), else the top hit."""
+    wanted = ["/" + task.meta.page_paths[i] for i in pages if i < len(task.meta.page_paths)]
+    chosen = [url for url in urls if any(url.endswith(w) for w in wanted)]
+    return (chosen or urls[:1])[:MAX_READS]
+
+
+def _read_answer(turn: Turn) -> str:
+    """The first useful page_qa answer of a reading turn."""
+    for result in turn.results:
+        answer = str(payload_field(result, "answer") or "") if result.ok else ""
+        if answer and "not in the page" not in answer.lower():
+            return answer
+    return NO_ANSWER
