@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, TypeVar
 
 import typer
 
-from conductor.models import DEFAULT_MODEL
+from conductor.models import DEFAULT_POLICY
 
 T = TypeVar("T")
+# `ask -v` counts its cold start from here; Python's and typer's start-up (~0.1 s) come before.
+STARTED = time.perf_counter()
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Train and run tool-using orchestrator agents."
@@ -45,6 +49,26 @@ def _setup_logging(verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def _quiet_logging() -> None:
+    """`ask` without -v: no log line under ERROR and no progress bar from the libraries it loads.
+
+    Called before those libraries are imported. Levels are set on the handlers, not only on the root logger:
+    bm25s sets its own logger to DEBUG at import. transformers and rapidocr give their loggers handlers of their
+    own (set through TRANSFORMERS_VERBOSITY, and pre-empted for rapidocr, which adds one only to a logger that
+    has none). transformers' "Loading weights" bar and huggingface_hub's bars follow HF_HUB_DISABLE_PROGRESS_BARS,
+    other tqdm bars TQDM_DISABLE; Python warnings become log records at WARNING, so they are dropped too.
+    """
+    for name, value in (("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("TQDM_DISABLE", "1")):
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    handler = logging.StreamHandler()
+    handler.setLevel(logging.ERROR)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.ERROR, handlers=[handler])
+    logging.getLogger("RapidOCR").addHandler(handler)
+    logging.captureWarnings(True)
+
+
 @models_app.command("prepare")
 def models_prepare(
     force: Annotated[bool, typer.Option(help="Convert again even if a checkpoint exists.")] = False,
@@ -58,6 +82,10 @@ def models_prepare(
     except models.ModelNotFound as exc:
         raise typer.BadParameter(str(exc)) from exc
     typer.echo(f"{models.DEFAULT_MODEL}: {path}")
+    try:  # the shipped default policy is an adapter over that model: ready once the model is
+        typer.echo(f"{models.DEFAULT_POLICY}: {models.resolve_model(models.DEFAULT_POLICY)}")
+    except models.ModelNotFound as exc:
+        typer.echo(f"warning: {exc}", err=True)
 
 
 @models_app.command("list")
@@ -109,12 +137,18 @@ def ask(
     image: Annotated[Path | None, typer.Option(help="An image the policy may inspect.")] = None,
     video: Annotated[Path | None, typer.Option(help="A video the policy may summarise.")] = None,
     corpus: Annotated[
-        Path | None, typer.Option(help="Folder to index for search (in-process tools).")
+        Path | None,
+        typer.Option(help="Folder of HTML, Markdown, text and PDF files to search (indexed once)."),
+    ] = None,
+    search_url: Annotated[
+        str | None, typer.Option(help="Search the web through this SearXNG instance instead of a folder.")
     ] = None,
     policy: Annotated[
         str,
-        typer.Option(help="Policy model: built-in name, checkpoint or adapter dir (its tokenizer is used)."),
-    ] = DEFAULT_MODEL,
+        typer.Option(
+            help="Policy: the shipped default, a built-in model name, a checkpoint or an adapter dir."
+        ),
+    ] = DEFAULT_POLICY,
     policy_url: Annotated[
         str | None, typer.Option(help="OpenAI-compatible endpoint serving the policy (e.g. vLLM serve).")
     ] = None,
@@ -129,8 +163,11 @@ def ask(
         list[str] | None, typer.Option("--tool", help="Offer only this sub-agent (repeatable).")
     ] = None,
     require_call: Annotated[
-        bool, typer.Option(help="Open the first turn with a tool call (for untrained policies).")
-    ] = True,
+        bool | None,
+        typer.Option(
+            help="Open the first turn with a tool call (default: only for the untrained built-in model)."
+        ),
+    ] = None,
     trace: Annotated[Path | None, typer.Option(help="Write a self-contained HTML trace here.")] = None,
     json_out: Annotated[
         bool, typer.Option("--json", help="Print the episode as JSON instead of the live view.")
@@ -138,13 +175,14 @@ def ask(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Answer a question with the policy and the frozen sub-agents, showing every call."""
-    from main_agent.ask import AskOptions
-    from main_agent.policy import SamplingConfig
-
     if verbose:
         _setup_logging(verbose)
     else:
-        logging.basicConfig(level=logging.WARNING)
+        _quiet_logging()  # before the imports: some libraries read their settings when imported
+    from main_agent.ask import AskOptions
+    from main_agent.policy import SamplingConfig
+
+    imported = time.perf_counter()
     sampling = SamplingConfig(temperature=0.0)  # greedy: the assistant answers the same way each time
     if policy_url:
         sampling = SamplingConfig(backend="server", url=policy_url, model=policy_model, temperature=0.0)
@@ -154,6 +192,7 @@ def ask(
         image=image,
         video=video,
         corpus=corpus,
+        search_url=search_url,
         policy=policy,
         sampling=sampling,
         tools_url=tools_url,
@@ -161,19 +200,50 @@ def ask(
         tools=tuple(tool or ()),
         require_call=require_call,
     )
-    _run_ask(opts, json_out=json_out, trace=trace)
+    _index_corpus(opts)
+    _run_ask(opts, json_out=json_out, trace=trace, imported=imported if verbose else None)
 
 
-def _run_ask(opts, *, json_out: bool, trace: Path | None) -> None:
-    """One episode with the live view (or JSON), then the optional HTML trace; user errors exit with 2."""
+def _index_corpus(opts) -> None:
+    """Index the in-process tools' corpus now, or find its index unchanged, so the tool server loads it from the
+    cache; a bar on stderr while a large folder is extracted (display.IndexBar). Errors exit with 2."""
+    from conductor import display
+    from main_agent import ask as assistant
+
+    if opts.tools_url is not None or opts.search_url is not None:
+        return  # the corpus is another server's, or search reads the web
+    bar = display.IndexBar()
+    try:
+        assistant.index_corpus((opts.corpus or assistant.EXAMPLE_CORPUS).resolve(), progress=bar)
+    except assistant.AskError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    finally:
+        bar.close()
+
+
+def _run_ask(opts, *, json_out: bool, trace: Path | None, imported: float | None = None) -> None:
+    """One episode with the live view (or JSON), then the optional HTML trace; user errors exit with 2.
+    Given when the imports were done, one line says where the cold start went (to the first policy turn)."""
     import asyncio
 
     from conductor import display
     from main_agent import ask as assistant
 
+    indexed = time.perf_counter()
     view = None if json_out else display.LiveView(opts.question)
+
+    def on_ready(startup: assistant.Startup) -> None:
+        assert imported is not None
+        line = (
+            f"cold start: {time.perf_counter() - STARTED:.1f} s (imports {imported - STARTED:.1f} s, "
+            f"index {indexed - imported:.1f} s, policy {startup.policy_s:.1f} s, tools {startup.tools_s:.1f} s)"
+        )
+        view.note(line) if view else typer.echo(line, err=True)
+
+    hooks = {"on_turn": view.turn if view else None, "on_ready": on_ready if imported is not None else None}
     try:
-        episode = asyncio.run(assistant.ask(opts, on_turn=view.turn if view else None))
+        episode = asyncio.run(assistant.ask(opts, **hooks))
     except assistant.AskError as exc:
         if view:
             view.close()

@@ -11,15 +11,20 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conductor.models import DEFAULT_MODEL, ModelNotFound
+from conductor.models import DEFAULT_MODEL, DEFAULT_POLICY, ModelNotFound
 from main_agent.parse import CALL_CLOSE, CALL_OPEN
 from main_agent.policy import SamplingConfig, load_policy
 from main_agent.rollout import ProgressHook, RolloutConfig, RolloutTask, rollout
 from main_agent.types import Episode
+from subagents import search
+from subagents.backends import BackendError
+from subagents.common import ToolFailure
+from subagents.documents import SUFFIXES, Progress
 from tool_server.client import ToolClient, ToolServerError
 from tool_server.embedded import ToolAccess, open_tools
 
@@ -47,8 +52,11 @@ class AskOptions:
     video: Path | None = None
     """A video the policy may summarise with video_summary."""
     corpus: Path | None = None
-    """Folder indexed for search (in-process tool server only); default: the project's example corpus."""
-    policy: str = DEFAULT_MODEL
+    """Folder indexed for search (in-process tool server only); default: the project's example corpus. Its
+    extracted text is kept under $CONDUCTOR_HOME/indexes and reused while the folder is unchanged."""
+    search_url: str | None = None
+    """A SearXNG instance the in-process tool server searches the web through instead of a corpus."""
+    policy: str = DEFAULT_POLICY
     """Built-in model name, local checkpoint or LoRA adapter dir (its tokenizer renders the prompts)."""
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
     """Who samples the policy: in this process (default), or a server at `sampling.url` (e.g. vLLM serve).
@@ -57,11 +65,22 @@ class AskOptions:
     """A running tool server; None starts one in-process."""
     max_turns: int = 6
     """Policy turns before giving up."""
-    require_call: bool = True
-    """Open the first turn with a tool call (see FIRST_TURN_PREFIX); off for policies trained on the format,
-    which write the whole call themselves (a forced prefix can split tokens they would have merged)."""
+    require_call: bool | None = None
+    """Open the first turn with a tool call (see FIRST_TURN_PREFIX), for policies never trained on the format;
+    None: only for the untrained built-in model. A trained policy writes the whole call itself (a forced prefix
+    can split tokens it would have merged)."""
     tools: tuple[str, ...] = ()
-    """Offer only these sub-agents (e.g. the ones a policy was trained with); empty: all of them."""
+    """Offer only these sub-agents; empty: the ones for what was attached (`default_tools`)."""
+
+
+@dataclass(frozen=True)
+class Startup:
+    """Where the seconds before the first policy turn went (`conductor ask -v` prints them)."""
+
+    policy_s: float
+    """Loading the policy, its imports (torch, transformers) included."""
+    tools_s: float
+    """Reaching the tool server, or starting it in this process (sub-agent models loaded, corpus indexed)."""
 
 
 def validate(opts: AskOptions) -> AskOptions:
@@ -73,12 +92,47 @@ def validate(opts: AskOptions) -> AskOptions:
             raise AskError(f"--{label} {path}: no such file")
     if opts.corpus is not None and not opts.corpus.is_dir():
         raise AskError(f"--corpus {opts.corpus}: no such folder")
+    if opts.search_url is not None:
+        check_search_url(opts)
     return dataclasses.replace(
         opts,
         image=opts.image.resolve() if opts.image else None,
         video=opts.video.resolve() if opts.video else None,
-        corpus=(opts.corpus or EXAMPLE_CORPUS).resolve(),
+        corpus=None if opts.search_url else (opts.corpus or EXAMPLE_CORPUS).resolve(),
     )
+
+
+def check_search_url(opts: AskOptions) -> None:
+    """--search-url configures the in-process tools' search and must answer a JSON search now, before the policy
+    loads (3 s to connect, 15 s to answer: search.SEARXNG_TIMEOUT)."""
+    if opts.tools_url is not None:
+        raise AskError("--search-url is for the in-process tools; with --tools-url set [search] in its TOML")
+    if opts.corpus is not None:
+        raise AskError("--corpus and --search-url both choose what search reads: give one of them")
+    try:
+        search.probe_searxng(opts.search_url or "")
+    except ToolFailure as exc:
+        raise AskError(f"--search-url: {exc.error.message}") from exc
+
+
+def index_corpus(folder: Path, *, progress: Progress | None = None) -> int:
+    """Build, or reuse while `folder` is unchanged, the persistent search index the in-process tool server then
+    loads (search.index_dir); the number of documents. `progress(done, total)` hears each file extracted (a
+    cached index extracts none). An AskError with the fix for a folder that cannot be read or has nothing to
+    search."""
+    defaults = search.Config()  # what the in-process server indexes with (ask passes no server TOML)
+    try:
+        corpus = search.Corpus.build(
+            folder, max_docs=defaults.max_docs, cache_dir=search.index_dir(folder, None), progress=progress
+        )
+    except FileNotFoundError as exc:
+        raise AskError(f"--corpus {folder}: no such folder") from exc
+    except PermissionError as exc:
+        raise AskError(f"--corpus {folder}: cannot read it ({exc.strerror}); check its permissions") from exc
+    if not len(corpus):
+        kinds = ", ".join(sorted(SUFFIXES))
+        raise AskError(f"--corpus {folder}: no readable documents ({kinds}); give a folder that has some")
+    return len(corpus)
 
 
 def attachments(opts: AskOptions) -> str:
@@ -98,27 +152,45 @@ async def tool_client(opts: AskOptions) -> AsyncIterator[ToolClient]:
     roots = [str(p.parent) for p in (opts.image, opts.video) if p is not None]
     async with contextlib.AsyncExitStack() as stack:
         try:
-            tools = open_tools(ToolAccess(url=opts.tools_url), roots=roots, corpus=opts.corpus)
+            tools = open_tools(
+                ToolAccess(url=opts.tools_url), roots=roots, corpus=opts.corpus, persist_index=True,
+                search_url=opts.search_url,
+            )  # fmt: skip
             client = await stack.enter_async_context(tools)
         except ToolServerError as exc:  # the URL does not answer: the user's to fix
-            raise AskError(f"--tools-url {opts.tools_url}: {exc}") from exc
+            hint = "start one with `conductor serve`, or leave out --tools-url to run the tools in-process"
+            raise AskError(f"--tools-url {opts.tools_url}: {exc}; {hint}") from exc
+        except BackendError as exc:  # a sub-agent's model cannot be built, e.g. not prepared yet
+            raise AskError(f"the in-process tool server cannot start: {exc}") from exc
         yield client
 
 
-async def ask(opts: AskOptions, *, on_turn: ProgressHook | None = None) -> Episode:
-    """Validate, start or reach the tools, load the policy, play one episode."""
+async def ask(
+    opts: AskOptions,
+    *,
+    on_turn: ProgressHook | None = None,
+    on_ready: Callable[[Startup], None] | None = None,
+) -> Episode:
+    """Validate, load the policy, start or reach the tools, play one episode; `on_ready` hears, just before the
+    first turn, how long the start took."""
     opts = validate(opts)
+    started = time.perf_counter()
     try:
         policy, tokenizer = load_policy(opts.policy, opts.sampling, max_batch=1)
     except ModelNotFound as exc:
         raise AskError(str(exc)) from exc
+    loaded = time.perf_counter()
     try:
         async with tool_client(opts) as tools:
-            schemas = offered(await tools.tools(), opts.tools)
+            schemas = offered(await tools.tools(), opts.tools or default_tools(opts))
+            startup = Startup(policy_s=loaded - started, tools_s=time.perf_counter() - loaded)
+            logger.info("ready: policy %.1f s, tools %.1f s", startup.policy_s, startup.tools_s)
+            if on_ready is not None:
+                on_ready(startup)
             task = RolloutTask("ask", opts.question, schemas, context=attachments(opts))
             cfg = RolloutConfig(
                 max_turns=opts.max_turns,
-                max_new_tokens=96,  # a call or a short answer; keeps each turn a few seconds on CPU
+                max_new_tokens=192,  # two page_qa calls on file:// URLs (~150 tokens) or a short answer
                 first_turn_prefix=first_turn_prefix(opts, [str(t["function"]["name"]) for t in schemas]),
                 untagged_is_answer=True,
             )
@@ -137,7 +209,7 @@ def first_turn_prefix(opts: AskOptions, tools: list[str]) -> str:
     and the policy picks the tool. Whatever the policy writes after the closing tag in that turn is ignored by
     the parser unless it is another call.
     """
-    if not opts.require_call:
+    if not requires_call(opts):
         return ""
     opening = [  # (tool, arguments); the first whose target exists and whose tool is offered
         ("page_qa", {"url": opts.urls[0], "question": opts.question} if opts.urls else None),
@@ -150,6 +222,23 @@ def first_turn_prefix(opts: AskOptions, tools: list[str]) -> str:
             call = json.dumps({"name": tool, "arguments": arguments}, ensure_ascii=False)
             return f"{CALL_OPEN}{call}{CALL_CLOSE}"
     return FIRST_TURN_PREFIX
+
+
+def requires_call(opts: AskOptions) -> bool:
+    """Whether the first turn is forced to call: as asked, else only for the untrained built-in model."""
+    return opts.require_call if opts.require_call is not None else opts.policy == DEFAULT_MODEL
+
+
+def default_tools(opts: AskOptions) -> tuple[str, ...]:
+    """The sub-agents offered when the user names none, as the default policy was trained (one kind of
+    question each): the attached page, image or video's reader, else search and page_qa over the corpus."""
+    if opts.urls:
+        return ("page_qa",)
+    if opts.image is not None:
+        return ("image_ops",)
+    if opts.video is not None:
+        return ("video_summary",)
+    return ("search", "page_qa")
 
 
 def offered(schemas: list[dict[str, object]], names: tuple[str, ...]) -> list[dict[str, object]]:

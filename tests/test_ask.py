@@ -1,23 +1,40 @@
-"""The research assistant's pure parts: validation, attachment lines, tool subsets, the first-turn opening."""
+"""The research assistant's pure parts: validation, attachment lines, tool subsets, the first-turn opening, and
+the answer panel of its live view."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
-from main_agent.ask import AskError, AskOptions, attachments, first_turn_prefix, offered, validate
+from conductor.display import LiveView, shown_answer
+from conductor.models import DEFAULT_MODEL, DEFAULT_POLICY
+from main_agent.ask import (
+    AskError,
+    AskOptions,
+    attachments,
+    default_tools,
+    first_turn_prefix,
+    index_corpus,
+    offered,
+    requires_call,
+    validate,
+)
 from main_agent.parse import parse_completion
+from main_agent.types import Episode
 from tests.fakes import TOOLS
 
 NAMES = [str(t["function"]["name"]) for t in TOOLS]  # type: ignore[index]
+UNTRAINED = DEFAULT_MODEL  # the built-in model: its first turn is forced to call
 
 
 def test_an_attached_page_is_asked_the_users_question_first():
     """With --url, the opening call is page_qa on that URL with the user's question, complete and valid JSON
     whatever the URL or question contains; what the policy writes after it is ignored."""
-    opts = AskOptions('Who wrote "it"?', urls=('file:///a "quoted" b.html',))
+    opts = AskOptions('Who wrote "it"?', urls=('file:///a "quoted" b.html',), policy=UNTRAINED)
     prefix = first_turn_prefix(opts, NAMES)
     parsed = parse_completion(prefix + " I will wait for the page.", tool_names=NAMES)
     assert parsed.errors == [] and len(parsed.calls) == 1
@@ -28,11 +45,13 @@ def test_an_attached_page_is_asked_the_users_question_first():
 def test_an_attached_image_is_loaded_and_a_video_asked_first():
     """With --image the opening call loads it; with --video it asks video_summary the question."""
     image = parse_completion(
-        first_turn_prefix(AskOptions("Plate?", image=Path("/x/car.jpg")), NAMES), tool_names=NAMES
+        first_turn_prefix(AskOptions("Plate?", image=Path("/x/car.jpg"), policy=UNTRAINED), NAMES),
+        tool_names=NAMES,
     )
     assert image.calls[0].arguments == {"op": "load", "image": "/x/car.jpg"}
     video = parse_completion(
-        first_turn_prefix(AskOptions("What?", video=Path("/v.mp4")), NAMES), tool_names=NAMES
+        first_turn_prefix(AskOptions("What?", video=Path("/v.mp4"), policy=UNTRAINED), NAMES),
+        tool_names=NAMES,
     )
     assert (video.calls[0].name, video.calls[0].arguments) == (
         "video_summary",
@@ -43,10 +62,26 @@ def test_an_attached_image_is_loaded_and_a_video_asked_first():
 def test_without_attachments_the_corpus_is_searched_and_trained_policies_get_no_prefix():
     """No attachment: search with the question; no search tool either: only the bare opening, the policy picks
     the tool; --no-require-call opens nothing."""
-    search = parse_completion(first_turn_prefix(AskOptions("Q?"), NAMES), tool_names=NAMES)
+    search = parse_completion(first_turn_prefix(AskOptions("Q?", policy=UNTRAINED), NAMES), tool_names=NAMES)
     assert (search.calls[0].name, search.calls[0].arguments) == ("search", {"query": "Q?"})
     assert first_turn_prefix(AskOptions("Q", urls=("http://a",), require_call=False), NAMES) == ""
-    assert first_turn_prefix(AskOptions("Q", urls=("http://a",)), ["image_ops"]) == '<tool_call>{"name": "'
+    assert first_turn_prefix(AskOptions("Q", urls=("http://a",), policy=UNTRAINED), ["image_ops"]) == (
+        '<tool_call>{"name": "'
+    )
+
+
+def test_the_shipped_policy_writes_its_own_first_call_with_the_tools_it_was_trained_with():
+    """The default policy is trained on the call format: no forced opening unless asked for; the tools offered
+    by default are the ones its training gave that kind of question (search and page_qa with no attachment)."""
+    assert AskOptions("Q").policy == DEFAULT_POLICY and not requires_call(AskOptions("Q"))
+    assert requires_call(AskOptions("Q", require_call=True)) and requires_call(
+        AskOptions("Q", policy=UNTRAINED)
+    )
+    assert first_turn_prefix(AskOptions("Q"), NAMES) == ""
+    assert default_tools(AskOptions("Q")) == ("search", "page_qa")
+    assert default_tools(AskOptions("Q", urls=("http://a",))) == ("page_qa",)
+    assert default_tools(AskOptions("Q", image=Path("/x.jpg"))) == ("image_ops",)
+    assert default_tools(AskOptions("Q", video=Path("/v.mp4"))) == ("video_summary",)
 
 
 def test_tool_subset_and_unknown_tools():
@@ -68,3 +103,64 @@ def test_validation_and_attachment_lines(tmp_path):
     opts = validate(AskOptions("q", image=image, urls=("http://a",)))
     assert attachments(opts).splitlines() == ["Page: http://a", f"Image: {image.resolve()}"]
     assert json.loads(json.dumps(str(opts.corpus)))  # the default corpus is an absolute folder
+
+
+def test_index_corpus_warms_the_index_the_in_process_server_loads(tmp_path, monkeypatch):
+    """`conductor ask --corpus` indexes the folder before the tools start (with its progress bar); the embedded
+    server's search then finds the persistent index and extracts nothing. A folder with nothing to search is a
+    one-line AskError naming the file kinds."""
+    from subagents import documents, search
+    from tool_server.config import ServerConfig
+    from tool_server.embedded import embedded_config
+
+    monkeypatch.setenv("CONDUCTOR_HOME", str(tmp_path / "home"))
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "kiln.md").write_text("# Kilns\n\nA kiln fires clay at 1200 degrees.", encoding="utf-8")
+    assert index_corpus(folder) == 1
+    cfg = embedded_config(ServerConfig(), corpus=folder, persist_index=True).tools["search"].config
+
+    def no_extraction(path, *, url):
+        raise AssertionError(f"the server extracted {path} again")
+
+    monkeypatch.setattr(documents, "read_document", no_extraction)
+    assert cfg.persist_index and len(search.start(cfg, (str(folder),))) == 1
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(AskError, match=r"no readable documents \(.*\.pdf"):
+        index_corpus(tmp_path / "empty")
+
+
+def test_a_folder_that_cannot_be_read_is_refused_with_the_fix(tmp_path, monkeypatch):
+    """An unreadable --corpus is one AskError naming the folder and what to check (the listing is made to fail:
+    as root, chmod 000 does not stop reading)."""
+
+    def denied(folder, **_):
+        raise PermissionError(13, "Permission denied", str(folder))
+
+    monkeypatch.setattr("subagents.search.Corpus.build", denied)
+    with pytest.raises(AskError, match=r"cannot read it \(Permission denied\); check its permissions"):
+        index_corpus(tmp_path)
+
+
+def test_the_shown_answer_has_no_protocol_tags():
+    """Echoed <tool_response> blocks are dropped and other protocol tags removed from what the reader sees; an
+    answer that is nothing but an echo shows the echo's text rather than nothing."""
+    echoed = "<tool_response>search: 1. GRPO — file:///g.html</tool_response>\nIt returns a quote.<|im_end|>"
+    assert shown_answer(echoed) == "It returns a quote."
+    assert shown_answer("<answer>LM298AI</answer>") == "LM298AI"
+    assert shown_answer("<tool_response>search: 1. GRPO — file:///g.html — The advan") == (
+        "search: 1. GRPO — file:///g.html — The advan"
+    )
+    assert shown_answer("a < b and c > d") == "a < b and c > d"
+
+
+def test_the_answer_panel_numbers_its_sources():
+    """The answer panel shows the cleaned answer and the sources as [1], [2], …; the episode keeps the raw text."""
+    raw = "<tool_response>search: …</tool_response> See [1]."
+    episode = Episode("ask", "q", [1], [], raw, "answer", 0, 1.0, 1.0, 0.0)
+    console = Console(file=io.StringIO(), width=200)
+    view = LiveView("q", console=console)
+    view.final(episode, ["GRPO <file:///g.html>", "SmolLM2 <file:///s.html>"])
+    shown = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "See [1]." in shown and "tool_response" not in shown and episode.answer == raw
+    assert "[1] GRPO <file:///g.html>" in shown and "[2] SmolLM2 <file:///s.html>" in shown

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,16 +12,30 @@ from pathlib import Path
 from tests.fake_openai_server import unused_port
 
 REPO = Path(__file__).resolve().parent.parent
+ASK = ("ask", "What does page_qa return?", "--max-turns", "1", "--json")
+COLD_START = re.compile(
+    r"cold start: [\d.]+ s \(imports [\d.]+ s, index [\d.]+ s, policy [\d.]+ s, tools [\d.]+ s\)"
+)
 
 
-def conductor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def conductor(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "conductor.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=REPO,
+        env={**os.environ, **(env or {})},
     )
+
+
+def user_error(out: subprocess.CompletedProcess[str]) -> str:
+    """The one line a user-fixable error prints, after checking it is the only thing on stderr."""
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.splitlines()) == 1 and out.stderr.startswith("error: "), out.stderr
+    return out.stderr
 
 
 def test_help_lists_every_command():
@@ -43,9 +60,37 @@ def test_ask_refuses_a_missing_image(tmp_path):
 
 
 def test_ask_reports_an_unreachable_tool_server(smollm2_path):
-    """--tools-url pointing at nothing says so instead of hanging or crashing."""
-    out = conductor("ask", "Who?", "--tools-url", f"http://127.0.0.1:{unused_port()}")
-    assert out.returncode == 2 and "unreachable" in out.stderr
+    """--tools-url pointing at nothing says so in one line with the fix, instead of hanging or crashing."""
+    out = conductor(*ASK, "--tools-url", f"http://127.0.0.1:{unused_port()}", "--policy", str(smollm2_path))
+    assert "unreachable" in user_error(out) and "conductor serve" in out.stderr
+
+
+def test_ask_without_a_prepared_model_says_how_to_prepare_it(tmp_path):
+    """An empty $CONDUCTOR_HOME is one line naming `conductor models prepare`, exit code 2, no traceback."""
+    out = conductor(*ASK, "--policy", "smollm2-135m-instruct", env={"CONDUCTOR_HOME": str(tmp_path)})
+    assert "run `conductor models prepare`" in user_error(out) and out.stdout == ""
+
+
+def one_turn(policy: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """One real turn on the in-process tools (their built-in model loaded): the forced search call, sampled by a
+    tiny random policy so that it takes seconds, not minutes."""
+    return conductor(*ASK, "--policy", str(policy), "--require-call", *flags, timeout=600)
+
+
+def test_ask_prints_the_episode_and_nothing_else(tiny_policy):
+    """Without -v a real run (policy and tools in-process) prints no log line and no progress bar: stdout is the
+    episode's JSON alone and stderr is empty."""
+    out = one_turn(tiny_policy)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert len(json.loads(out.stdout)["turns"]) == 1
+
+
+def test_ask_verbose_says_where_the_cold_start_went(tiny_policy):
+    """-v prints one line splitting the seconds from start to the first policy turn; stdout stays pure JSON."""
+    out = one_turn(tiny_policy, "-v")
+    lines = [line for line in out.stderr.splitlines() if line.startswith("cold start:")]
+    assert out.returncode == 0 and len(lines) == 1 and COLD_START.fullmatch(lines[0]), out.stderr
+    assert json.loads(out.stdout)["stop_reason"] == "max_turns"
 
 
 def test_ask_reports_a_model_that_cannot_be_found(tmp_path):
