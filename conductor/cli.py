@@ -341,7 +341,10 @@ def eval_cmd(
     config: Annotated[Path | None, typer.Argument(help="Evaluation TOML config (optional).")] = None,
     policy: Annotated[str | None, typer.Option(help="Built-in name, checkpoint or adapter dir.")] = None,
     task: Annotated[
-        str | None, typer.Option(help="Task family: multihop_pages, plate_reading, video_qa.")
+        str | None,
+        typer.Option(
+            help="Task family, e.g. research_corpus, corpus_qa, multihop_pages, plate_reading, video_qa."
+        ),
     ] = None,
     split: Annotated[str | None, typer.Option(help="train, dev or test.")] = None,
     n: Annotated[

@@ -1,0 +1,63 @@
+"""The shipped default policy against its base model, on questions its recipe never trained on.
+
+    python benchmarks/bench_default_policy.py                    # -> results/default_policy.json and a table
+    python benchmarks/bench_default_policy.py --policies smollm2-135m-instruct runs/default-rl/step_8/model
+
+For every policy and evaluation set, `conductor eval` exactly as a user would run it (greedy, the first `--n`
+questions, the same for every policy):
+  research_corpus  the 36 held-out questions about examples/corpus (search the corpus, read a hit, answer)
+  multihop_pages   HotpotQA dev: the pages are listed, read them with page_qa and answer
+
+The base model gets no forced first call (`conductor eval` never forces one): this measures what each policy writes
+by itself. A report that exists is reused, so an interrupted run continues. Prints one table per set (answer rate,
+EM = success rate, F1 = mean reward, valid-call rate, calls per question, ...), and writes all reports to one JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from conductor.models import DEFAULT_MODEL, DEFAULT_POLICY  # noqa: E402
+from training.evaluate import EvalReport, format_table  # noqa: E402
+
+SETS = {"research_corpus": "dev", "multihop_pages": "dev"}  # family -> split
+
+
+def evaluate(policy: str, family: str, n: int, out: Path) -> EvalReport:
+    """One `conductor eval` run (skipped when its report exists)."""
+    if not out.is_file():
+        command = ["conductor", "eval", "--policy", policy, "--task", family, "--split", SETS[family]]
+        command += ["--n", str(n), "--out", str(out), "--set", "rollout.max_turns=8"]
+        command += ["--set", "rollout.max_new_tokens=192"]
+        subprocess.run(command, check=True)
+    return EvalReport(**json.loads(out.read_text(encoding="utf-8")))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policies", nargs="+", default=[DEFAULT_MODEL, DEFAULT_POLICY])
+    parser.add_argument("--n", type=int, default=36, help="questions per set")
+    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_default_policy")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "default_policy.json")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict]] = {}
+    for family in SETS:
+        reports = []
+        for i, policy in enumerate(args.policies):
+            reports.append(evaluate(policy, family, args.n, args.work / f"{family}-{i}.json"))
+        print(f"\n## {family} ({SETS[family]}, first {args.n})\n{format_table(reports)}")
+        results[family] = [json.loads(r.to_json()) for r in reports]
+    args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
