@@ -242,34 +242,36 @@ def default_tools(opts: AskOptions) -> tuple[str, ...]:
 
 
 def offered(schemas: list[dict[str, object]], names: tuple[str, ...]) -> list[dict[str, object]]:
-    """The schemas of the tools named (all when none are); an unknown name is an AskError."""
+    """The schemas of the tools named (all when none are), in the server's order: the order training's prompts
+    list them in (training/play.rollout_task), which a small policy keys on. An unknown name is an AskError."""
     if not names:
         return schemas
-    known = {str(s["function"]["name"]): s for s in schemas}  # type: ignore[index]
+    known = [str(s["function"]["name"]) for s in schemas]  # type: ignore[index]
     unknown = sorted(set(names) - set(known))
     if unknown:
         raise AskError(f"--tool {', '.join(unknown)}: the tool server offers {', '.join(sorted(known))}")
-    return [known[name] for name in names]
+    return [s for s, name in zip(schemas, known, strict=True) if name in names]
 
 
 def sources(episode: Episode) -> list[str]:
-    """What the answer rests on: pages opened, images made, video moments, search hits that were read."""
-    found: list[str] = []
+    """What the answer rests on: the pages opened, images made and video moments; the search hits only when
+    nothing was opened (a hit that was never read is not a source)."""
+    read: list[str] = []
+    hits: list[str] = []
     for turn in episode.turns:
         for result in turn.results:
             payload = result.payload or {}
             if not result.ok:
                 continue
             if result.name == "page_qa":
-                found.append(f"{payload.get('title') or 'page'} <{payload.get('url')}>")
+                read.append(f"{payload.get('title') or 'page'} <{payload.get('url')}>")
             elif result.name == "image_ops":
-                found.append(f"image {payload.get('image_id')}")
+                read.append(f"image {payload.get('image_id')}")
             elif result.name == "video_summary":
-                found.append(
-                    f"video at {', '.join(str(t) for t in payload.get('timestamps') or []) or 'whole clip'}"
-                )
+                moments = ", ".join(str(t) for t in payload.get("timestamps") or [])
+                read.append(f"video at {moments or 'whole clip'}")
             elif result.name == "search":
-                found.extend(
+                hits.extend(
                     f"{hit.get('title') or 'page'} <{hit.get('url')}>" for hit in payload.get("hits", [])
                 )
-    return list(dict.fromkeys(found))
+    return list(dict.fromkeys(read or hits))

@@ -85,8 +85,12 @@ def test_the_shipped_policy_writes_its_own_first_call_with_the_tools_it_was_trai
 
 
 def test_tool_subset_and_unknown_tools():
-    """--tool keeps the named schemas in order; an unknown name is a clear error."""
+    """--tool keeps the named schemas in the server's order whatever order they are named in (training's
+    prompts list them so); an unknown name is a clear error."""
     assert [s["function"]["name"] for s in offered(TOOLS, ("search",))] == ["search"]  # type: ignore[index]
+    server_order = [str(s["function"]["name"]) for s in TOOLS]  # type: ignore[index]
+    both = [s["function"]["name"] for s in offered(TOOLS, ("page_qa", "search"))]  # type: ignore[index]
+    assert both == [n for n in server_order if n in ("search", "page_qa")] == ["search", "page_qa"]
     assert offered(TOOLS, ()) == TOOLS
     with pytest.raises(AskError, match="nope"):
         offered(TOOLS, ("nope",))
@@ -164,3 +168,26 @@ def test_the_answer_panel_numbers_its_sources():
     shown = console.file.getvalue()  # type: ignore[attr-defined]
     assert "See [1]." in shown and "tool_response" not in shown and episode.answer == raw
     assert "[1] GRPO <file:///g.html>" in shown and "[2] SmolLM2 <file:///s.html>" in shown
+
+
+def test_sources_are_the_pages_read_and_search_hits_only_when_nothing_was_read():
+    """A hit never opened is not a source: after page_qa read one hit, only that page is listed; an episode that
+    only searched lists its hits; failed calls list nothing."""
+    from main_agent.ask import sources
+    from main_agent.types import ToolCall, ToolResult, Turn
+
+    def result(name: str, ok: bool, payload: dict) -> ToolResult:
+        return ToolResult(name, ok, "obs", None, 1.0, 0, 0, False, payload)
+
+    def turn(*results: ToolResult) -> Turn:
+        calls = [ToolCall(r.name, {}, "") for r in results]
+        return Turn([1], [0.0], [], "", "", calls, list(results), [], 0, 0.0, 0.0)
+
+    hits = {"hits": [{"title": "BM25", "url": "file:///b.html"}, {"title": "GRPO", "url": "file:///g.html"}]}
+    searched = turn(result("search", True, hits))
+    read = turn(result("page_qa", True, {"title": "BM25", "url": "file:///b.html"}))
+    failed = turn(result("page_qa", False, {"title": "GRPO", "url": "file:///g.html"}))
+    episode = Episode("ask", "q", [1], [searched, read, failed], "0.75", "answer", 0, 1.0, 1.0, 0.0)
+    assert sources(episode) == ["BM25 <file:///b.html>"]
+    only_search = Episode("ask", "q", [1], [searched], "?", "answer", 0, 1.0, 1.0, 0.0)
+    assert sources(only_search) == ["BM25 <file:///b.html>", "GRPO <file:///g.html>"]
