@@ -155,3 +155,41 @@ def test_a_shared_prompt_is_computed_once_and_changes_no_sample() -> None:
         torch.testing.assert_close(
             torch.tensor(mine.logprobs), torch.tensor(single.logprobs), atol=1e-4, rtol=1e-4
         )
+
+
+def test_a_saved_adapter_names_its_built_in_base_and_loads_without_a_tokenizer(smollm2_path, tmp_path):
+    """An adapter trained on the built-in model is saved naming the model, not this machine's path, and loads
+    from a folder holding only the adapter (the shipped default policy's layout), with the base's tokenizer and
+    the adapter's weights in place."""
+    import json
+
+    import torch
+    from peft import PeftModel
+
+    from conductor.models import DEFAULT_MODEL, portable_adapter
+    from main_agent.policy import load_model
+
+    model, _ = load_model(smollm2_path, lora_rank=2, device="cpu")
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "lora_B" in n).fill_(0.01)
+    model.save_pretrained(tmp_path)
+    portable_adapter(tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == DEFAULT_MODEL
+    assert not (tmp_path / "tokenizer_config.json").exists()
+    loaded, tokenizer = load_model(tmp_path, device="cpu")
+    assert isinstance(loaded, PeftModel) and tokenizer.eos_token_id is not None
+    saved = dict(model.named_parameters())
+    assert all(torch.equal(p, saved[n]) for n, p in loaded.named_parameters() if "lora_B" in n)
+
+
+def test_the_shipped_default_policy_resolves_to_its_adapter():
+    """`conductor-default` names the adapter shipped in the package, whose base is the built-in model."""
+    import json
+
+    from conductor.models import DEFAULT_MODEL, DEFAULT_POLICY, SHIPPED_POLICIES, resolve_model
+
+    path = resolve_model(DEFAULT_POLICY)
+    assert path == SHIPPED_POLICIES[DEFAULT_POLICY]
+    config = json.loads((path / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == DEFAULT_MODEL and (path / "README.md").is_file()
