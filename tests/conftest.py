@@ -9,6 +9,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# MKL's results otherwise depend on the memory alignment of the operands (1 ulp in a log-prob between two copies
+# of the same weights): strict conditional numerical reproducibility makes runs in different processes (a run on
+# Ray against the one in this process, tests/test_ray_train.py) equal bit for bit. Read at MKL's first call.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
 
 def data_dir() -> Path:
     """The shared real-data folder: $CONDUCTOR_DATA, else ../shared/data beside the checkout."""
@@ -47,3 +52,14 @@ def tiny_policy(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) ->
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def stub_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every task family loads tests/test_train.py's STUB_TASKS: text-scored, nothing to prepare."""
+    from tests.test_train import STUB_TASKS
+    from training import tasks as task_data
+
+    monkeypatch.setattr(
+        task_data, "load_family", lambda name, split, *, data_dir=None, limit=None: STUB_TASKS
+    )

@@ -336,13 +336,6 @@ def test_step_line_has_a_fixed_shape() -> None:
 # ---------------------------------------------------------------- whole runs
 
 
-@pytest.fixture
-def stub_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        task_data, "load_family", lambda name, split, *, data_dir=None, limit=None: STUB_TASKS
-    )
-
-
 def parity_score(episode: Episode, task: Task, weights) -> list:
     """Stub reward: the share of even ids among the sampled tokens (the random policy varies on it)."""
     ids = [i for t in episode.turns for i in t.completion_ids]
@@ -436,10 +429,12 @@ def test_branching_plans_states_around_chosen_turns() -> None:
 
 @pytest.mark.slow
 def test_two_async_steps_train(tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch) -> None:
-    """Two steps of the async loop: the prefetched batch (one version behind) trains, losses finite."""
+    """Two steps of the async loop: the prefetched batch (one version behind) trains, losses finite; the
+    checkpoint counts the episodes of both steps (the prefetching collection's copy of the counters is stale)."""
     monkeypatch.setattr(train_module, "score", parity_score)
     run_dir = train_async(tiny_config(tmp_path / "run", tiny_policy), transport=fake_tool_server())
     rows = check_run_trained(run_dir, tiny_policy, 2)
+    assert json.loads((run_dir / "step_2" / "state.json").read_text())["episodes"] == 8
     assert [r["episodes/stale_dropped"] for r in rows] == [0, 0]
     second = [
         Episode.from_json(line) for line in (run_dir / "rollouts" / "step_2.jsonl").read_text().splitlines()

@@ -66,10 +66,11 @@ def next_tasks(tasks: Sequence[Task], state: TrainState, cfg: TrainConfig) -> tu
     return picked, dataclasses.replace(state, epoch=epoch, position=position)
 
 
-def seed_step(cfg: TrainConfig, step: int) -> None:
+def seed_step(cfg: TrainConfig, step: int, *, rank: int = 0) -> None:
     """Sampling draws from torch's global RNG; reseeding per step makes each step's draws a function of
-    (seed, step) alone, so a resumed run repeats them without saving RNG state."""
-    torch.manual_seed(cfg.seed * 1_000_003 + step)
+    (seed, step) alone, so a resumed run repeats them without saving RNG state. Rollout worker `rank` of a run
+    on Ray (training/ray_rollout.py) adds its rank, worker 0 drawing what this process would."""
+    torch.manual_seed(cfg.seed * 1_000_003 + step + rank * 1_000_000_007)
 
 
 @dataclass
@@ -106,13 +107,40 @@ async def start_run(
     cfg: TrainConfig, *, resume: Path | None, force: bool, on_step: StepHook | None = None
 ) -> Run:
     """Load the policy (and its checkpoint when resuming) on its device, the optimizer, the sampler, the tasks."""
-    if resume is not None:
-        cfg = dataclasses.replace(cfg, run_dir=resume)
-    latest = ckpt.find_latest(cfg.run_dir)
-    if resume is None and latest is not None:
-        raise CheckpointError(f"{cfg.run_dir} already holds checkpoints: resume it or choose another run_dir")
-    if resume is not None and latest is None:
-        raise CheckpointError(f"no checkpoint to resume in {resume}")
+    cfg, latest = resume_point(cfg, resume=resume, force=force)
+    learner = load_learner(cfg)
+    cfg = learner.cfg
+    tasks = load_tasks(cfg)
+    state = TrainState(seed=cfg.seed, items=cfg.horizon.items if tasks[0].items else 0)
+    if latest is not None:
+        state = resume_learner(learner, latest)
+    model, tokenizer = learner.model, learner.tokenizer
+    policy = await start_sampler(cfg, model, tokenizer, version=state.policy_version)
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    trim_metrics(cfg.run_dir / "metrics.jsonl", after_step=state.step)  # steps redone after a kill
+    log = MetricsLog(cfg.run_dir / "metrics.jsonl")
+    optimizer, scheduler, ref_model = learner.optimizer, learner.scheduler, learner.ref_model
+    return Run(cfg, model, tokenizer, policy, optimizer, scheduler, ref_model, tasks, state, log, on_step)
+
+
+@dataclass
+class Learner:
+    """The trained policy and what steps it, built alike wherever a run trains: in the single-process loops
+    (`start_run`) and in every data-parallel trainer worker on Ray (training/ray_trainer.py)."""
+
+    cfg: TrainConfig
+    """The run's settings with precision made concrete for the model's device (`with_precision`)."""
+    model: Model
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    ref_model: nn.Module | None
+    """The frozen starting policy the KL is measured against (kl_coef > 0), else None."""
+
+
+def load_learner(cfg: TrainConfig) -> Learner:
+    """The policy on its device (LoRA adapters drawn from `cfg.seed`, so every process draws the same ones),
+    its frozen reference when kl_coef > 0, AdamW and the linear warm-up schedule."""
     torch.manual_seed(cfg.seed)  # LoRA initialisation draws from it
     in_process = SamplingConfig(backend="transformers")  # the trained weights live here; cfg.sampling samples
     learner, tokenizer = load_policy(cfg.policy, in_process, lora_rank=cfg.lora_rank, device=cfg.device)
@@ -126,20 +154,35 @@ async def start_run(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / (cfg.warmup_steps + 1))
     )
-    tasks = load_tasks(cfg)
-    state = TrainState(seed=cfg.seed, items=cfg.horizon.items if tasks[0].items else 0)
+    return Learner(cfg, model, tokenizer, optimizer, scheduler, ref_model)
+
+
+def resume_learner(learner: Learner, checkpoint: Path) -> TrainState:
+    """Load `checkpoint` into `learner` (weights, optimizer, schedule, RNG) at the configured learning rate;
+    returns its TrainState."""
+    state = ckpt.load_checkpoint(
+        checkpoint, model=learner.model, optimizer=learner.optimizer, scheduler=learner.scheduler
+    )
+    set_learning_rate(learner.optimizer, learner.scheduler, learner.cfg.learning_rate)
+    logger.info("resuming %s at step %d", checkpoint, state.step)
+    return state
+
+
+def resume_point(cfg: TrainConfig, *, resume: Path | None, force: bool) -> tuple[TrainConfig, Path | None]:
+    """The run's settings (its directory is `resume` when resuming) and the checkpoint to resume from: None for
+    a new run, whose directory must hold none. CheckpointError when there is nothing to resume or the saved
+    run's data order and batch shape differ (`RESUME_KEYS`) and not `force`."""
+    if resume is not None:
+        cfg = dataclasses.replace(cfg, run_dir=resume)
+    latest = ckpt.find_latest(cfg.run_dir)
+    if resume is None and latest is not None:
+        raise CheckpointError(f"{cfg.run_dir} already holds checkpoints: resume it or choose another run_dir")
+    if resume is not None and latest is None:
+        raise CheckpointError(f"no checkpoint to resume in {resume}")
     if latest is not None:
-        ckpt.check_resume_compatible(
-            ckpt.saved_config(latest), config_to_dict(cfg), force=force, keys=RESUME_KEYS
-        )
-        state = ckpt.load_checkpoint(latest, model=model, optimizer=optimizer, scheduler=scheduler)
-        set_learning_rate(optimizer, scheduler, cfg.learning_rate)
-        logger.info("resuming %s at step %d", latest, state.step)
-    policy = await start_sampler(cfg, model, tokenizer, version=state.policy_version)
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    trim_metrics(cfg.run_dir / "metrics.jsonl", after_step=state.step)  # steps redone after a kill
-    log = MetricsLog(cfg.run_dir / "metrics.jsonl")
-    return Run(cfg, model, tokenizer, policy, optimizer, scheduler, ref_model, tasks, state, log, on_step)
+        saved = ckpt.saved_config(latest)
+        ckpt.check_resume_compatible(saved, config_to_dict(cfg), force=force, keys=RESUME_KEYS)
+    return cfg, latest
 
 
 def load_tasks(cfg: TrainConfig) -> list[Task]:
@@ -205,31 +248,16 @@ def finish_step(
     successes: Sequence[bool] = (),
     items: int = 0,
 ) -> None:
-    """Advance the state past `step`, log the row, save the rollouts, report the row (`on_step`), checkpoint
-    when due.
-
-    `state` carries the data cursor after this step's tasks; `stepped` says whether the optimizer stepped (the
-    learning-rate schedule counts optimizer steps); `successes` of the step's episodes, played at horizon
-    `items`, move the curriculum when that is still the current one (an async batch may predate a raise).
-    """
+    """Step the learning-rate schedule when the optimizer `stepped` (it counts optimizer steps), record the
+    step (`record_step`), checkpoint when due."""
     cfg = run.cfg
-    row = {**row, "optim/lr": run.optimizer.param_groups[0]["lr"], "horizon/items": run.state.items}
+    row = {**row, "optim/lr": run.optimizer.param_groups[0]["lr"]}
     if stepped:
         run.scheduler.step()
-    state = next_horizon(run.state, state, successes if items == run.state.items else (), cfg)
-    run.state = dataclasses.replace(
-        state,
-        step=step,
-        policy_version=run.policy.version,
-        episodes=state.episodes + len(episodes),
-        invalid_episodes=state.invalid_episodes + sum(e.stop_reason == "infra_failed" for e in episodes),
-        elapsed_s=state.elapsed_s + row["time/rollout"] + row["time/train"] + row["time/weight_sync"],
-    )
-    save_rollouts(cfg.run_dir / "rollouts" / f"step_{step}.jsonl", episodes)
-    run.log.write(row)
-    logger.info("step %d done: reward %.3f", step, row.get("reward/final", float("nan")))
-    if run.on_step is not None:
-        run.on_step(row)
+    run.state = record_step(
+        cfg, run.state, step, row, state=state, episodes=episodes, successes=successes, items=items,
+        version=run.policy.version, log=run.log, on_step=run.on_step,
+    )  # fmt: skip
     if step % cfg.save_every == 0 or step == cfg.steps:
         ckpt.save_checkpoint(
             cfg.run_dir,
@@ -238,10 +266,57 @@ def finish_step(
             optimizer=run.optimizer,
             scheduler=run.scheduler,
             state=run.state,
-            config_json=json.dumps(config_to_dict(cfg), sort_keys=True),
+            config_json=config_json(cfg),
             keep_last=cfg.keep_last,
             tokenizer=run.tokenizer,
         )
+
+
+def record_step(
+    cfg: TrainConfig,
+    now: TrainState,
+    step: int,
+    row: Mapping[str, float],
+    *,
+    state: TrainState,
+    episodes: Sequence[Episode],
+    successes: Sequence[bool],
+    items: int,
+    version: int,
+    log: MetricsLog,
+    on_step: StepHook | None,
+) -> TrainState:
+    """The state after `step` (from `now`); the row logged, the rollouts saved, the row reported (`on_step`).
+
+    `state` carries the data cursor after this step's tasks; `successes` of the step's episodes, played at
+    horizon `items`, move the curriculum when that is still the current one (an async batch may predate a
+    raise); `version` is the sampler's policy version after the step. Shared by the in-process loops
+    (`finish_step`) and the Ray loop (training/train_ray.py).
+    """
+    row = {**row, "horizon/items": now.items}
+    # Only the cursor comes from `state`: a collection that ran ahead (async) copied the counters before the
+    # steps in between added to them.
+    cursor = dataclasses.replace(now, epoch=state.epoch, position=state.position)
+    after = next_horizon(now, cursor, successes if items == now.items else (), cfg)
+    after = dataclasses.replace(
+        after,
+        step=step,
+        policy_version=version,
+        episodes=after.episodes + len(episodes),
+        invalid_episodes=after.invalid_episodes + sum(e.stop_reason == "infra_failed" for e in episodes),
+        elapsed_s=after.elapsed_s + row["time/rollout"] + row["time/train"] + row["time/weight_sync"],
+    )
+    save_rollouts(cfg.run_dir / "rollouts" / f"step_{step}.jsonl", episodes)
+    log.write(row)
+    logger.info("step %d done: reward %.3f", step, row.get("reward/final", float("nan")))
+    if on_step is not None:
+        on_step(row)
+    return after
+
+
+def config_json(cfg: TrainConfig) -> str:
+    """The resolved settings a checkpoint stores (and `resume_point` compares)."""
+    return json.dumps(config_to_dict(cfg), sort_keys=True)
 
 
 def next_horizon(
