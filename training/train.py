@@ -7,7 +7,8 @@ Per step s = 1 .. steps:
     3. filter_groups: drop groups with an infrastructure failure (fail the step when too many failed)
     4. score: final reward from the task, turn rewards from what each turn did
     5. group_to_sequences: group advantages (outcome or turn credit) laid onto each episode's tokens
-    6. update: one optimizer step of the clipped token-level loss, accumulated over micro-batches
+    6. update: one optimizer step of the clipped token-level loss, accumulated over micro-batches (split over
+       data-parallel ranks on Ray: training/ray_trainer.py)
     7. sync_weights: push the trained weights to the sampler (its own model copy, or a vLLM engine: sampler.py)
     8. log a metrics row and a printed line, save the rollouts, checkpoint every `save_every` steps and at the end
 
@@ -27,6 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import torch
@@ -62,6 +64,9 @@ from training.run import (
 )
 from training.sampler import sync_weights
 from training.tasks import Task
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +234,17 @@ class UpdateStats:
         }
 
 
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place in a data-parallel update (training/ray_trainer.py builds it): every rank gets the
+    whole step and runs micro-batches rank, rank + world, ...; the gradients are summed across ranks once."""
+
+    rank: int
+    world: int
+    group: ProcessGroup | None = None
+    """The torch.distributed process group of the ranks; None: the default one."""
+
+
 def update(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -236,32 +252,24 @@ def update(
     cfg: TrainConfig,
     *,
     ref_model: nn.Module | None = None,
+    dp: DataParallel | None = None,
 ) -> UpdateStats:
     """One optimizer step on all sequences; gradients accumulate over micro-batches of `micro_batch_tokens`.
 
     The loss is normalised by the step's total masked-in tokens, so the sum over micro-batches is the step's token
     mean. Any non-finite advantage, loss or gradient skips the whole step (logged, weights untouched).
+    With `dp` every rank passes the same `sequences` and steps on the same summed gradients, so the replicas stay
+    identical; a skip (decided from the sequences, or from a flag all ranks share) happens on every rank together.
     """
-    n_tokens = sum(sum(s.loss_mask) for s in sequences)
+    n_tokens = masked_tokens(sequences)
     if n_tokens == 0:
         return _skip("no sampled tokens to train on")
     if not all(math.isfinite(a) for s in sequences for a in s.advantages):
         return _skip("non-finite advantage")
-    model.train()
-    sums = {"pg": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0}
-    device = str(next(model.parameters()).device)
-    for chunk in micro_batches(sequences, max_tokens=cfg.micro_batch_tokens, share_prefix=cfg.share_prefix):
-        batch = collate(chunk, pad_id=0, device=device, share_prefix=cfg.share_prefix)
-        out = micro_batch_loss(model, batch, cfg, n_tokens=n_tokens, ref_model=ref_model)
-        if not math.isfinite(out.loss.item()):
-            optimizer.zero_grad(set_to_none=True)
-            return _skip("non-finite loss")
-        out.loss.backward()
-        share = out.n_tokens / n_tokens
-        sums["pg"] += out.pg_loss.item()
-        sums["kl"] += out.kl.item()
-        sums["clip"] += out.clip_frac.item() * share
-        sums["ratio"] += out.ratio_mean.item() * share
+    sums = accumulate_gradients(model, sequences, cfg, ref_model=ref_model, dp=dp)
+    if sums is None:
+        optimizer.zero_grad(set_to_none=True)
+        return _skip("non-finite loss")
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
     if not math.isfinite(grad_norm):
@@ -270,6 +278,76 @@ def update(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return UpdateStats(sums["pg"], sums["kl"], sums["clip"], sums["ratio"], grad_norm, n_tokens)
+
+
+def masked_tokens(sequences: Sequence[TrainSequence]) -> int:
+    """The step's trained (masked-in) tokens: the loss's normaliser."""
+    return sum(sum(s.loss_mask) for s in sequences)
+
+
+def accumulate_gradients(
+    model: nn.Module,
+    sequences: Sequence[TrainSequence],
+    cfg: TrainConfig,
+    *,
+    ref_model: nn.Module | None = None,
+    dp: DataParallel | None = None,
+) -> dict[str, float] | None:
+    """Backward over the step's micro-batches (with `dp`: this rank's share, then the gradients summed over the
+    ranks), leaving the gradient of the step's loss in each trainable parameter's `.grad`. Returns the logged
+    sums (pg, kl, clip, ratio), or None when a loss was not finite (on any rank): its gradients are partial.
+
+    Every rank normalises by the whole step's token count, so the ranks' losses add up to the step's loss and a
+    SUM of their gradients is its gradient (not DDP's mean)."""
+    n_tokens = masked_tokens(sequences)
+    assert n_tokens > 0, f"no trained tokens in {len(sequences)} sequences"
+    model.train()
+    sums = {"pg": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0}
+    device = str(next(model.parameters()).device)
+    chunks = micro_batches(sequences, max_tokens=cfg.micro_batch_tokens, share_prefix=cfg.share_prefix)
+    finite = True
+    for chunk in chunks if dp is None else chunks[dp.rank :: dp.world]:
+        batch = collate(chunk, pad_id=0, device=device, share_prefix=cfg.share_prefix)
+        out = micro_batch_loss(model, batch, cfg, n_tokens=n_tokens, ref_model=ref_model)
+        if not math.isfinite(out.loss.item()):
+            finite = False
+            break  # with dp the rank still joins the all-reduces below, which tell every rank to skip
+        out.loss.backward()
+        share = out.n_tokens / n_tokens
+        sums["pg"] += out.pg_loss.item()
+        sums["kl"] += out.kl.item()
+        sums["clip"] += out.clip_frac.item() * share
+        sums["ratio"] += out.ratio_mean.item() * share
+    if dp is not None:
+        finite = all_reduce_sums(sums, finite=finite, dp=dp, device=device)
+        if finite:
+            all_reduce_gradients(model, dp)
+    return sums if finite else None
+
+
+def all_reduce_sums(sums: dict[str, float], *, finite: bool, dp: DataParallel, device: str) -> bool:
+    """Sum the logged sums over the ranks (in place) and whether every rank's losses were finite."""
+    import torch.distributed as dist
+
+    values = torch.tensor([*sums.values(), float(not finite)], dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.SUM, group=dp.group)
+    for key, value in zip(list(sums), values[:-1].tolist(), strict=True):
+        sums[key] = value
+    return values[-1].item() == 0.0
+
+
+def all_reduce_gradients(model: nn.Module, dp: DataParallel) -> None:
+    """Sum the trainable parameters' gradients over the ranks in one flat bucket; each `.grad` becomes a view of
+    it. A parameter no micro-batch of a rank reached counts as zero there (and ends with a zero gradient rather
+    than none when no rank reached it: AdamW then still decays its moments, as under DDP)."""
+    import torch.distributed as dist
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    bucket = torch.cat([g.reshape(-1) for g in grads])  # [sum of numel]: one collective, not one per tensor
+    dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=dp.group)
+    for p, flat in zip(params, bucket.split([p.numel() for p in params]), strict=True):
+        p.grad = flat.view_as(p)
 
 
 def micro_batch_loss(
