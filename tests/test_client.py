@@ -93,6 +93,20 @@ async def test_only_transient_statuses_are_retried(status: int, attempts: int) -
     assert server.attempts == attempts
 
 
+async def test_a_plain_text_500_from_a_proxy_is_retried_and_the_call_answers() -> None:
+    """A 500 the tool server did not write (plain text: Ray Serve's proxy for a replica that died mid-call) is
+    retried and the repeat answers; the server's own 500s (JSON, a bug) are not (test above)."""
+
+    def proxy_first(attempt: int) -> httpx.Response:
+        if attempt == 1:
+            return httpx.Response(500, text="Internal Server Error", headers={"content-type": "text/plain"})
+        return answer()
+
+    server = Server(proxy_first)
+    result = await call(server)
+    assert getattr(result, "ok", None) is True and server.attempts == 2
+
+
 async def test_retry_after_is_honoured_up_to_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """A 429 waits its Retry-After (0.3 s here) before the retry; an hour-long Retry-After is cut to
     MAX_RETRY_AFTER_S."""

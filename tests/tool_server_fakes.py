@@ -4,6 +4,7 @@ serve an app in-process (ASGI transport) or over real loopback HTTP (uvicorn in 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 import uuid
@@ -78,6 +79,23 @@ def fake_subagents(calls: Counter[str]) -> dict[str, Any]:
         )
 
     return {name: make(name) for name in SUBAGENTS}
+
+
+def pid_subagents(calls: Counter[str]) -> dict[str, Any]:
+    """`fake_subagents` whose answers name the process that ran them: `echo` is "<text>@<pid>" (on Ray Serve,
+    which replica answered; a cached answer names the one that computed it)."""
+    modules = fake_subagents(calls)
+    for module in modules.values():
+        module.run = _with_pid(module.run)
+    return modules
+
+
+def _with_pid(run: Any) -> Any:
+    async def run_and_sign(request: FakeRequest, cfg: object, rt: Runtime[None]) -> FakeResponse:
+        response: FakeResponse = await run(request, cfg, rt)
+        return response.model_copy(update={"echo": f"{response.echo}@{os.getpid()}"})
+
+    return run_and_sign
 
 
 class FakeLLM:

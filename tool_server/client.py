@@ -18,7 +18,11 @@ Retries: one layer (tenacity), at most MAX_RETRIES more attempts, on transient f
   run; repeating it is still safe, as sub-agents are frozen and deterministic and the only state a call
   leaves is one more image in its session's bounded image store;
 - HTTP 502/503/504 (a proxy, or a server restarting), and 429 after its Retry-After (at most
-  MAX_RETRY_AFTER_S).
+  MAX_RETRY_AFTER_S);
+- HTTP 500 that the tool server did not write (`_proxy_failure`): its own 500s are JSON (a bug, not
+  retried), so a 500 of another kind came from a proxy in front of it. Ray Serve's proxy answers a call whose
+  replica died mid-call with 500 "Internal Server Error" (text/plain) and does not retry it itself
+  (tool_server/ray_serve.py); the repeat goes to a live replica. Repeating is safe as above.
 A read or write timeout is not retried: the server may still be running the call, so a repeat would
 double the load on a server already too slow for the budget and could not finish within the deadline.
 Other statuses are not retried either: the same request would fail the same way.
@@ -183,9 +187,16 @@ class ToolClient:
         response = await self._http.request(method, path, headers=headers, json=body)
         if response.status_code < 400 or response.status_code == 404:
             return response
-        if response.status_code in RETRIED_STATUS:
+        if response.status_code in RETRIED_STATUS or _proxy_failure(response):
             raise _RetriedStatus(response)
         raise ToolServerError(f"{method} {path}: HTTP {response.status_code}: {response.text[:300]}")
+
+
+def _proxy_failure(response: httpx.Response) -> bool:
+    """A 500 the tool server did not write: every 500 of its own is JSON (app._internal_error), while a proxy
+    in front of it (Ray Serve's, for a replica that died) answers in plain text. Transient: module docstring."""
+    content_type = response.headers.get("content-type", "")
+    return response.status_code == 500 and not content_type.startswith("application/json")
 
 
 class _RetriedStatus(Exception):
