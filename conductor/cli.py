@@ -4,7 +4,7 @@
     conductor serve --config FILE        the tool server with the frozen sub-agents
     conductor ask "QUESTION" [...]       the research assistant: one episode, shown live
     conductor trace EPISODES.jsonl       render episodes as a self-contained HTML trace
-    conductor train [CONFIG] [--set k=v]  multi-turn RL of the main policy (sync, or --async)
+    conductor train [CONFIG] [--set k=v]  multi-turn RL of the main policy (sync, or --async; --ray [ADDRESS])
     conductor sft [CONFIG] [--set k=v]   warm start from scripted-expert episodes
     conductor eval --policy P --task T   success, tool use and context size on a split
     conductor plot RUN_DIR               PNG curves from a run's metrics.jsonl
@@ -288,8 +288,19 @@ def train(
     async_: Annotated[
         bool, typer.Option("--async", help="Overlap rollouts for step k+1 with training step k.")
     ] = False,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            help="Run on Ray: a local cluster (--ray alone), the one on this machine (--ray auto) or "
+            "HOST:PORT; workers and replicas from [ray]. Put it after CONFIG.",
+        ),
+    ] = None,
 ) -> None:
     """Train the orchestrator policy with multi-turn RL against the frozen tool server."""
+    import dataclasses
+    import functools
+
     from tqdm import tqdm
 
     from training.config import config_hash, load_train_config
@@ -297,7 +308,13 @@ def train(
 
     _setup_logging(False)
     cfg = _settings(lambda: load_train_config(config, list(set_ or ())))
-    if async_:
+    if ray is not None:
+        from training.train_ray import check_supported, train_ray
+
+        cfg = dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, address=ray))
+        _settings(lambda: check_supported(cfg))
+        loop = functools.partial(train_ray, overlap=async_)
+    elif async_:
         from training.train_async import train_async as loop
     else:
         from training.train import train as loop
@@ -401,8 +418,21 @@ def plot(run_dir: Annotated[Path, typer.Argument(help="A training run directory.
         typer.echo(str(path))
 
 
+def optional_value(argv: list[str], option: str, default: str) -> list[str]:
+    """`argv` with `default` after a bare `option` that ends the line or precedes another option: click has no
+    options whose value may be left out (`--ray` vs `--ray auto`)."""
+    out = []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        if arg == option and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            out.append(default)
+    return out
+
+
 def main() -> None:
-    app()
+    from conductor.cluster import LOCAL  # `--ray` alone: a Ray cluster started for the run
+
+    app(args=optional_value(sys.argv[1:], "--ray", LOCAL))
 
 
 if __name__ == "__main__":

