@@ -171,22 +171,22 @@ async def ask(
     on_turn: ProgressHook | None = None,
     on_ready: Callable[[Startup], None] | None = None,
 ) -> Episode:
-    """Validate, load the policy, start or reach the tools, play one episode; `on_ready` hears, just before the
+    """Validate, reach (or start) the tools, then load the policy, play one episode; `on_ready` hears, just before the
     first turn, how long the start took."""
     opts = validate(opts)
     started = time.perf_counter()
-    try:
-        policy, tokenizer = load_policy(opts.policy, opts.sampling, max_batch=1)
-    except ModelNotFound as exc:
-        raise AskError(str(exc)) from exc
-    loaded = time.perf_counter()
-    try:
-        async with tool_client(opts) as tools:
-            schemas = offered(await tools.tools(), opts.tools or default_tools(opts))
-            startup = Startup(policy_s=loaded - started, tools_s=time.perf_counter() - loaded)
-            logger.info("ready: policy %.1f s, tools %.1f s", startup.policy_s, startup.tools_s)
-            if on_ready is not None:
-                on_ready(startup)
+    async with tool_client(opts) as tools:  # first: a --tools-url that does not answer fails before the load
+        schemas = offered(await tools.tools(), opts.tools or default_tools(opts))
+        reached = time.perf_counter()
+        try:
+            policy, tokenizer = load_policy(opts.policy, opts.sampling, max_batch=1)
+        except ModelNotFound as exc:
+            raise AskError(str(exc)) from exc
+        startup = Startup(policy_s=time.perf_counter() - reached, tools_s=reached - started)
+        logger.info("ready: policy %.1f s, tools %.1f s", startup.policy_s, startup.tools_s)
+        if on_ready is not None:
+            on_ready(startup)
+        try:
             task = RolloutTask("ask", opts.question, schemas, context=attachments(opts))
             cfg = RolloutConfig(
                 max_turns=opts.max_turns,
@@ -195,8 +195,8 @@ async def ask(
                 untagged_is_answer=True,
             )
             return await rollout(task, policy, tools, tokenizer, cfg, on_turn=on_turn)
-    finally:
-        await policy.aclose()
+        finally:
+            await policy.aclose()
 
 
 def first_turn_prefix(opts: AskOptions, tools: list[str]) -> str:

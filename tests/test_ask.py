@@ -191,3 +191,18 @@ def test_sources_are_the_pages_read_and_search_hits_only_when_nothing_was_read()
     assert sources(episode) == ["BM25 <file:///b.html>"]
     only_search = Episode("ask", "q", [1], [searched], "?", "answer", 0, 1.0, 1.0, 0.0)
     assert sources(only_search) == ["BM25 <file:///b.html>", "GRPO <file:///g.html>"]
+
+
+async def test_a_tools_url_that_does_not_answer_fails_before_the_policy_loads(monkeypatch) -> None:
+    """--tools-url is checked first: nothing answering there is an AskError naming the URL, and the policy (seconds
+    to load) is never loaded for a run that cannot start."""
+    from main_agent import ask as ask_module
+    from tests.fake_openai_server import unused_port
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the policy loaded before the tools were reached")
+
+    monkeypatch.setattr(ask_module, "load_policy", must_not_load)
+    url = f"http://127.0.0.1:{unused_port()}"
+    with pytest.raises(AskError, match=f"--tools-url {url}"):
+        await ask_module.ask(AskOptions("Who founded FFmpeg?", tools_url=url))

@@ -151,3 +151,27 @@ def test_the_ray_loop_resumes_on_another_worker_count(
     assert state["step"] == 3 and state["episodes"] == 12
     last = final_weights(run_dir)
     assert any(not torch.equal(first[k], last[k]) for k in first)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_on_a_gpu_the_trainer_and_a_vllm_rollout_worker_share_it(
+    tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch: pytest.MonkeyPatch, fake_tools
+) -> None:
+    """The GPU layout on one GPU: the trainer worker trains on cuda (NCCL backend) and the rollout worker
+    samples with a vLLM engine on the same GPU, half each; 2 steps train and the pushed weights reach the
+    engine (the sampler folder holds the last version)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("vllm", reason="needs the vllm extra")
+    from main_agent.policy import SamplingConfig
+    from training.train_ray import train_ray
+
+    monkeypatch.setattr(train_module, "score", parity_score)
+    halves = RayConfig(gpus_per_rollout_worker=0.5, gpus_per_trainer_worker=0.5)
+    vllm = SamplingConfig(backend="vllm", gpu_memory_utilization=0.3)
+    cfg = tiny_config(tmp_path / "run", tiny_policy, tools=ToolAccess(url=fake_tools[0]), ray=halves)
+    run_dir = train_ray(dataclasses.replace(cfg, sampling=vllm, device="cuda"))
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["policy_version"] for r in rows] == [1, 2] and all(r["update/skipped"] == 0.0 for r in rows)
+    assert sorted(p.name for p in (run_dir / "sampler" / "worker-0").iterdir()) == ["v2"]

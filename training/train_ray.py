@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ from training.run import StepHook, config_json, load_tasks, next_tasks, record_s
 from training.tasks import Task
 from training.train import score_groups, step_row
 from training.train_async import drop_stale
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,6 +95,10 @@ def start_ray_run(cfg: TrainConfig, *, resume: Path | None, force: bool, on_step
     cfg, latest = resume_point(cfg, resume=resume, force=force)
     trainers, state = TrainerGroup.start(cfg, cfg.ray, checkpoint=latest)
     cfg = trainers.cfg  # precision "auto" made concrete by the workers, for their hardware
+    if latest is not None:
+        logger.info(
+            "resuming %s at step %d on %d trainer workers", latest, state.step, cfg.ray.trainer_workers
+        )
     tasks = load_tasks(cfg)
     if state is None:
         state = TrainState(seed=cfg.seed, items=cfg.horizon.items if tasks[0].items else 0)
