@@ -99,8 +99,12 @@ def deploy(
 
 
 def shutdown(name: str = DEFAULT_NAME) -> None:
-    """Delete the application `name` (its replicas finish their calls first, up to GRACEFUL_SHUTDOWN_S)."""
-    _serve().delete(name)
+    """Delete the application `name` (its replicas finish their calls first, up to GRACEFUL_SHUTDOWN_S); with
+    nothing else served, stop Serve and its proxy too, so that a later `deploy` starts afresh on a free port."""
+    serve = _serve()
+    serve.delete(name)
+    if not serve.status().applications:
+        serve.shutdown()
 
 
 class ReplicaCounts(httpx.AsyncHTTPTransport):
