@@ -292,8 +292,8 @@ def train(
         str | None,
         typer.Option(
             "--ray",
-            help="Run on Ray: a local cluster (--ray alone), the one on this machine (--ray auto) or "
-            "HOST:PORT; workers and replicas from [ray]. Put it after CONFIG.",
+            help="Run on Ray: --ray alone uses \\[ray] address (default: a local cluster for the run); "
+            "--ray auto joins the cluster of this machine, --ray HOST:PORT another. Put it after CONFIG.",
         ),
     ] = None,
 ) -> None:
@@ -311,7 +311,8 @@ def train(
     if ray is not None:
         from training.train_ray import check_supported, train_ray
 
-        cfg = dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, address=ray))
+        if ray:  # `--ray` alone keeps [ray] address (default: a local cluster)
+            cfg = dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, address=ray))
         _settings(lambda: check_supported(cfg))
         loop = functools.partial(train_ray, overlap=async_)
     elif async_:
@@ -430,9 +431,7 @@ def optional_value(argv: list[str], option: str, default: str) -> list[str]:
 
 
 def main() -> None:
-    from conductor.cluster import LOCAL  # `--ray` alone: a Ray cluster started for the run
-
-    app(args=optional_value(sys.argv[1:], "--ray", LOCAL))
+    app(args=optional_value(sys.argv[1:], "--ray", ""))  # `--ray` alone: the address [ray] names
 
 
 if __name__ == "__main__":

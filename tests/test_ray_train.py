@@ -54,16 +54,12 @@ def test_a_steps_tasks_split_into_contiguous_shares() -> None:
     assert split(tasks[:1], 2) == [tasks[:1], []]
 
 
-def test_ray_alone_means_a_local_cluster_on_the_command_line() -> None:
-    """`--ray` at the end or before another option gets the local default; a value after it stays."""
-    assert optional_value(["train", "c.toml", "--ray"], "--ray", "local")[-1] == "local"
-    assert optional_value(["train", "--ray", "--async"], "--ray", "local") == [
-        "train",
-        "--ray",
-        "local",
-        "--async",
-    ]
-    assert optional_value(["train", "--ray", "auto"], "--ray", "local") == ["train", "--ray", "auto"]
+def test_ray_alone_takes_the_settings_address_on_the_command_line() -> None:
+    """`--ray` at the end or before another option gets an empty value (the [ray] address applies); a value
+    after it stays."""
+    assert optional_value(["train", "c.toml", "--ray"], "--ray", "") == ["train", "c.toml", "--ray", ""]
+    assert optional_value(["train", "--ray", "--async"], "--ray", "") == ["train", "--ray", "", "--async"]
+    assert optional_value(["train", "--ray", "auto"], "--ray", "") == ["train", "--ray", "auto"]
 
 
 @pytest.mark.slow
