@@ -15,6 +15,7 @@ returned. Settings come from a TOML file and `--set key=value` overrides (conduc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -106,6 +107,18 @@ def serve(
         str | None, typer.Option(help="Bind address (default 127.0.0.1 from the config).")
     ] = None,
     port: Annotated[int | None, typer.Option(help="Port (default 8700 from the config).")] = None,
+    replicas: Annotated[
+        int | None,
+        typer.Option(
+            help="Run N replicas on Ray Serve behind one proxy on loopback (the distributed extra)."
+        ),
+    ] = None,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray", help="With --replicas: the Ray cluster (default: a local one; auto, HOST:PORT)."
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run the tool server: /v1/tools, /v1/tools/{name}, /v1/batch, /health, /metrics, /mcp."""
@@ -121,11 +134,32 @@ def serve(
     except (ConfigError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--config") from exc
     cfg = dataclasses.replace(cfg, host=host or cfg.host, port=port if port is not None else cfg.port)
+    if replicas is not None or ray is not None:
+        _serve_replicas(cfg, replicas or 1, ray or None)
+        return
     try:
         run_server(cfg)
     except UnsafeBind as exc:  # refused before anything was bound: a setting to fix, said in one line
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
+
+
+def _serve_replicas(cfg, replicas: int, address: str | None) -> None:
+    """`conductor serve --replicas N`: the tool server on Ray Serve until Ctrl-C (tool_server/ray_serve.py)."""
+    import signal
+
+    from conductor.cluster import LOCAL, RayConfig, cluster
+    from tool_server import ray_serve
+    from tool_server.limits import is_loopback
+
+    if not is_loopback(cfg.host):
+        raise typer.BadParameter("Serve's proxy listens on loopback only", param_hint="--host")
+    ray_cfg = RayConfig(address=address or LOCAL, tool_replicas=replicas)
+    with cluster(ray_cfg):
+        url = ray_serve.deploy(cfg, ray_cfg, port=cfg.port)
+        typer.echo(f"tool server on {url}: {replicas} replicas on Ray Serve (Ctrl-C stops it)")
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.pause()
 
 
 @app.command()

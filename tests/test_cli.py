@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.fake_openai_server import unused_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -140,3 +142,33 @@ def test_models_list_shows_the_builtin_model():
     """`models list` names the built-in model and whether it is prepared."""
     out = conductor("models", "list")
     assert out.returncode == 0 and "smollm2-135m-instruct" in out.stdout
+
+
+@pytest.mark.slow
+def test_serve_with_replicas_serves_the_real_tools_from_ray_serve(smollm2_path):
+    """`conductor serve --replicas 2` runs the real tool server (every sub-agent's model loaded in each replica)
+    behind one loopback port: it lists the four tools with a replica named on each answer, and Ctrl-C stops
+    it (and its local Ray cluster) cleanly."""
+    import signal
+    import time
+
+    import httpx
+
+    pytest.importorskip("ray", reason="Ray is the optional extra `distributed`")
+    port = unused_port()
+    args = [sys.executable, "-m", "conductor.cli", "serve", "--replicas", "2", "--port", str(port)]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300  # two replicas load SmolLM2 and the OCR models on 2 busy cores
+        answer = None
+        while answer is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                answer = httpx.get(f"http://127.0.0.1:{port}/v1/tools", timeout=10)
+            except httpx.TransportError:
+                time.sleep(1)
+        assert answer is not None and answer.status_code == 200, proc.poll()
+        assert len(answer.json()) == 4 and answer.headers["x-conductor-replica"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "2 replicas on Ray Serve" in out, err[-2000:]
