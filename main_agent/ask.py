@@ -145,6 +145,18 @@ def attachments(opts: AskOptions) -> str:
     return "\n".join(lines)
 
 
+TOOLS_URL_HINT = "start one with `conductor serve`, or leave out --tools-url to run the tools in-process"
+
+
+async def reach(url: str) -> None:
+    """An AskError naming `url` and the fix unless a tool server answers its /health there."""
+    try:
+        async with ToolClient(url) as probe:
+            await probe.health()
+    except ToolServerError as exc:
+        raise AskError(f"--tools-url {url}: {exc}; {TOOLS_URL_HINT}") from exc
+
+
 @contextlib.asynccontextmanager
 async def tool_client(opts: AskOptions) -> AsyncIterator[ToolClient]:
     """A client for `opts.tools_url`, or for a tool server started in this process that may read what the
@@ -158,8 +170,7 @@ async def tool_client(opts: AskOptions) -> AsyncIterator[ToolClient]:
             )  # fmt: skip
             client = await stack.enter_async_context(tools)
         except ToolServerError as exc:  # the URL does not answer: the user's to fix
-            hint = "start one with `conductor serve`, or leave out --tools-url to run the tools in-process"
-            raise AskError(f"--tools-url {opts.tools_url}: {exc}; {hint}") from exc
+            raise AskError(f"--tools-url {opts.tools_url}: {exc}; {TOOLS_URL_HINT}") from exc
         except BackendError as exc:  # a sub-agent's model cannot be built, e.g. not prepared yet
             raise AskError(f"the in-process tool server cannot start: {exc}") from exc
         yield client
@@ -171,22 +182,24 @@ async def ask(
     on_turn: ProgressHook | None = None,
     on_ready: Callable[[Startup], None] | None = None,
 ) -> Episode:
-    """Validate, reach (or start) the tools, then load the policy, play one episode; `on_ready` hears, just before the
+    """Validate, load the policy, start or reach the tools, play one episode; `on_ready` hears, just before the
     first turn, how long the start took."""
     opts = validate(opts)
+    if opts.tools_url is not None:
+        await reach(opts.tools_url)  # at once, not after the seconds the policy takes to load
     started = time.perf_counter()
-    async with tool_client(opts) as tools:  # first: a --tools-url that does not answer fails before the load
-        schemas = offered(await tools.tools(), opts.tools or default_tools(opts))
-        reached = time.perf_counter()
-        try:
-            policy, tokenizer = load_policy(opts.policy, opts.sampling, max_batch=1)
-        except ModelNotFound as exc:
-            raise AskError(str(exc)) from exc
-        startup = Startup(policy_s=time.perf_counter() - reached, tools_s=reached - started)
-        logger.info("ready: policy %.1f s, tools %.1f s", startup.policy_s, startup.tools_s)
-        if on_ready is not None:
-            on_ready(startup)
-        try:
+    try:
+        policy, tokenizer = load_policy(opts.policy, opts.sampling, max_batch=1)
+    except ModelNotFound as exc:
+        raise AskError(str(exc)) from exc
+    loaded = time.perf_counter()
+    try:
+        async with tool_client(opts) as tools:
+            schemas = offered(await tools.tools(), opts.tools or default_tools(opts))
+            startup = Startup(policy_s=loaded - started, tools_s=time.perf_counter() - loaded)
+            logger.info("ready: policy %.1f s, tools %.1f s", startup.policy_s, startup.tools_s)
+            if on_ready is not None:
+                on_ready(startup)
             task = RolloutTask("ask", opts.question, schemas, context=attachments(opts))
             cfg = RolloutConfig(
                 max_turns=opts.max_turns,
@@ -195,8 +208,8 @@ async def ask(
                 untagged_is_answer=True,
             )
             return await rollout(task, policy, tools, tokenizer, cfg, on_turn=on_turn)
-        finally:
-            await policy.aclose()
+    finally:
+        await policy.aclose()
 
 
 def first_turn_prefix(opts: AskOptions, tools: list[str]) -> str:
