@@ -156,8 +156,11 @@ def _serve_replicas(cfg, replicas: int, address: str | None) -> None:
         raise typer.BadParameter("Serve's proxy listens on loopback only", param_hint="--host")
     ray_cfg = RayConfig(address=address or LOCAL, tool_replicas=replicas)
     with cluster(ray_cfg):
+        # `kill` stops it as Ctrl-C does (Ctrl-C may be ignored: a background job of a script): leaving the
+        # cluster block deletes the app and stops a local cluster. Set after ray.init, which installs its own.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         url = ray_serve.deploy(cfg, ray_cfg, port=cfg.port)
-        typer.echo(f"tool server on {url}: {replicas} replicas on Ray Serve (Ctrl-C stops it)")
+        typer.echo(f"tool server on {url}: {replicas} replicas on Ray Serve (Ctrl-C or kill stops it)")
         with contextlib.suppress(KeyboardInterrupt):
             signal.pause()
 

@@ -147,8 +147,8 @@ def test_models_list_shows_the_builtin_model():
 @pytest.mark.slow
 def test_serve_with_replicas_serves_the_real_tools_from_ray_serve(smollm2_path):
     """`conductor serve --replicas 2` runs the real tool server (every sub-agent's model loaded in each replica)
-    behind one loopback port: it lists the four tools with a replica named on each answer, and Ctrl-C stops
-    it (and its local Ray cluster) cleanly."""
+    behind one loopback port: it lists the four tools with a replica named on each answer, and SIGTERM stops
+    it (and its local Ray cluster) cleanly (SIGINT may be ignored here: pytest run as a background job)."""
     import signal
     import time
 
@@ -169,6 +169,6 @@ def test_serve_with_replicas_serves_the_real_tools_from_ray_serve(smollm2_path):
         assert answer is not None and answer.status_code == 200, proc.poll()
         assert len(answer.json()) == 4 and answer.headers["x-conductor-replica"]
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and "2 replicas on Ray Serve" in out, err[-2000:]
