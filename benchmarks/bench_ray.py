@@ -81,11 +81,12 @@ def episodes_per_s(groups, seconds: float) -> dict[str, float]:
 
 async def collect_local(cfg, warm, timed) -> dict[str, float]:
     """Row a: the single-process path (in-process sampler and tool server)."""
-    from main_agent.policy import SamplingConfig, load_policy
+    from main_agent.policy import load_policy
     from training import play
     from training.run import seed_step
 
-    policy, tokenizer = load_policy(cfg.policy, SamplingConfig(backend="transformers"), max_batch=8)
+    sampling = dataclasses.replace(cfg.sampling, backend="transformers")  # what a rollout worker samples with
+    policy, tokenizer = load_policy(cfg.policy, sampling, max_batch=cfg.max_concurrent_episodes)
     ready_all = [*warm, *timed]
     async with play.tool_session(ready_all, work_dir=cfg.run_dir, access=cfg.tools) as (tools, ready):
         kw = dict(tools=tools, tokenizer=tokenizer, cfg=cfg.rollout, group_size=GROUP, max_concurrent=8)
