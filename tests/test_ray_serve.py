@@ -84,7 +84,9 @@ async def test_a_replica_killed_mid_burst_loses_no_call(tool_url: str) -> None:
     results = await calls
     assert all(result.ok for result in results), [r.error for r in results if not r.ok]
     assert survivor in pids(results) and victim not in pids(results)
-    assert counts.seen["?"] > 0, counts.seen  # answers no replica gave: the proxy's 500s, then retried
+    # Answers no replica gave ("?": the proxy's 500s for calls in flight on the victim, then retried) show only
+    # when the kill lands while Serve has routed calls there; when it lands first, every call goes to the
+    # survivor. Either way none is lost (test_client.py covers the retry of the 500 itself).
     assert await replacement_answers(tool_url, gone=victim)
     assert replica_states() == {"RUNNING": 2}
 
