@@ -15,7 +15,9 @@ and what the Ray path costs against the single-process one.
    how long the episodes happened to be (more workers draw other seeded samples); the ratios c/b (workers),
    d/c (replicas) and b/a (Ray's cost at one worker, the same episodes) are of calls/s.
 2. push: the trainer's weights through the object store to 1 and 2 rollout workers (put + every worker's
-   load), full model and a rank-16 LoRA's adapters, the median of 3.
+   load), full model and a rank-16 LoRA's adapters, the median of 3. On a GPU machine also the push over the
+   GPU into a vLLM rollout worker's engine (`[ray] weight_push`: CUDA IPC on the trainer's GPU, NCCL to a
+   second GPU when there is one) against the object store between the same two actors.
 3. train: `--steps` sync steps of train_plates in one process and on Ray with 1 rollout + 1 trainer worker
    (same seed, so the same episodes): whole-step seconds and their ratio, update and weight-sync seconds.
 
@@ -182,6 +184,62 @@ async def push_times(cfg, state, mb: float, ray) -> dict[str, float]:
         await group.close()
 
 
+def part_push_gpu(cfg) -> dict[str, Any]:
+    """On GPUs: the push over the GPU (`[ray] weight_push`, training/weight_sync.py) against the object store,
+    the same trainer worker and vLLM rollout worker: CUDA IPC on a shared GPU, NCCL when there are two."""
+    import torch
+
+    from conductor.cluster import RayConfig
+    from main_agent.policy import SamplingConfig
+
+    out: dict[str, Any] = {}
+    for transport in ["ipc"] + (["nccl"] if torch.cuda.device_count() >= 2 else []):
+        gpus = 0.5 if transport == "ipc" else 1.0
+        layout = RayConfig(gpus_per_rollout_worker=gpus, gpus_per_trainer_worker=gpus, weight_push=transport)
+        sampling = SamplingConfig(backend="vllm", gpu_memory_utilization=0.3)
+        for kind, lora_rank in (("full", 0), ("lora16", 16)):
+            run_cfg = dataclasses.replace(
+                cfg, lora_rank=lora_rank, ray=layout, device="cuda", sampling=sampling
+            )
+            print(f"push {transport} {kind} ...", flush=True)
+            out[f"{transport}_{kind}"] = asyncio.run(gpu_push_times(run_cfg))
+    return out
+
+
+async def gpu_push_times(cfg) -> dict[str, float]:
+    from training.ray_rollout import RolloutGroup
+    from training.ray_trainer import TrainerGroup
+    from training.sampler import dense_parameters
+
+    trainers, _ = TrainerGroup.start(cfg, cfg.ray, checkpoint=None)
+    group = await RolloutGroup.start(cfg, tools_url="http://127.0.0.1:9", weights=trainers.sampler_weights(), version=0)  # fmt: skip
+    try:
+        stored, streamed = [], []
+        await asyncio.to_thread(trainers.link, {0: group.workers[0]}, cfg.ray.weight_push)
+        for version in (1, 2, 3):
+            start = time.monotonic()
+            await group.push(trainers.sampler_weights(), version)
+            stored.append(time.monotonic() - start)
+            start = time.monotonic()
+            await asyncio.to_thread(trainers.send, [0], version)
+            streamed.append(time.monotonic() - start)
+        dense = sum(t.numel() * t.element_size() for _, t in dense_parameters(load_structure_of(cfg)))
+        return {
+            "mb": dense / 2**20,
+            "object_store_s": statistics.median(stored),
+            "s": statistics.median(streamed),
+        }
+    finally:
+        await group.close()
+        trainers.shutdown()
+
+
+def load_structure_of(cfg):
+    from training.ray_rollout import load_structure
+
+    return load_structure(cfg)[0]
+
+
 # ---------------------------------------------------------------- 3. train
 
 
@@ -226,6 +284,9 @@ def table(result: dict[str, Any]) -> str:
     ]
     for name, row in p.items():
         lines.append(f"| push | {name} ({row['mb']:.0f} MiB) | s per push | {row['s']:.3f} |")
+    for name, row in result.get("push_gpu", {}).items():
+        lines.append(f"| push | GPU {name} (streams {row['mb']:.0f} MiB; object store {row['object_store_s']:.3f} s) "
+                     f"| s per push | {row['s']:.3f} |")  # fmt: skip
     for name, row in t.items():
         lines.append(f"| train | {name} | s/step (rollout {row['time/rollout']:.1f}, update {row['time/train']:.1f}, "
                      f"sync {row['time/weight_sync']:.2f}) | {row['step_s']:.1f} |")  # fmt: skip
@@ -264,6 +325,8 @@ def main() -> None:
                 result["collect"] = part_collect(args, cfg, ray)
             if "push" in args.parts:
                 result["push"] = part_push(args, cfg, ray)
+            if "push" in args.parts and args.gpus > 0:
+                result["push_gpu"] = part_push_gpu(cfg)
         if "train" in args.parts:
             result["train"] = part_train(args, cfg)  # each path its own cluster (train_ray starts one)
     result["wall_s"] = time.monotonic() - started

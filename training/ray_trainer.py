@@ -3,6 +3,7 @@
     trainers, state = TrainerGroup.start(cfg, cfg.ray, checkpoint=latest)  # state: the checkpoint's, or None
     stats, lr = trainers.update(scored.sequences)    # one optimizer step on every replica (training.train.update)
     weights = trainers.sampler_weights()             # ObjectRef: rank 0's weights, for the rollout workers
+    trainers.link({0: worker}, "nccl"); trainers.send([0], version)   # or over the GPU (training/weight_sync.py)
     trainers.save(step, state, config_json, keep_last)    # rank 0 writes run_dir/step_N (training/checkpoint.py)
     trainers.shutdown()
 
@@ -70,6 +71,7 @@ class TrainerWorker:
         self.rank, self.world = rank, world
         self.learner = load_learner(cfg)
         self.dp: DataParallel | None = None
+        self.links: dict = {}  # rollout worker rank -> weight_sync.Link (rank 0, under a GPU weight push)
 
     def settings(self) -> TrainConfig:
         """The run's settings as this worker resolved them (precision concrete for its device)."""
@@ -127,6 +129,29 @@ class TrainerWorker:
     def weights(self) -> dict[str, torch.Tensor]:
         """This replica's weights as a sampler loads them (`sampler_state`)."""
         return sampler_state(self.learner.model)
+
+    def link(self, workers: dict[int, object], transport: str) -> None:
+        """Open a GPU weight link (training/weight_sync.py) to each rollout worker in `workers` {rank: handle}.
+        Rank 0 only: the replicas are identical. A link it replaces led to a worker since restarted: dropped."""
+        from training.weight_sync import Link
+
+        for rank, worker in sorted(workers.items()):
+            self.links[rank] = Link.open(self.learner.model, worker, transport)
+
+    def send(self, ranks: list[int], version: int) -> list[int]:
+        """Stream this replica's weights over the links to rollout workers `ranks`, as `version`; returns the
+        ranks whose worker died meanwhile (their links dropped: the driver treats them as restarted, and they
+        are linked again once back)."""
+        ray = require_ray()
+        lost = []
+        for rank in ranks:
+            try:
+                self.links[rank].send(version)
+            except ray.exceptions.RayActorError as exc:
+                logger.warning("weight push to rollout worker %d failed: %s", rank, exc)
+                del self.links[rank]  # not closed: its peer is gone, and a communicator's teardown would wait
+                lost.append(rank)
+        return lost
 
     def save(self, step: int, state: TrainState, config_json: str, keep_last: int) -> Path:
         """Write checkpoint `step_N` of this replica (with the tokenizer) into the run directory."""
@@ -208,6 +233,14 @@ class TrainerGroup:
         """An ObjectRef of rank 0's weights for the samplers (`sampler_state`); a rollout worker that gets it as
         an argument gets the dict."""
         return self.workers[0].weights.remote()
+
+    def link(self, workers: dict[int, object], transport: str) -> None:
+        """Rank 0 opens a GPU weight link to each rollout worker in `workers` {rank: actor handle}."""
+        gather([self.workers[0].link.remote(workers, transport)])
+
+    def send(self, ranks: list[int], version: int) -> list[int]:
+        """Rank 0 streams the weights to the linked rollout workers `ranks` as `version`; the ranks lost."""
+        return gather([self.workers[0].send.remote(ranks, version)])[0]
 
     def save(self, step: int, state: TrainState, config_json: str, keep_last: int) -> Path:
         """Rank 0 writes checkpoint `step_N` into the run directory (once: the replicas are identical)."""

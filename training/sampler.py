@@ -25,8 +25,10 @@ import copy
 import logging
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from main_agent.policy import OpenAIPolicy, Policy, TransformersPolicy, chosen_backend
@@ -105,3 +107,39 @@ def merged(model: nn.Module) -> nn.Module:
     if isinstance(model, PeftModel):
         return copy.deepcopy(model).merge_and_unload()
     return model
+
+
+def dense_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`merged(model).named_parameters()`, names and order alike, without copying the model: a LoRA layer's
+    weight is merged when its turn comes (base + the active adapters' delta), the adapters themselves are left
+    out. What a GPU weight push streams to vLLM engines (training/weight_sync.py), tensor by tensor."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    if not isinstance(model, PeftModel):
+        yield from ((name, p.detach()) for name, p in model.named_parameters())
+        return
+    inner = model.get_base_model()
+    lora = {name: m for name, m in inner.named_modules() if isinstance(m, LoraLayer)}
+    for name, p in inner.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        if any(part.startswith("lora_") for part in name.split(".")):
+            continue  # an adapter's own parameter: merged into its base layer's weight below
+        layer = lora.get(owner.removesuffix(".base_layer")) if owner.endswith(".base_layer") else None
+        if layer is None:
+            yield name, p.detach()
+        elif leaf == "weight" and not layer.merged:
+            yield f"{owner.removesuffix('.base_layer')}.{leaf}", merged_weight(layer, p)
+        else:
+            yield f"{owner.removesuffix('.base_layer')}.{leaf}", p.detach()
+
+
+def merged_weight(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """A LoRA layer's base `weight` plus its active adapters' deltas, as `merge_and_unload` computes it (no
+    gradient: the trained model is not touched, and no grad mode leaks out of the generator above)."""
+    with torch.no_grad():
+        dense = weight.detach()
+        for adapter in layer.active_adapters:
+            if adapter in layer.lora_A:
+                dense = dense + layer.get_delta_weight(adapter)
+        return dense

@@ -8,7 +8,9 @@ The same steps from the same functions; what differs, and only this:
 - update: data-parallel trainer workers (training/ray_trainer.py) split the step's micro-batches and all-reduce
   the gradients once (gloo on CPU, NCCL on GPUs); rank 0 writes the checkpoints, which resume on any number of
   workers.
-- sync: rank 0's weights go through Ray's object store to every rollout worker.
+- sync: rank 0's weights go through Ray's object store to every rollout worker, or, with `[ray] weight_push`
+  "nccl" or "ipc", stream over the GPU into the workers' vLLM engines (training/weight_sync.py; linked at the
+  start; a worker restarted by Ray gets the weights through the object store once, then is linked again).
 - tools: unless `[tools] url` names a running server, the tool server is deployed on Ray Serve
   (tool_server/ray_serve.py) with `[ray] tool_replicas` replicas, prepared for the tasks exactly like the
   in-process one; its replicas share the result cache through `run_dir/tool_cache/`.
@@ -86,6 +88,17 @@ def check_supported(cfg: TrainConfig) -> None:
     if chosen_backend(cfg.sampling) == "server":
         raise ConfigError(
             "sampling.backend = 'server' does not run on Ray: every rollout worker samples itself"
+        )
+    rc = cfg.ray
+    if rc.weight_push != "object_store" and not (
+        chosen_backend(cfg.sampling) == "vllm"
+        and rc.gpus_per_trainer_worker > 0
+        and rc.gpus_per_rollout_worker > 0
+    ):
+        raise ConfigError(
+            f"[ray] weight_push = '{rc.weight_push}' streams weights between GPUs into vLLM engines: it needs "
+            "sampling.backend = 'vllm' and gpus_per_trainer_worker and gpus_per_rollout_worker > 0 "
+            "(or weight_push = 'object_store')"
         )
 
 
@@ -166,6 +179,8 @@ async def train_loop(run: RayRun, *, overlap: bool = False) -> None:
             cfg, tools_url=url, weights=weights, version=run.state.policy_version
         )
         try:
+            if cfg.ray.weight_push != "object_store":
+                await link_workers(run, rollouts)
             first = run.state.step + 1
             pending = asyncio.ensure_future(collect(rollouts, tasks, run.state, cfg, first))
             for step in range(first, cfg.steps + 1):
@@ -181,7 +196,7 @@ async def train_loop(run: RayRun, *, overlap: bool = False) -> None:
                 t2 = time.monotonic()
                 stepped = stats.skipped is None
                 version = rollouts.version + stepped
-                sync_s = await rollouts.push(run.trainers.sampler_weights(), version) if stepped else 0.0
+                sync_s = await sync_weights(run, rollouts, version) if stepped else 0.0
                 seconds = (batch.rollout_s, t2 - t1, sync_s)
                 row = step_row(
                     step, version, batch.groups, scored, stats, seconds=seconds, stale_dropped=stale
@@ -192,6 +207,32 @@ async def train_loop(run: RayRun, *, overlap: bool = False) -> None:
                     pending = asyncio.ensure_future(collect(rollouts, tasks, cursor, cfg, step + 1))
         finally:
             await rollouts.close()
+
+
+async def sync_weights(run: RayRun, rollouts: RolloutGroup, version: int) -> float:
+    """Every rollout worker takes the trainer's new weights as `version`; the seconds it took. Through the object
+    store, or (`[ray] weight_push`) over the GPU to each worker linked to the trainer, after which a worker that
+    is new or restarted gets the weights once through the object store and is linked for the next push."""
+    if run.cfg.ray.weight_push == "object_store":
+        return await rollouts.push(run.trainers.sampler_weights(), version)
+    start = time.monotonic()
+    linked = sorted(set(range(len(rollouts.workers))) - rollouts.unlinked - rollouts.stale)
+    lost = await asyncio.to_thread(run.trainers.send, linked, version)
+    rollouts.stale.update(lost)
+    rollouts.unlinked.update(lost)
+    if rollouts.unlinked:
+        await rollouts.push(run.trainers.sampler_weights(), version, ranks=sorted(rollouts.unlinked))
+        await link_workers(run, rollouts)
+    rollouts.advanced(version)
+    return time.monotonic() - start
+
+
+async def link_workers(run: RayRun, rollouts: RolloutGroup) -> None:
+    """Trainer rank 0 opens a GPU weight link to every live rollout worker that has none."""
+    ready = {r: rollouts.workers[r] for r in sorted(rollouts.unlinked - rollouts.stale)}
+    if ready:
+        await asyncio.to_thread(run.trainers.link, ready, run.cfg.ray.weight_push)
+        rollouts.unlinked -= set(ready)
 
 
 def finish_step(
