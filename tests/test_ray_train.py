@@ -202,6 +202,61 @@ async def test_a_gpu_push_streams_to_linked_workers_and_relinks_one_that_came_ba
     assert trainers.links[-1] == [0] and not rollouts.stale and not rollouts.unlinked
 
 
+class FakeEngine:
+    """The calls a rollout worker forwards to its vLLM engine during a GPU push, recorded; `fail_start` makes
+    the first one fail."""
+
+    def __init__(self, fail_start: bool = False) -> None:
+        self.calls: list[str] = []
+        self.fail_start = fail_start
+
+    async def start_weight_update(self) -> None:
+        if self.fail_start:
+            raise RuntimeError("engine refused")
+        self.calls.append("start")
+
+    async def finish_weight_update(self) -> None:
+        self.calls.append("finish")
+
+    async def reset_prefix_cache(self) -> None:
+        self.calls.append("reset_prefix_cache")
+
+
+class FakeSampler:
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine, self.version = engine, 0
+
+    async def sample(self, prompt_ids: list[int], *, max_new_tokens: int) -> int:
+        return self.version
+
+
+async def test_a_worker_samples_nothing_between_the_start_and_finish_of_a_gpu_push() -> None:
+    """The worker's swap lock is taken by start_weight_update and let go by finish_weight_update: a sample
+    asked for in between waits and comes out at the new version; finish drops the prefix cache; an engine that
+    fails to start the update leaves the lock free."""
+    from training.ray_rollout import RolloutWorker
+
+    worker = object.__new__(RolloutWorker)  # the actor's state without loading a model
+    engine = FakeEngine()
+    worker.backend, worker.policy, worker.version, worker.swap = (
+        "vllm",
+        FakeSampler(engine),
+        0,
+        asyncio.Lock(),
+    )
+    await worker.start_weight_update()
+    waiting = asyncio.ensure_future(worker.sample([1, 2], 4))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    await worker.finish_weight_update(3)
+    assert await waiting == 3 and worker.version == 3
+    assert engine.calls == ["start", "finish", "reset_prefix_cache"]
+    worker.policy = FakeSampler(FakeEngine(fail_start=True))
+    with pytest.raises(RuntimeError, match="engine refused"):
+        await worker.start_weight_update()
+    assert not worker.swap.locked()
+
+
 def test_a_gpu_push_is_refused_without_vllm_engines_on_gpus(tiny_policy: Path, tmp_path: Path) -> None:
     """`weight_push = "nccl"` or "ipc" with a transformers sampler or without GPUs is a ConfigError that says
     what it needs; an unknown transport is refused when the settings are read."""
@@ -247,12 +302,14 @@ def test_the_ray_loop_resumes_on_another_worker_count(
 
 @pytest.mark.gpu
 @pytest.mark.slow
+@pytest.mark.parametrize("push", ["object_store", "ipc"])
 def test_on_a_gpu_the_trainer_and_a_vllm_rollout_worker_share_it(
-    tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch: pytest.MonkeyPatch, fake_tools
+    push: str, tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch: pytest.MonkeyPatch, fake_tools
 ) -> None:
     """The GPU layout on one GPU: the trainer worker trains on cuda (NCCL backend) and the rollout worker
     samples with a vLLM engine on the same GPU, half each; 2 steps train and the pushed weights reach the
-    engine (the sampler folder holds the last version)."""
+    engine: through the object store the sampler folder holds the last version; over CUDA IPC
+    (`weight_push = "ipc"`) only the starting one, every later version streamed into the engine."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("vllm", reason="needs the vllm extra")
@@ -260,10 +317,11 @@ def test_on_a_gpu_the_trainer_and_a_vllm_rollout_worker_share_it(
     from training.train_ray import train_ray
 
     monkeypatch.setattr(train_module, "score", parity_score)
-    halves = RayConfig(gpus_per_rollout_worker=0.5, gpus_per_trainer_worker=0.5)
+    halves = RayConfig(gpus_per_rollout_worker=0.5, gpus_per_trainer_worker=0.5, weight_push=push)
     vllm = SamplingConfig(backend="vllm", gpu_memory_utilization=0.3)
     cfg = tiny_config(tmp_path / "run", tiny_policy, tools=ToolAccess(url=fake_tools[0]), ray=halves)
     run_dir = train_ray(dataclasses.replace(cfg, sampling=vllm, device="cuda"))
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["policy_version"] for r in rows] == [1, 2] and all(r["update/skipped"] == 0.0 for r in rows)
-    assert sorted(p.name for p in (run_dir / "sampler" / "worker-0").iterdir()) == ["v2"]
+    folders = sorted(p.name for p in (run_dir / "sampler" / "worker-0").iterdir())
+    assert folders == (["v2"] if push == "object_store" else ["v0"])
