@@ -17,6 +17,7 @@ import contextlib
 import logging
 import math
 import os
+import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -110,6 +111,14 @@ class ClusterInfo:
     local: bool
     cpus: float
     gpus: float
+
+
+def free_port() -> int:
+    """A TCP port free on this node now, for a rendezvous opened moments later (a narrow race: another process
+    may take it in between)."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
 
 
 def require_ray():

@@ -96,9 +96,9 @@ class RolloutWorker:
 
     def device_uuid(self) -> str:
         """The UUID of this worker's GPU, where its engine runs (a GPU weight push checks it suits the transport)."""
-        import torch
+        from training.weight_sync import device_uuid
 
-        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        return device_uuid()
 
     # vLLM's weight-sync protocol (training/weight_sync.py drives it from trainer rank 0): forwarded to the engine.
     # The swap lock is taken by start_weight_update and let go by finish_weight_update, so a collection never

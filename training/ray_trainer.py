@@ -38,7 +38,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from conductor.cluster import RayConfig, actor_threads, require_ray
+from conductor.cluster import RayConfig, actor_threads, free_port, require_ray
 from main_agent.tokens import TrainSequence
 from training import checkpoint as ckpt
 from training.checkpoint import TrainState
@@ -80,10 +79,7 @@ class TrainerWorker:
     def address(self) -> tuple[str, int]:
         """This node's IP and a port free on it now: rank 0's rendezvous point for the process group."""
         ray = require_ray()
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            port = probe.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return ray.util.get_node_ip_address(), free_port()
 
     def join(self, master: tuple[str, int]) -> None:
         """Join the workers' process group at rank 0's `master` address: NCCL when the model is on a GPU."""

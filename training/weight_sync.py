@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import base64
 import pickle
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -40,7 +39,7 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
-from conductor.cluster import require_ray
+from conductor.cluster import free_port, require_ray
 from training.sampler import dense_parameters
 
 Transport = Literal["nccl", "ipc"]
@@ -158,10 +157,3 @@ def check_devices(transport: Transport, *, trainer: str, engine: str) -> None:
 def device_uuid() -> str:
     """The UUID of the GPU this process computes on (Ray narrows CUDA_VISIBLE_DEVICES to its share)."""
     return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-
-
-def free_port() -> int:
-    """A TCP port free on this node now, for the NCCL rendezvous the trainer opens moments later."""
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
