@@ -1,6 +1,7 @@
 """The long-horizon study: plate_audit at N photos per episode x credit mode, at equal sampled-token budgets.
 
-    python benchmarks/bench_horizon.py                       # N 1 4 8, 2 seeds at N = 8 -> results/bench_horizon.json
+    python benchmarks/bench_horizon.py --sampler vllm        # N 1 4 8, 2 seeds at N = 8 -> results/bench_horizon.json
+    python benchmarks/bench_horizon.py --recorded             # the table and plot of the stages recorded so far
     python benchmarks/bench_horizon.py --ns 1 4 --steps 3 --tag quick --sampler vllm
 
 From one SFT warm start (`--policy`, made as examples/train_audit.toml says), for every N and credit mode, through
@@ -15,14 +16,21 @@ episodes' worth of sampling more per episode: the same sampled tokens per step b
 each mode really sampled per step (episodes and branches), and the plot puts per-item accuracy of the training
 episodes against cumulative sampled tokens, so no mode can look better by sampling more.
 
-A stage whose output exists is skipped and a run cut short resumes from its last checkpoint (`--resume`), so an
-interrupted study continues where it stopped. Prints one table: N x credit -> success, per-item accuracy, calls per
+Each finished stage (one N, credit mode and seed: trained, then evaluated) writes a small record to
+results/bench_horizon/<stage>.json: its settings, the SHA-256 of the warm start's weights, the evaluation and the
+training summary. The study resumes from those records, so it can be spread over machines and clean checkouts: a
+stage with a record made under the same settings is not run again, a run cut short before its record resumes from
+its last checkpoint (`--resume`), and a record from another warm start is reported as such, not silently mixed.
+The default size (2 RL steps of 1 audit x 4 episodes, 3 dev audits) is what a 2-core CPU affords: about 20 min a
+stage at N = 8, so the 12 stages take about four hours, over more than one sitting. Prints one table: N x credit -> success, per-item accuracy, calls per
 episode, peak main context, sub-agent tokens read, sampled tokens per step, wall time; writes JSON and a PNG.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import json
 import math
 import statistics
@@ -52,9 +60,21 @@ class Options:
 
     policy: str
     steps: int
+    batch_tasks: int
     eval_n: int
     sampler: str
     runs: Path
+    records: Path
+    recorded_only: bool
+
+    def settings(self) -> dict:
+        """What a stage's record must match to be reused."""
+        return {
+            "steps": self.steps,
+            "batch_tasks": self.batch_tasks,
+            "eval_n": self.eval_n,
+            "sampler": self.sampler,
+        }
 
 
 def conductor(*args: str, log: Path) -> float:
@@ -71,13 +91,14 @@ def conductor(*args: str, log: Path) -> float:
 
 def train(n: int, credit: str, seed: int, opts: Options) -> Path:
     """A finished run of `opts.steps` steps (trained, resumed or reused)."""
-    run_dir = opts.runs / f"n{n}-{credit}-s{seed}"
+    run_dir = opts.runs / f"n{n}-{credit}-s{seed}-b{opts.batch_tasks}"
     sets = [
         f"policy={opts.policy}",
         f"steps={opts.steps}",
         f"seed={seed}",
         f"run_dir={run_dir}",
         f"save_every={opts.steps}",
+        f"batch_tasks={opts.batch_tasks}",
         f"horizon.items={n}",
         "horizon.max_items=0",
         f"sampling.backend={opts.sampler}",
@@ -87,7 +108,7 @@ def train(n: int, credit: str, seed: int, opts: Options) -> Path:
     if latest is None or latest.name != f"step_{opts.steps}":
         resume = ("--resume", str(run_dir)) if latest is not None else ()
         args = ["train", str(CONFIG), *[a for s in sets for a in ("--set", s)], *resume]
-        conductor(*args, log=opts.runs / f"n{n}-{credit}-s{seed}.log")
+        conductor(*args, log=run_dir.with_suffix(".log"))
     return run_dir
 
 
@@ -132,11 +153,53 @@ def training_summary(run_dir: Path) -> dict:
     }
 
 
-def row(n: int, credit: str, seeds: list[int], opts: Options) -> dict:
-    """One table row: the mean over seeds of the evaluations and the training costs."""
-    runs = [train(n, credit, seed, opts) for seed in seeds]
-    evals = [evaluate(run_dir, n, opts) for run_dir in runs]
-    trained = [training_summary(run_dir) for run_dir in runs]
+@functools.cache
+def warm_start_sha(policy: str) -> str:
+    """SHA-256 over the warm start's weight files, in name order: which warm start a stage was trained from."""
+    digest = hashlib.sha256()
+    files = sorted((ROOT / policy).glob("*.safetensors"))
+    if not files:
+        sys.exit(f"no weights (*.safetensors) in {policy}: make the warm start first (see {CONFIG.name})")
+    for path in files:
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def stage(n: int, credit: str, seed: int, opts: Options) -> dict | None:
+    """One stage's record: read when it was made under the same settings, else trained, evaluated and written
+    (None when only recorded stages are wanted and this one has none)."""
+    path = opts.records / f"n{n}-{credit}-s{seed}.json"
+    if path.exists():
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if record["settings"] == opts.settings():
+            return record
+        then = "left out" if opts.recorded_only else "running it again"
+        print(f"{path.name}: made with {record['settings']}, not {opts.settings()}: {then}", flush=True)
+    if opts.recorded_only:
+        return None
+    sha = warm_start_sha(opts.policy)  # before training, so that a missing warm start stops the study at once
+    run_dir = train(n, credit, seed, opts)
+    record = {
+        "stage": {"n": n, "credit": credit, "seed": seed},
+        "settings": opts.settings(),
+        "warm_start": {"policy": opts.policy, "sha256": sha},
+        "eval": evaluate(run_dir, n, opts),
+        "training": training_summary(run_dir),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return record
+
+
+def row(n: int, credit: str, seeds: list[int], opts: Options) -> dict | None:
+    """One table row: the mean over the seeds' records of the evaluations and the training costs."""
+    records = [r for r in (stage(n, credit, seed, opts) for seed in seeds) if r is not None]
+    if not records:
+        return None
+    evals = [r["eval"] for r in records]
+    trained = [r["training"] for r in records]
 
     def avg(values: list[float]) -> float:
         return statistics.mean(values) if values else math.nan
@@ -144,7 +207,8 @@ def row(n: int, credit: str, seeds: list[int], opts: Options) -> dict:
     return {
         "n": n,
         "credit": credit,
-        "seeds": seeds,
+        "seeds": [r["stage"]["seed"] for r in records],
+        "warm_starts": sorted({r["warm_start"]["sha256"][:12] for r in records}),
         "success": avg([e["success_rate"] for e in evals]),
         "items_right": avg([e["items_right"] for e in evals]),
         "items_right_per_seed": [e["items_right"] for e in evals],
@@ -208,14 +272,27 @@ def main() -> None:
     parser.add_argument("--credits", nargs="+", default=list(CREDITS), choices=list(CREDITS))
     parser.add_argument("--seeds", type=int, default=1, help="seeds per N (the longest N gets --long-seeds)")
     parser.add_argument("--long-seeds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4, help="RL steps per run")
-    parser.add_argument("--eval-n", type=int, default=4, help="dev audits per evaluation (the first ones)")
+    parser.add_argument("--steps", type=int, default=2, help="RL steps per run")
+    parser.add_argument(
+        "--batch-tasks", type=int, default=1, help="audits per RL step (x group_size episodes)"
+    )
+    parser.add_argument("--eval-n", type=int, default=3, help="dev audits per evaluation (the first ones)")
     parser.add_argument("--sampler", default="transformers", choices=("transformers", "vllm", "auto"))
+    parser.add_argument("--recorded", action="store_true", help="run nothing: tabulate the recorded stages")
     parser.add_argument("--tag", default="", help="names the runs and results apart")
     args = parser.parse_args()
     suffix = f"_{args.tag}" if args.tag else ""
-    runs = ROOT / "runs" / f"horizon{suffix}"
-    opts = Options(args.policy, args.steps, args.eval_n, args.sampler, runs)
+    results = ROOT / "benchmarks" / "results"
+    opts = Options(
+        args.policy,
+        args.steps,
+        args.batch_tasks,
+        args.eval_n,
+        args.sampler,
+        ROOT / "runs" / f"horizon{suffix}",
+        results / f"bench_horizon{suffix}",
+        args.recorded,
+    )
     start = time.monotonic()
     longest = max(args.ns)
     rows = [
@@ -223,13 +300,26 @@ def main() -> None:
         for n in sorted(args.ns)
         for credit in args.credits
     ]
-    results = ROOT / "benchmarks" / "results"
-    png = plot(rows, longest, results / f"bench_horizon{suffix}.png")
+    rows = [r for r in rows if r is not None]
+    if not rows:
+        sys.exit(f"no stage recorded in {opts.records} under {opts.settings()}")
+    png = plot(rows, max(r["n"] for r in rows), results / f"bench_horizon{suffix}.png")
     print("\n" + table(rows))
+    warm_starts = sorted({sha for r in rows for sha in r["warm_starts"]})
+    if len(warm_starts) > 1:
+        print(
+            f"\nNOTE: the stages come from {len(warm_starts)} warm starts ({', '.join(warm_starts)}); see 'warm_starts'"
+        )
     total = time.monotonic() - start
     print(f"\nplot: {png}\nstudy wall time (stages run now): {total / 60:.1f} min")
     out = results / f"bench_horizon{suffix}.json"
-    report = {"rows": rows, "settings": vars(args) | {"runs": str(runs)}, "plot": str(png), "wall_s": total}
+    report = {
+        "rows": rows,
+        "settings": vars(args) | opts.settings(),
+        "warm_starts": warm_starts,
+        "plot": str(png.relative_to(ROOT)),
+        "wall_s_now": total,
+    }
     out.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
     print(f"wrote {out}")
 
