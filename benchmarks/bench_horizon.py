@@ -295,12 +295,17 @@ def main() -> None:
     )
     start = time.monotonic()
     longest = max(args.ns)
-    rows = [
-        row(n, credit, list(range(args.long_seeds if n == longest else args.seeds)), opts)
+    plan = [
+        (n, c, range(args.long_seeds if n == longest else args.seeds))
         for n in sorted(args.ns)
-        for credit in args.credits
+        for c in args.credits
     ]
-    rows = [r for r in rows if r is not None]
+    # Seed by seed, so that a study cut short has every N and credit mode at the same seeds.
+    for seed in range(max(args.seeds, args.long_seeds)):
+        for n, credit, seeds in plan:
+            if seed in seeds:
+                stage(n, credit, seed, opts)
+    rows = [r for r in (row(n, credit, list(seeds), opts) for n, credit, seeds in plan) if r is not None]
     if not rows:
         sys.exit(f"no stage recorded in {opts.records} under {opts.settings()}")
     png = plot(rows, max(r["n"] for r in rows), results / f"bench_horizon{suffix}.png")
