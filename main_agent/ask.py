@@ -25,6 +25,7 @@ from subagents import search
 from subagents.backends import BackendError
 from subagents.common import ToolFailure
 from subagents.documents import SUFFIXES, Progress
+from subagents.handles import Attachment, file_key
 from tool_server.client import ToolClient, ToolServerError
 from tool_server.embedded import ToolAccess, open_tools
 
@@ -135,14 +136,14 @@ def index_corpus(folder: Path, *, progress: Progress | None = None) -> int:
     return len(corpus)
 
 
-def attachments(opts: AskOptions) -> str:
-    """The lines appended to the question so the policy knows what it may open."""
-    lines = [f"Page: {url}" for url in opts.urls]
-    if opts.image:
-        lines.append(f"Image: {opts.image}")
-    if opts.video:
-        lines.append(f"Video: {opts.video}")
-    return "\n".join(lines)
+def attachments(opts: AskOptions) -> tuple[Attachment, ...]:
+    """What the user attached, registered in the episode's session before the first turn; the policy sees
+    each by its handle ("Image: img_8bf8dd"), never the path. A page's handle derives from its URL, a file's
+    from its bytes (subagents/handles.py)."""
+    pages = [Attachment("page", url, url) for url in opts.urls]
+    media = [Attachment(kind, str(path), file_key(path)) for kind, path in (("image", opts.image), ("video", opts.video))
+             if path is not None]  # fmt: skip
+    return (*pages, *media)
 
 
 TOOLS_URL_HINT = "start one with `conductor serve`, or leave out --tools-url to run the tools in-process"
@@ -200,7 +201,9 @@ async def ask(
             logger.info("ready: policy %.1f s, tools %.1f s", startup.policy_s, startup.tools_s)
             if on_ready is not None:
                 on_ready(startup)
-            task = RolloutTask("ask", opts.question, schemas, context=attachments(opts))
+            attached = attachments(opts)
+            context = "\n".join(a.line for a in attached)
+            task = RolloutTask("ask", opts.question, schemas, context=context, attachments=attached)
             cfg = RolloutConfig(
                 max_turns=opts.max_turns,
                 max_new_tokens=192,  # two page_qa calls on file:// URLs (~150 tokens) or a short answer
@@ -216,7 +219,7 @@ def first_turn_prefix(opts: AskOptions, tools: list[str]) -> str:
     """How the first turn opens when a call is required: the opening call, written out in full.
 
     The user's question goes to what they attached (page_qa on the page, video_summary on the video; an image is
-    loaded), else to search over the corpus; the policy takes over from the observation. An untrained 135M
+    searched for text), else to search over the corpus; the policy takes over from the observation. An untrained 135M
     policy asked to complete such a call writes its own question and breaks the JSON (`"question": "Q?": "..."`),
     so the call is not left to it. With no attachment and no search tool, only `<tool_call>{"name": "` is written
     and the policy picks the tool. Whatever the policy writes after the closing tag in that turn is ignored by
@@ -224,10 +227,14 @@ def first_turn_prefix(opts: AskOptions, tools: list[str]) -> str:
     """
     if not requires_call(opts):
         return ""
+    handle = {a.kind: a.handle for a in reversed(attachments(opts))}  # the first page
     opening = [  # (tool, arguments); the first whose target exists and whose tool is offered
-        ("page_qa", {"url": opts.urls[0], "question": opts.question} if opts.urls else None),
-        ("image_ops", {"op": "load", "image": str(opts.image)} if opts.image else None),
-        ("video_summary", {"video": str(opts.video), "question": opts.question} if opts.video else None),
+        ("page_qa", {"url": handle["page"], "question": opts.question} if "page" in handle else None),
+        ("image_ops", {"op": "find_text", "image": handle["image"]} if "image" in handle else None),
+        (
+            "video_summary",
+            {"video": handle["video"], "question": opts.question} if "video" in handle else None,
+        ),
         ("search", {"query": opts.question}),
     ]
     for tool, arguments in opening:

@@ -22,6 +22,7 @@ true of ChatML templates (not of templates that rewrite earlier turns, such as Q
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -171,8 +172,20 @@ def render_segment_prompt(
     messages = prompt_messages(
         question, tools, max_calls_per_turn=max_calls_per_turn, extra_context=extra_context, items=items
     )
-    messages[-1]["content"] += "\n\n" + ledger_text(ledger) + f"\n\nLast results:\n{observation}"
+    messages[-1]["content"] += "\n\n" + ledger_text(ledger) + next_item(extra_context, ledger)
+    messages[-1]["content"] += f"\n\nLast results:\n{observation}"
     return _render(tokenizer, messages, add_generation_prompt=True)
+
+
+def next_item(context: str, ledger: Sequence[str | None]) -> str:
+    """'\nNext: item 3 (Image 3: img_8bf8dd)': the first unrecorded item and its line of the context (item
+    tasks list item i as "<Noun> i: ..."), so a folded segment never has to work out where it was; "" when
+    every item is recorded."""
+    pending = [i for i, text in enumerate(ledger, start=1) if text is None]
+    if not pending:
+        return ""
+    line = next((x for x in context.splitlines() if re.match(rf"^\w+ {pending[0]}: ", x)), "")
+    return f"\nNext: item {pending[0]}" + (f" ({line})" if line else "")
 
 
 def ledger_text(ledger: Sequence[str | None]) -> str:

@@ -18,8 +18,13 @@ new segment whose prompt is the task, the ledger and the last observation (promp
 the main context stays bounded however many calls the episode makes. Each segment is trained as its own
 sequence on exactly the ids the policy saw (types.Episode.segments).
 
+Attachments. What the task hands the policy (a photo, a clip, pages) is registered in the episode's session
+before the first turn (`ToolClient.attach`), and the context names it by handle (subagents/handles.py), so
+no prompt holds a path and the policy never copies one.
+
 Exact replay. `rollout(..., replay=turns)` first replays the given turns of an earlier episode of the same task
-(their sampled ids as they were, their calls re-run in a fresh session) and then samples on: the state before any
+(their sampled ids as they were, their calls re-run in a fresh session, its attachments registered again) and
+then samples on: the state before any
 turn of an episode can be restored and continued, which branch credit (training/branching.py) builds on. Sub-agents
 are frozen and image ids are derived from their history, so a replayed call must return the very observation it
 returned before; if not, the replay raises `ReplayDiverged` (an infrastructure failure).
@@ -39,6 +44,7 @@ from main_agent.parse import parse_completion
 from main_agent.policy import Policy, PolicyError, Sample
 from main_agent.prompts import observation_ids, render_observation, render_prompt, render_segment_prompt
 from main_agent.types import Episode, ParseError, Record, ToolCall, ToolResult, Turn
+from subagents.handles import Attachment
 from tool_server.client import CallResult, ToolClient, ToolServerError
 
 logger = logging.getLogger(__name__)
@@ -90,13 +96,15 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class RolloutTask:
-    """What a rollout needs from a task: the question, the tools it may use and any attachment hints."""
+    """What a rollout needs from a task: the question, the tools it may use, the context lines shown with the
+    question (which name attachments by their handles, never by path) and the attachments to register."""
 
     task_id: str
     question: str
     tools: Sequence[dict[str, object]]
     context: str = ""
     items: int = 0  # numbered items the policy records answers for (0: a single-answer task, no ledger)
+    attachments: Sequence[Attachment] = ()  # registered in the episode's session before the first turn
 
 
 ProgressHook = Callable[[Turn], None]
@@ -119,11 +127,18 @@ async def rollout(
     """Play one episode to an answer or a budget, top to bottom; `replay`: turns of an earlier episode of this
     task to replay exactly before sampling on."""
     start = time.monotonic()
-    session = f"{task.task_id}-{uuid.uuid4().hex[:8]}"  # this episode's image namespace on the server
+    session = f"{task.task_id}-{uuid.uuid4().hex[:8]}"  # this episode's images and handles on the server
     prompt_ids = _first_prompt(task, tokenizer, cfg)
     episode = _new_episode(task, prompt_ids, policy.version)
     ids, opened = list(prompt_ids), []  # the current segment's stream; the prompt of a segment just opened
-    for index in range(max_turns(task, cfg)):
+    turns = max_turns(task, cfg)
+    try:  # what the task's context names by handle exists in this session before the policy acts
+        if task.attachments:
+            await tools.attach(task.attachments, session=session)
+    except ToolServerError as exc:
+        logger.warning("episode %s infra failure: %s", task.task_id, exc)
+        episode.stop_reason, episode.infra_error, turns = "infra_failed", f"{type(exc).__name__}: {exc}", 0
+    for index in range(turns):
         room = cfg.max_context_tokens - len(ids)
         if room < 16:  # not even a short answer fits
             episode.stop_reason = "max_context"

@@ -24,7 +24,9 @@ This module imports nothing else from the project.
 from __future__ import annotations
 
 import stat
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +97,11 @@ class ToolResponse(BaseModel):
 
     def summary(self) -> str:
         raise NotImplementedError
+
+    def refs(self) -> list[tuple[str, Ref]]:
+        """The handles this response shows the caller, with what each stands for: the server registers them
+        in the caller's session (subagents/handles.py), for cached answers too. Most tools show none."""
+        return []
 
 
 R = TypeVar("R", bound=ToolResponse)
@@ -169,6 +176,80 @@ class Files:
     Empty: no local files at all."""
 
 
+# ---------------------------------------------------------------- handles (subagents/handles.py says why)
+HandleKind = Literal["page", "video", "image"]
+MAX_LISTED = 8  # valid handles named in an invalid_args message: enough to pick from, short to read
+
+
+@dataclass(frozen=True)
+class Ref:
+    """What a handle stands for: its kind, what the tool opens (a URL or a path under the files roots) and a
+    short label for listings (a title or a file name; never a path)."""
+
+    kind: HandleKind
+    source: str
+    label: str = ""
+
+
+class Handles:
+    """handle -> Ref per session, bounded like the image store: at most `max_per_session` handles per session
+    and `max_sessions` sessions, least recently used first out. One lock guards the maps."""
+
+    def __init__(self, *, max_per_session: int = 256, max_sessions: int = 256) -> None:
+        # 256 per session: a 100-call episode of 5-hit searches shows ~500 hits, but reads a few of the recent.
+        # 256 sessions: 64 concurrent episodes (the image store's bound) with room for finished ones' replays.
+        self.max_per_session = max_per_session
+        self.max_sessions = max_sessions
+        self._lock = threading.Lock()
+        self._sessions: OrderedDict[str, OrderedDict[str, Ref]] = OrderedDict()
+
+    def add(self, session: str, handle: str, ref: Ref) -> None:
+        """Register `handle` for `ref` in `session` (a later registration of the same handle replaces it)."""
+        with self._lock:
+            table = self._sessions.get(session)
+            if table is None:
+                if len(self._sessions) >= self.max_sessions:
+                    self._sessions.popitem(last=False)
+                table = self._sessions[session] = OrderedDict()
+            self._sessions.move_to_end(session)
+            table.pop(handle, None)
+            table[handle] = ref
+            if len(table) > self.max_per_session:
+                table.popitem(last=False)
+
+    def resolve(self, session: str, handle: str, kind: HandleKind) -> Ref:
+        """The Ref of `handle` in `session`; invalid_args naming the valid handles of `kind` for anything else."""
+        with self._lock:
+            table = self._sessions.get(session, OrderedDict())
+            ref = table.get(handle)
+            if ref is not None and ref.kind == kind:
+                table.move_to_end(handle)
+                return ref
+            valid = [h for h, r in reversed(table.items()) if r.kind == kind][:MAX_LISTED]
+        raise ToolFailure("invalid_args", unknown_message(handle[:40], kind, valid))
+
+    def get(self, session: str, handle: str) -> Ref | None:
+        """The Ref of `handle` in `session`, or None (no error: for callers that fall back to another store)."""
+        with self._lock:
+            return self._sessions.get(session, OrderedDict()).get(handle)
+
+    def listed(self, session: str, kind: HandleKind) -> list[str]:
+        """The session's handles of `kind`, most recently registered or used first, at most MAX_LISTED."""
+        with self._lock:
+            table = self._sessions.get(session, OrderedDict())
+            return [h for h, r in reversed(table.items()) if r.kind == kind][:MAX_LISTED]
+
+
+def unknown_message(handle: str, kind: HandleKind, valid: list[str]) -> str:
+    """`no page d_000000 in this episode; pages shown: d_3fa9c1, d_77aa01` (or how to get one)."""
+    noun = {"page": "page", "video": "video", "image": "image"}[kind]
+    if valid:
+        return f"no {noun} {handle!r} in this episode; {noun}s shown: {', '.join(valid)}"
+    how = {"page": "search first, or use a page listed in the task", "video": "use the video listed in the task",
+           "image": "use an image id a tool returned"}[kind]  # fmt: skip
+    return f"no {noun} {handle!r} in this episode: {how}"
+
+
 S = TypeVar("S")
 
 
@@ -178,7 +259,8 @@ class Runtime(Generic[S]):
 
     `llm` is the frozen model configured for this sub-agent (hot-swappable: the server hands each call the
     backend current when the call started). `roots` are the readable folders (`Files.roots`). `state` is what
-    the module's `start` built. `session` names the caller's image namespace (one episode).
+    the module's `start` built. `session` names the caller's namespace (one episode): its images and the
+    handles it was shown (`handles`, the server's one table).
     """
 
     llm: LLM
@@ -187,6 +269,7 @@ class Runtime(Generic[S]):
     roots: tuple[str, ...] = ()
     session: str = "default"
     count_tokens: TokenCounter = field(default=approx_tokens)
+    handles: Handles = field(default_factory=lambda: Handles())
 
 
 # Question words NLTK's English list (bm25s "en_plus") lacks; its 33-word "en" list would keep "what", "when",

@@ -51,7 +51,12 @@ _ANSWER_PREFIX = re.compile(r"^((the\s+)?(short\s+)?answer(\s+is)?\s*:\s*)+", re
 
 class Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # strict, like the other sub-agents: no coercion
-    url: str = Field(min_length=1, max_length=2048, description="http(s) URL of the page to read")
+    url: str = Field(
+        min_length=1,
+        max_length=2048,
+        description="the page's id (d_...) from search or the task, or an http(s) URL",
+        json_schema_extra={"handle": "page"},  # the server resolves a handle before the call (and the cache)
+    )
     question: str = Field(min_length=2, max_length=400, description="what to find out from the page")
 
 
@@ -65,8 +70,9 @@ class Response(ToolResponse):
     )
 
     def summary(self) -> str:
-        source = f"{self.title} ({self.url})" if self.title else self.url
-        return f'answer: {self.answer} | quote: "{self.quote}" | source: {source}'
+        """Answer, quote and the page's title: never its URL, which for a file is a path on the server (the
+        policy knows which page it asked; `url` stays in the payload for traces and citations)."""
+        return f'answer: {self.answer} | quote: "{self.quote}" | source: {self.title or "untitled page"}'
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """search: keyword search over a local folder of documents, or the web through a SearXNG instance; returns
-titles, URLs page_qa can open, and snippets.
+a handle (d_3fa9c1) page_qa takes for each hit, titles and snippets (subagents/handles.py).
 
 Two backends behind the same Request and Response (`[search] backend`):
 
@@ -39,8 +39,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from conductor.models import conductor_home
-from subagents.common import Runtime, ToolFailure, ToolResponse, bm25_terms, guarded
+from subagents.common import Ref, Runtime, ToolFailure, ToolResponse, bm25_terms, guarded
 from subagents.documents import Document, Progress, document_paths, read_folder
+from subagents.handles import handle_for
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,10 @@ NAME = "search"
 # group of RL episodes compared against each other needs, and page_qa's answers on those pages are cached the
 # same way. Fresh web results need a restart (memory cache) or deleting `[cache] directory` (disk cache).
 CACHEABLE = True
-DESCRIPTION = "Search the server's document collection by keywords; returns titles, URLs to read with page_qa, and snippets."
+DESCRIPTION = (
+    "Search the server's document collection by keywords; returns page ids (d_...) to read with page_qa, "
+    "titles and snippets."
+)
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 # SearXNG queries its engines with `outgoing.request_timeout` (2-3 s by default) and never waits longer than
@@ -73,11 +77,16 @@ class Request(BaseModel):
 
 
 class Hit(BaseModel):
+    """One document found: its handle (what the policy passes to page_qa), title, the URL page_qa opens (for
+    traces and citations; never shown to the policy), the site of a web hit, a snippet and the score."""
+
     model_config = ConfigDict(frozen=True)
+    id: str
     title: str
     url: str
     snippet: str
     score: float
+    site: str = ""
 
 
 class Response(ToolResponse):
@@ -88,8 +97,12 @@ class Response(ToolResponse):
         if not self.hits:
             return f"no documents match {self.query!r}"
         return "\n".join(
-            f"{i}. {hit.title} — {hit.url} — {hit.snippet}" for i, hit in enumerate(self.hits, 1)
+            f"{hit.id} {hit.title}" + (f" ({hit.site})" if hit.site else "") + f" — {hit.snippet}"
+            for hit in self.hits
         )
+
+    def refs(self) -> list[tuple[str, Ref]]:
+        return [(hit.id, Ref("page", hit.url, hit.title)) for hit in self.hits]
 
 
 @dataclass(frozen=True)
@@ -125,8 +138,11 @@ class Config:
 class Corpus:
     """A read-only BM25 index over documents."""
 
-    def __init__(self, documents: list[Document]) -> None:
+    def __init__(self, documents: list[Document], *, root_url: str = "") -> None:
         self.documents = documents
+        # A hit's handle derives from the document's place in the corpus, its URL less `root_url` (the folder's
+        # file:// URL or its base_url): the same in every checkout and on every server of the same folder.
+        self._keys = [f"corpus/{d.url.removeprefix(root_url)}" if root_url else d.url for d in documents]
         doc_terms = bm25_terms([f"{doc.title}\n{doc.text}" for doc in documents])
         frequency = Counter(term for words in doc_terms for term in set(words))
         # Lucene's BM25 idf (what bm25s scores with): rare terms pick the snippet sentence.
@@ -155,7 +171,8 @@ class Corpus:
         paths = document_paths(folder, max_docs)
         documents = read_folder(folder, paths, base_url=base_url, cache_dir=cache_dir, progress=progress)
         logger.info("search corpus: %d documents from %s", len(documents), folder)
-        return cls(documents)
+        root_url = base_url.rstrip("/") + "/" if base_url else folder.resolve().as_uri() + "/"
+        return cls(documents, root_url=root_url)
 
     def __len__(self) -> int:
         return len(self.documents)
@@ -168,11 +185,14 @@ class Corpus:
         scores = self._bm25.get_scores(query_terms)
         order = [int(i) for i in np.argsort(-scores, kind="stable")[:k] if scores[i] > 0]
         weights = {term: self._idf[term] for term in query_terms}
-        docs = [(self.documents[i], float(scores[i])) for i in order]
-        return [
-            Hit(title=d.title, url=d.url, snippet=snippet(d.text, weights, limit=snippet_chars), score=score)
-            for d, score in docs
-        ]
+        return [self._hit(i, float(scores[i]), weights, snippet_chars) for i in order]
+
+    def _hit(self, i: int, score: float, weights: dict[str, float], snippet_chars: int) -> Hit:
+        doc = self.documents[i]
+        text = snippet(doc.text, weights, limit=snippet_chars)
+        return Hit(
+            id=handle_for("page", self._keys[i]), title=doc.title, url=doc.url, snippet=text, score=score
+        )
 
 
 def index_dir(folder: Path, base_url: str | None) -> Path:
@@ -318,10 +338,12 @@ def searxng_hits(payload: Mapping[str, Any], *, k: int, snippet_chars: int) -> l
             continue  # page_qa opens only web pages; SearXNG may list magnet links, images' data URLs ...
         score = result.get("score")
         hits.append(Hit(
+            id=handle_for("page", url),
             title=clip(str(result.get("title") or url), 200),
             url=url,
             snippet=clip(str(result.get("content") or ""), snippet_chars),
             score=float(score) if isinstance(score, int | float) else 1.0 / rank,
+            site=urlsplit(url).hostname or "",
         ))  # fmt: skip
         if len(hits) == k:
             break

@@ -56,7 +56,11 @@ SYSTEM_PROMPT = (
 
 class Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # like the other sub-agents: no guessing at input
-    video: str = Field(description="Path of a local video file (relative paths start in the video folder).")
+    video: str = Field(
+        min_length=1,
+        description="the video's id (v_...) from the task, or a local file path",
+        json_schema_extra={"handle": "video"},  # the server resolves a handle before the call (and the cache)
+    )
     question: str | None = Field(
         default=None, max_length=500, description="What to find out; omit for a short summary."
     )

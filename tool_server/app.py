@@ -4,6 +4,8 @@ Routes (bodies are JSON):
     GET  /v1/tools               OpenAI function schemas of the hosted sub-agents (`tool_schema`)
     POST /v1/tools/{name}        body = the tool's Request; answer = its Response + "observation"
     POST /v1/batch               {"calls": [{"name", "arguments"}, ...]} -> {"results": [...]}, in order
+    POST /v1/attach              {"attachments": [{"kind", "source", "key", "label"}, ...]} -> {"handles": [...]}:
+                                 what a user or task attached, registered in the session before its first turn
     GET  /v1/images/{id}         PNG thumbnail from the caller's image session, or 404
     GET  /health, GET /metrics   liveness; per-tool counts, errors, latency p50/p95, cache, queue depth
     POST /admin/backends/{tool}  body = BackendConfig: hot-swap the model behind one tool (token required)
@@ -15,8 +17,8 @@ structured errors. HTTP errors are for the caller's program or the infrastructur
 401/403 auth, 413 body too large, 429 + Retry-After when a tool's queue deadline passes, and 500
 `{"error": {"kind": "internal"}}` (no traceback; logged) when a bug escapes a sub-agent. In a batch or over
 MCP each call is independent: an overload or an escaped bug is that call's own `overloaded` or `internal`
-result, and the other calls keep theirs. Header `X-Conductor-Session` names the caller's image session
-(default "default"); the rollout sends one per episode.
+result, and the other calls keep theirs. Header `X-Conductor-Session` names the caller's session (default
+"default"): its images and the handles it was shown (subagents/handles.py); the rollout sends one per episode.
 
 Every route, /mcp included, answers only requests addressed to this server (limits.HostGuardMiddleware:
 Host 127.0.0.1/localhost/[::1] at the connection's port or in `allowed_hosts`, else 421; a foreign Origin
@@ -32,12 +34,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 
@@ -72,6 +74,22 @@ class BatchCall(BaseModel):
 
 class BatchRequest(BaseModel):
     calls: list[BatchCall]
+
+
+class Attachment(BaseModel):
+    """One thing a user or a task attached: what it is, where the tool opens it (a page's http(s) or file://
+    URL, a video's or image's path under the files roots) and the stable key its handle derives from."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    kind: Literal["page", "video", "image"]
+    source: str = Field(min_length=1, max_length=4096)
+    key: str = Field(min_length=1, max_length=300)
+    label: str = Field(default="", max_length=200)
+
+
+class AttachRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    attachments: list[Attachment] = Field(max_length=64)  # a task lists a few pages; 32 photos for an audit
 
 
 def create_app(
@@ -191,6 +209,13 @@ async def _batch_item(host: ToolHost, call: BatchCall, session: str) -> ToolResp
         message = f"unknown tool {call.name!r}; tools: {', '.join(host.subagents)}"
         return fail(ToolResponse, "invalid_args", message)
     return await host.call_as_result(module.NAME, call.arguments, session=session)
+
+
+@router.post("/v1/attach")
+async def attach(body: AttachRequest, request: Request) -> dict[str, list[str]]:
+    session = request.headers.get(SESSION_HEADER, "default")
+    items = [(a.kind, a.source, a.key, a.label) for a in body.attachments]
+    return {"handles": _host(request).attach(session, items)}
 
 
 @router.get("/v1/images/{image_id}")

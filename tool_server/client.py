@@ -31,13 +31,16 @@ Other statuses are not retried either: the same request would fail the same way.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import tenacity
+
+from subagents.handles import Attachment
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +165,19 @@ class ToolClient:
         if response.status_code == 404:
             return _unknown_tool(name)
         return CallResult.from_json(name, _json(response))
+
+    async def attach(self, attachments: Sequence[Attachment], *, session: str) -> list[str]:
+        """Register what a user or task attached in `session` (before its first turn); their handles, which
+        must be the ones the attachments derive (`Attachment.handle`), else ToolServerError. A refusal is an
+        infrastructure failure too: attachments come from the program, not the policy."""
+        body = {"attachments": [dataclasses.asdict(a) for a in attachments]}
+        response = await self._request("POST", "/v1/attach", session=session, body=body)
+        if response.status_code == 404:
+            raise ToolServerError("POST /v1/attach: this tool server takes no attachments (an older version)")
+        handles = _json(response).get("handles")
+        if handles != [a.handle for a in attachments]:
+            raise ToolServerError(f"POST /v1/attach: handles {handles!r} differ from the attachments' own")
+        return list(handles)
 
     async def _request(self, method: str, path: str, *, session: str | None, body: object) -> httpx.Response:
         """One call under the deadline and the retry policy (module docstring); ToolServerError otherwise."""

@@ -28,8 +28,9 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ValidationError
 
 from subagents.backends import LLM, BackendConfig, TransformersLLM
-from subagents.common import Runtime, ToolResponse, fail
+from subagents.common import HandleKind, Handles, Ref, Runtime, ToolFailure, ToolResponse, fail
 from subagents.fetch import Fetcher
+from subagents.handles import handle_for, looks_like_handle
 from tool_server.cache import ResultCache, cache_key
 from tool_server.config import ServerConfig
 from tool_server.limits import Overloaded, ToolGate, ToolMetrics
@@ -76,7 +77,7 @@ def _clean(node: Any, defs: dict[str, Any], *, seen: tuple[str, ...]) -> Any:
         return _clean(merged, defs, seen=(*seen, name))
     out = {}
     for key, value in node.items():
-        if key in ("title", "$defs"):
+        if key in ("title", "$defs", "handle"):  # "handle": which handles a field takes (`resolve_handles`)
             continue
         if key == "properties":  # property names are data, not keywords: a field may be called "title"
             out[key] = {prop: _clean(sub, defs, seen=seen) for prop, sub in value.items()}
@@ -101,6 +102,30 @@ def invalid_args_message(exc: ValidationError) -> str:
         where = ".".join(str(part) for part in error["loc"]) or "arguments"
         parts.append(f"{where}: {error['msg']}")
     return "; ".join(parts)
+
+
+def handle_fields(request_type: type[BaseModel]) -> dict[str, HandleKind]:
+    """The Request fields that take a handle, and its kind: declared on the field as
+    `json_schema_extra={"handle": "page"}` (page_qa's url, video_summary's video)."""
+    fields = {}
+    for name, info in request_type.model_fields.items():
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        if "handle" in extra:
+            fields[name] = extra["handle"]  # type: ignore[assignment]
+    return fields
+
+
+def resolve_handles(request: BaseModel, handles: Handles, session: str) -> BaseModel:
+    """`request` with every handle in a handle field replaced by what it stands for in `session`, so the
+    sub-agent opens the source and the result cache is keyed by it. A ToolFailure (invalid_args, naming the
+    valid handles) for a handle the session was not shown or of another kind. Other values (a URL a user
+    named) pass unchanged."""
+    update = {}
+    for name, kind in handle_fields(type(request)).items():
+        value = getattr(request, name)
+        if isinstance(value, str) and looks_like_handle(value):
+            update[name] = handles.resolve(session, value, kind).source
+    return request.model_copy(update=update) if update else request
 
 
 class Backend:
@@ -170,6 +195,7 @@ class ToolHost:
     slots: dict[str, BackendSlot]
     gates: dict[str, ToolGate]
     metrics: dict[str, ToolMetrics]
+    handles: Handles
 
     @classmethod
     async def start(
@@ -197,6 +223,7 @@ class ToolHost:
             slots=await build_backends(cfg, names, llm_factory),
             gates={name: ToolGate(name, cfg.tools[name].limits) for name in names},
             metrics={name: ToolMetrics() for name in names},
+            handles=Handles(),
         )
 
     async def aclose(self) -> None:
@@ -221,8 +248,21 @@ class ToolHost:
             raise
         finally:
             self.metrics[name].record(seconds=time.perf_counter() - start, error=error)
+        for handle, ref in response.refs():  # what the caller was shown, cached answers too
+            self.handles.add(session, handle, ref)
         response.latency_ms = (time.perf_counter() - start) * 1000
         return response
+
+    def attach(self, session: str, attachments: list[tuple[HandleKind, str, str, str]]) -> list[str]:
+        """Register what a user or a task attached, (kind, source, key, label) each, in `session` before its
+        first turn; the handles, in order (`handle_for(kind, key)`: the caller can know them beforehand).
+        Sources are checked when a tool opens them, like any argument."""
+        handles = []
+        for kind, source, key, label in attachments:
+            handle = handle_for(kind, key)
+            self.handles.add(session, handle, Ref(kind, source, label))
+            handles.append(handle)
+        return handles
 
     async def call_as_result(self, name: str, arguments: Mapping[str, Any], *, session: str) -> ToolResponse:
         """Like `call`, but every outcome is a result (batch items, MCP): an overload refusal is `overloaded`,
@@ -246,10 +286,14 @@ class ToolHost:
                 request = module.Request.model_validate(arguments)
         except ValidationError as exc:
             return fail(module.Response, "invalid_args", invalid_args_message(exc))
+        try:
+            request = resolve_handles(request, self.handles, session)
+        except ToolFailure as exc:
+            return module.Response(ok=False, error=exc.error)
         async with self.slots[module.NAME].lease() as llm:
             rt = Runtime(
                 llm=llm, fetcher=self.fetcher, state=self.states[module.NAME], roots=self.cfg.files.roots,
-                session=session, count_tokens=llm.count_tokens,
+                session=session, count_tokens=llm.count_tokens, handles=self.handles,
             )  # fmt: skip
             compute = lambda: self._run(module, request, rt)  # noqa: E731
             if not module.CACHEABLE or not self.cfg.cache.enabled:

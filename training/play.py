@@ -34,7 +34,10 @@ def rollout_task(task: Task, schemas: Sequence[dict[str, object]]) -> RolloutTas
     missing = set(task.tools) - {s["function"]["name"] for s in mine}  # type: ignore[index]
     if missing:
         raise ValueError(f"task {task.task_id} needs tools {sorted(missing)} the tool server does not offer")
-    return RolloutTask(task.task_id, task.question, mine, context=task.context, items=len(task.items))
+    return RolloutTask(
+        task.task_id, task.question, mine, context=task.context, items=len(task.items),
+        attachments=task.attachments,
+    )  # fmt: skip
 
 
 async def play(

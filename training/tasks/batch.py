@@ -66,7 +66,13 @@ def _bundle_task(
     tools = tuple(dict.fromkeys(tool for item in items for tool in item.tools))
     reference = "\n".join(item.reference for item in items)
     meta = TaskMeta(split=items[0].meta.split)
-    return Task(task_id, family, question.format(n=len(items)), tools, reference, context, meta, tuple(items))
+    question = question.format(n=len(items))
+    return Task(task_id, family, question, tools, reference, context, meta, tuple(items), attached(items))
+
+
+def attached(items: Sequence[Task]) -> tuple:
+    """Every item's attachments, once each, in item order."""
+    return tuple(dict.fromkeys(a for item in items for a in item.attachments))
 
 
 def reward(answer: str, reference: str, item_family: ModuleType) -> float:
@@ -107,7 +113,7 @@ def prepared(
 
 def _with_items(task: Task, items: list[Task], item_lines: ItemLines) -> Task:
     context = "\n".join(item_lines(i, item) for i, item in enumerate(items, start=1))
-    return dataclasses.replace(task, context=context, items=tuple(items))
+    return dataclasses.replace(task, context=context, items=tuple(items), attachments=attached(items))
 
 
 # ---------------------------------------------------------------- the expert

@@ -2,7 +2,7 @@
 
 The questions are multihop_pages' (HotpotQA, plus HippoRAG's HotpotQA and MuSiQue on train), but no page is listed:
 the pages of every question of the split, deduplicated, form one folder of Markdown files that the tool server's
-search indexes and page_qa opens as file:// URLs. So a question needs a search before page_qa can read anything,
+search indexes; page_qa opens a hit by its handle (d_3fa9c1). So a question needs a search before page_qa can read anything,
 as in `conductor ask` with no attachment. The other questions' pages are the distractors (~11 a question).
 
 Reward: SQuAD token F1 against the gold answer; success: normalised exact match (as multihop_pages).
@@ -131,24 +131,25 @@ def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool) -> str
         question = multihop.hop_question(plan[step][0], answers) if task.meta.hops else plan[step][0]
         if len(turns) % 2 == 0:
             return call_text("search", query=question)
-        urls = _pick(task, _hits(turns[-1]), plan[step][1])
-        if urls:
-            return "\n".join(call_text("page_qa", url=url, question=question) for url in urls)
+        pages = _pick(task, _hits(turns[-1]), plan[step][1])
+        if pages:
+            return "\n".join(call_text("page_qa", url=page, question=question) for page in pages)
     useful = [a for a in answers.values() if a != NO_ANSWER]
     guess = useful[-1] if useful else NO_ANSWER
     return answer_text(multihop._grounded(task, turns, guess, trust_reference))
 
 
-def _hits(turn: Turn) -> list[str]:
+def _hits(turn: Turn) -> list[tuple[str, str]]:
+    """(handle, URL) of each hit the search showed: the policy saw the handle; the URL names the file."""
     hits = payload_field(turn.results[0], "hits") if turn.results and turn.results[0].ok else None
-    return [str(hit.get("url")) for hit in hits or []]
+    return [(str(hit.get("id")), str(hit.get("url"))) for hit in hits or []]
 
 
-def _pick(task: Task, urls: list[str], pages: tuple[int, ...]) -> list[str]:
-    """The hit URLs of the step's pages (at most MAX_READS), else the top hit."""
+def _pick(task: Task, hits: list[tuple[str, str]], pages: tuple[int, ...]) -> list[str]:
+    """The handles of the hits that are the step's pages (at most MAX_READS), else the top hit's."""
     wanted = ["/" + task.meta.page_paths[i] for i in pages if i < len(task.meta.page_paths)]
-    chosen = [url for url in urls if any(url.endswith(w) for w in wanted)]
-    return (chosen or urls[:1])[:MAX_READS]
+    chosen = [handle for handle, url in hits if any(url.endswith(w) for w in wanted)]
+    return (chosen or [handle for handle, _ in hits[:1]])[:MAX_READS]
 
 
 def _read_answer(turn: Turn) -> str:

@@ -3,8 +3,9 @@
 HotpotQA (RPT's 300/300/500 official dev questions as train/dev/test); train adds HippoRAG's HotpotQA and MuSiQue
 train subsets. MuSiQue rows carry a decomposition: one sub-question per hop with `#k` standing for hop k's answer
 and the paragraph that answers it (`TaskMeta.hops`). Each paragraph becomes one HTML page served over loopback
-(the tool server needs `allow_private_cidrs=("127.0.0.0/8",)`), listed in the task's context as
-"Page: <title> <url>" lines once `prepared` has started the page server.
+(the tool server needs `allow_private_cidrs=("127.0.0.0/8",)`), attached to the episode once `prepared` has
+started the page server and listed in the task's context by handle, "Page: d_3fa9c1 <title>" (the handle
+derives from the page's path, not the server's port: the same in every run).
 
 Reward: SQuAD token F1 against the gold answer; success: normalised exact match.
 
@@ -28,6 +29,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from main_agent.types import Turn
+from subagents.handles import Attachment
 from training.rewards import contains_evidence, exact_match, token_f1
 from training.tasks.task import (
     NO_ANSWER,
@@ -157,10 +159,13 @@ def write_pages(tasks: Sequence[Task], pages_root: Path, *, data_dir: Path | Non
 
 
 def with_base_url(task: Task, base_url: str) -> Task:
-    """The task with its context listing each page as "Page: <title> <url>"."""
+    """The task with its pages attached (served under `base_url`) and listed as "Page: d_3fa9c1 <title>"."""
     pages = zip(task.meta.page_titles, task.meta.page_paths, strict=True)
-    lines = [f"Page: {title} {base_url.rstrip('/')}/{path}" for title, path in pages]
-    return dataclasses.replace(task, context="\n".join(lines))
+    attached = tuple(
+        Attachment("page", f"{base_url.rstrip('/')}/{path}", f"pages/{path}", title) for title, path in pages
+    )
+    context = "\n".join(a.line for a in attached)
+    return dataclasses.replace(task, context=context, attachments=attached)
 
 
 class _QuietHandler(SimpleHTTPRequestHandler):
@@ -207,7 +212,7 @@ def prepared(tasks: Sequence[Task], work_dir: Path, *, data_dir: Path | None = N
 
 def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool) -> str:
     """The next reply: the hops (or supporting pages) still to ask, else the answer."""
-    urls = [line.rsplit(" ", 1)[-1] for line in context_lines(task, "Page")]
+    urls = [line.split(" ", 1)[0] for line in context_lines(task, "Page")]  # the pages' handles
     if len(urls) != len(task.meta.page_titles):
         raise ValueError(f"task {task.task_id} lists no pages: prepare it with tasks.prepared first")
     asked = [(r, c.arguments) for t in turns for c, r in zip(t.calls, t.results, strict=True)]

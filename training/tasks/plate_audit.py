@@ -1,9 +1,8 @@
 """plate_audit: read the licence plates of N photos in one episode, one plate per line, in order.
 
 The items are plate_reading tasks of one split (training/tasks/batch.py bundles them; photos never cross splits),
-listed to the policy as "Image i: <folder>/<file>", relative to the folder holding the photo sets (the tool
-server reads relative names from its first root, which the task's tool session makes that folder): a full path
-costs ~30 tokens a line, ~500 more over 32 photos. A photo takes the plate expert ~3-4 image_ops calls (load,
+listed to the policy by handle as "Image i: img_8bf8dd" (the photos are attached to the episode; a path would
+cost ~30 tokens a line, ~500 more over 32 photos, and the policy copied them badly). A photo takes the plate expert ~3-4 image_ops calls (load,
 find_text, zoom, read), so N = 32 is a ~100-call episode. Reward: the fraction of lines that match their plate
 (`plate_match`); success: every line right. Expert: the plate expert photo by photo, recording each plate.
 """
@@ -25,18 +24,12 @@ DEFAULT_ITEMS = 4  # photos per task unless the run says otherwise (`[horizon] i
 
 
 def item_lines(i: int, item: Task) -> str:
-    return f"Image {i}: {short_path(item)}"
-
-
-def short_path(item: Task) -> str:
-    """The photo's path relative to the folder of the photo sets: "<set>/<file>"."""
-    path = Path(str(item.meta.image_path))
-    return f"{path.parent.name}/{path.name}"
+    return f"Image {i}: {item.attachments[0].handle}"
 
 
 def load(data_dir: Path, split: str, *, limit: int | None = None, items: int = DEFAULT_ITEMS) -> list[Task]:
-    """Bundles of `items` photos of the split (batch.bundle), each item's context naming its short path."""
-    photos = [dataclasses.replace(p, context=f"Image: {short_path(p)}") for p in plates.load(data_dir, split)]
+    """Bundles of `items` photos of the split (batch.bundle), each item's photo named by its handle."""
+    photos = plates.load(data_dir, split)
     bundles = batch.bundle(NAME, photos, items, question=QUESTION, item_lines=item_lines, limit=limit)
     root = str(Path(str(photos[0].meta.image_path)).parents[1]) if photos else None
     return [dataclasses.replace(t, meta=dataclasses.replace(t.meta, media_root=root)) for t in bundles]

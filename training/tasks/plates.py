@@ -1,15 +1,17 @@
 """plate_reading: read the licence plate in a car photo with image_ops.
 
 Photos and labels come from the shared US and EU sets (`file<TAB>x<TAB>y<TAB>w<TAB>h<TAB>PLATE` per photo), split
-by a hash of the file name. The context shows the policy the photo's path ("Image: <abs path>"); the plate box is
-metadata it never sees.
+by a hash of the file name. The photo is attached to the episode and the context names it by handle ("Image:
+img_8bf8dd", from its bytes: the same on every machine); its path and the plate box are metadata the policy never
+sees.
 
 Reward and success: `plate_match` (letters and digits only, case-insensitive).
 
-Expert: load -> find_text (where text is, never what it says) -> zoom on a returned region, grown by one region
-height on every side -> read -> answer. The region is the returned one overlapping the gold box most (the only
-use of the metadata: it picks among what find_text showed). When a read shows no plate-like text it retries:
-first an autocontrast of the zoomed image, then the next overlapping region, before answering its best reading.
+Expert: find_text on the attached photo (where text is, never what it says) -> zoom on a returned region by its
+id (image_ops adds the margin) -> read -> answer. The region is the returned one overlapping the gold box most
+(the only use of the metadata: it picks among what find_text showed). When a read shows no plate-like text it
+retries: first an autocontrast of the zoomed image, then the next overlapping region, before answering its best
+reading.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from main_agent.types import ToolResult, Turn
+from subagents.handles import Attachment, file_key
 from training.rewards import normalize_plate, plate_match
 from training.tasks.task import (
     NO_ANSWER,
@@ -57,7 +60,8 @@ def _task(txt: Path) -> Task:
     x, y, w, h = map(int, fields[1:5])
     meta = TaskMeta(image_path=str(image), plate_box=(x, y, w, h), split=hash_split(image.name))
     task_id = f"plate-{txt.parent.name}-{image.stem}"
-    return Task(task_id, NAME, QUESTION, ("image_ops",), fields[5], f"Image: {image}", meta)
+    photo = Attachment("image", str(image), file_key(image))
+    return Task(task_id, NAME, QUESTION, ("image_ops",), fields[5], photo.line, meta, attachments=(photo,))
 
 
 def load(data_dir: Path, split: str, *, limit: int | None = None) -> list[Task]:
@@ -76,32 +80,29 @@ def prepared(tasks: Sequence[Task], work_dir: Path, *, data_dir: Path | None = N
 
 
 def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool) -> str:
-    """The next step of load -> find_text -> zoom -> read (-> autocontrast -> read -> next region) -> answer."""
+    """The next step of find_text -> zoom -> read (-> autocontrast -> read -> next region) -> answer."""
     images = context_lines(task, "Image")
     if not images or task.meta.plate_box is None:
         raise ValueError(f"task {task.task_id} has no image line in its context or no plate box")
     done = [r for r in results(turns) if r.name == "image_ops"]
     if not done:
-        return call_text("image_ops", op="load", image=images[0])
+        return call_text("image_ops", op="find_text", image=images[0])
     last = done[-1]
-    step = _next_step(task, done) if last.ok else None
+    step = _next_step(task, images[0], done) if last.ok else None
     return step or answer_text(_answer(task, done, trust_reference))
 
 
-def _next_step(task: Task, done: list[ToolResult]) -> str | None:
+def _next_step(task: Task, photo: str, done: list[ToolResult]) -> str | None:
     """The call that follows the last result, or None when it is time to answer."""
     last, op = done[-1], payload_field(done[-1], "op")
-    image = str(payload_field(last, "image_id"))
-    if op == "load":
-        return call_text("image_ops", op="find_text", image=image)
     if op in ("zoom", "autocontrast"):
-        return call_text("image_ops", op="read", image=image)
+        return call_text("image_ops", op="read", image=str(payload_field(last, "image_id")))
     if op == "find_text" or (op == "read" and not _plate_reads(done)):
-        return _retry(task, done)
+        return _retry(task, photo, done)
     return None
 
 
-def _retry(task: Task, done: list[ToolResult]) -> str | None:
+def _retry(task: Task, photo: str, done: list[ToolResult]) -> str | None:
     """After find_text or a failed read: autocontrast the last zoom once, else zoom on the next region."""
     ops = [payload_field(r, "op") for r in done]
     zooms = [r for r in done if payload_field(r, "op") == "zoom"]
@@ -110,24 +111,18 @@ def _retry(task: Task, done: list[ToolResult]) -> str | None:
     regions = _regions(task, done)
     if len(zooms) >= len(regions):
         return None
-    source = done[0]
-    box = grown(
-        regions[len(zooms)],
-        width=int(str(payload_field(source, "width") or 0)),
-        height=int(str(payload_field(source, "height") or 0)),
-    )
-    return call_text("image_ops", op="zoom", image=str(payload_field(source, "image_id")), box=box)
+    return call_text("image_ops", op="zoom", image=photo, region=regions[len(zooms)])
 
 
-def _regions(task: Task, done: list[ToolResult]) -> list[list[int]]:
-    """find_text's regions that overlap the gold plate box, most overlapping first (at most two)."""
+def _regions(task: Task, done: list[ToolResult]) -> list[str]:
+    """The ids of find_text's regions that overlap the gold plate box, most overlapping first (at most two)."""
     found = next((r for r in done if payload_field(r, "op") == "find_text"), None)
-    boxes = [list(b["box"]) for b in payload_field(found, "boxes") or []] if found else []  # type: ignore[attr-defined]
+    boxes = [(b["id"], list(b["box"])) for b in payload_field(found, "boxes") or []] if found else []  # type: ignore[attr-defined]
     assert task.meta.plate_box is not None
     x, y, w, h = task.meta.plate_box
     gold = [x, y, x + w, y + h]
-    scored = sorted(((iou(b, gold), b) for b in boxes), key=lambda pair: -pair[0])
-    return [b for score, b in scored if score > 0][:2]
+    scored = sorted(((iou(box, gold), region) for region, box in boxes), key=lambda pair: -pair[0])
+    return [region for score, region in scored if score > 0][:2]
 
 
 def iou(a: Sequence[float], b: Sequence[float]) -> float:
@@ -137,14 +132,6 @@ def iou(a: Sequence[float], b: Sequence[float]) -> float:
     inter = width * height
     union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
     return inter / union if union > 0 else 0.0
-
-
-def grown(box: Sequence[int], *, width: int, height: int) -> list[int]:
-    """[x0, y0, x1, y1] grown by the box's height on every side, inside a `width` x `height` image: the margin
-    the reader needs (on 40 train photos a tight box read 15 plates, this one 32)."""
-    pad = box[3] - box[1]
-    x0, y0 = max(0, box[0] - pad), max(0, box[1] - pad)
-    return [x0, y0, max(x0 + 1, min(width, box[2] + pad)), max(y0 + 1, min(height, box[3] + pad))]
 
 
 def read_lines(done: list[ToolResult]) -> list[str]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from main_agent.parse import ANSWER_CLOSE, ANSWER_OPEN, CALL_CLOSE, CALL_OPEN
 from main_agent.types import ToolResult, Turn
+from subagents.handles import Attachment
 
 SPLITS = ("train", "dev", "test")
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +37,7 @@ class TaskMeta:
     hops: tuple[
         tuple[str, int], ...
     ] = ()  # multihop (MuSiQue): (sub-question with #k placeholders, page index)
-    image_path: str | None = None  # plates: absolute path of the photo
+    image_path: str | None = None  # plates: absolute path of the photo (the policy sees its handle)
     plate_box: tuple[int, int, int, int] | None = None  # plates: (x, y, w, h) of the plate, in pixels
     video_path: str | None = None  # video: absolute path of the clip the policy is pointed at
     subtitle: str | None = None  # video: the sentence `prepared` muxes in; None: the clip is used as is
@@ -54,9 +55,10 @@ class Task:
     question: str
     tools: tuple[str, ...]  # the sub-agents the policy may call
     reference: str  # the gold answer
-    context: str = ""  # lines appended to the question, e.g. "Image: /abs/x.jpg" or "Page: <title> <url>"
+    context: str = ""  # lines appended to the question, e.g. "Image: img_8bf8dd" or "Page: d_3fa9c1 <title>"
     meta: TaskMeta = TaskMeta()
     items: tuple[Task, ...] = ()  # an item task's items (training/tasks/batch.py), one answer line each
+    attachments: tuple[Attachment, ...] = ()  # what the context names by handle, registered before turn 1
 
 
 def save_tasks(path: Path, tasks: Iterable[Task]) -> None:
@@ -76,7 +78,10 @@ def load_tasks(path: Path) -> list[Task]:
 def _task(row: dict) -> Task:
     meta = TaskMeta(**{k: _tuples(v) for k, v in row.pop("meta").items()})  # type: ignore[arg-type]
     items = tuple(_task(item) for item in row.pop("items", []))
-    return Task(**{**row, "tools": tuple(row["tools"]), "meta": meta, "items": items})
+    attachments = tuple(Attachment(**a) for a in row.pop("attachments", []))
+    return Task(
+        **{**row, "tools": tuple(row["tools"]), "meta": meta, "items": items, "attachments": attachments}
+    )
 
 
 def _tuples(value: object) -> object:

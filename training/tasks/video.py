@@ -3,7 +3,8 @@
 GRID clips ("What sentence is spoken in this video?", the transcript as gold) and a Kinetics clip ("What action is
 shown?", its label), split by a hash of the file name (the set is tiny: train 7, dev 2, test 3). A GRID sentence
 reaches the sub-agent only once `prepared` has muxed it into the clip as a subtitle track (the sub-agent does not
-transcribe audio); until then the context names the raw clip.
+transcribe audio). The clip is attached to the episode and the context names it by handle ("Video: v_91c2e0",
+from the clip's bytes), never by path.
 
 Reward: token F1; success: normalised exact match. Expert: one video_summary call with the question, then the first
 line of its answer.
@@ -20,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from main_agent.types import Turn
+from subagents.handles import Attachment, file_key
 from training.rewards import contains_evidence, exact_match, token_f1
 from training.tasks.task import (
     NO_ANSWER,
@@ -48,10 +50,17 @@ def success(answer: str, reference: str) -> bool:
     return exact_match(answer, reference) == 1.0
 
 
+def _attached(task: Task, clip: Path) -> Task:
+    """The task with `clip` attached and named by its handle in the context."""
+    video = Attachment("video", str(clip), file_key(clip))
+    meta = dataclasses.replace(task.meta, video_path=str(clip))
+    return dataclasses.replace(task, context=video.line, meta=meta, attachments=(video,))
+
+
 def _task(task_id: str, question: str, answer: str, clip: Path, subtitle: str | None) -> Task:
     clip = clip.resolve()
     meta = TaskMeta(video_path=str(clip), subtitle=subtitle, split=hash_split(clip.name))
-    return Task(task_id, NAME, question, ("video_summary",), answer, f"Video: {clip}", meta)
+    return _attached(Task(task_id, NAME, question, ("video_summary",), answer, "", meta), clip)
 
 
 def load(data_dir: Path, split: str, *, limit: int | None = None) -> list[Task]:
@@ -105,8 +114,7 @@ def _subtitled(task: Task, out_dir: Path) -> Task:
     out = (out_dir / f"{task.task_id}.mp4").resolve()
     if not out.exists():
         mux_subtitles(Path(task.meta.video_path), task.meta.subtitle, out)
-    meta = dataclasses.replace(task.meta, video_path=str(out))
-    return dataclasses.replace(task, context=f"Video: {out}", meta=meta)
+    return _attached(task, out)
 
 
 @contextlib.contextmanager
