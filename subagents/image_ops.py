@@ -221,7 +221,8 @@ def derivation(request: Request) -> str:
     canonical JSON (sorted keys, compact, defaults filled in, a region replaced by its box), so every field
     that can change the pixels is in it and an omitted default names the same image as an explicit one.
     A load's derivation is its bytes' key (`_run`)."""
-    canonical = json.dumps(request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    fields = request.model_dump(mode="json", exclude={"region"})  # resolved to its box by now
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return f"{request.image}\n{canonical}"
 
 

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 
 from main_agent.policy import Sample
+from subagents.handles import handle_for
 
 SPECIALS = {"<|im_start|>": 256, "<|im_end|>": 257}
 SPECIAL_RE = re.compile("|".join(re.escape(s) for s in SPECIALS))
@@ -119,7 +120,8 @@ def ok_result(observation: str, *, latency_ms: float = 5.0, tokens_read: int = 1
 
 
 def fake_tool_server(handler: ToolHandler = echo_tool, *, delay_s: float = 0.0) -> httpx.MockTransport:
-    """/v1/tools, /health and /v1/tools/{name} answered by `handler` (after `delay_s`, to show concurrency)."""
+    """/v1/tools, /health and /v1/tools/{name} answered by `handler` (after `delay_s`, to show concurrency);
+    /v1/attach answers the handles the attachments derive, as the real server does."""
 
     async def respond(request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -127,6 +129,9 @@ def fake_tool_server(handler: ToolHandler = echo_tool, *, delay_s: float = 0.0) 
             return httpx.Response(200, json=TOOLS)
         if path == "/health":
             return httpx.Response(200, json={"ok": True})
+        if path == "/v1/attach":
+            attached = json.loads(request.content)["attachments"]
+            return httpx.Response(200, json={"handles": [handle_for(a["kind"], a["key"]) for a in attached]})
         name = path.rsplit("/", 1)[-1]
         if name not in {t["function"]["name"] for t in TOOLS}:  # type: ignore[index]
             return httpx.Response(404, json={"detail": "unknown tool"})

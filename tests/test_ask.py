@@ -25,6 +25,7 @@ from main_agent.ask import (
 )
 from main_agent.parse import parse_completion
 from main_agent.types import Episode
+from subagents.handles import file_key, handle_for
 from tests.fakes import TOOLS
 
 NAMES = [str(t["function"]["name"]) for t in TOOLS]  # type: ignore[index]
@@ -32,31 +33,34 @@ UNTRAINED = DEFAULT_MODEL  # the built-in model: its first turn is forced to cal
 
 
 def test_an_attached_page_is_asked_the_users_question_first():
-    """With --url, the opening call is page_qa on that URL with the user's question, complete and valid JSON
-    whatever the URL or question contains; what the policy writes after it is ignored."""
-    opts = AskOptions('Who wrote "it"?', urls=('file:///a "quoted" b.html',), policy=UNTRAINED)
+    """With --url, the opening call is page_qa on the page's handle with the user's question, complete and valid
+    JSON whatever the question contains; what the policy writes after it is ignored."""
+    url = 'file:///a "quoted" b.html'
+    opts = AskOptions('Who wrote "it"?', urls=(url,), policy=UNTRAINED)
     prefix = first_turn_prefix(opts, NAMES)
     parsed = parse_completion(prefix + " I will wait for the page.", tool_names=NAMES)
     assert parsed.errors == [] and len(parsed.calls) == 1
     assert parsed.calls[0].name == "page_qa"
-    assert parsed.calls[0].arguments == {"url": 'file:///a "quoted" b.html', "question": 'Who wrote "it"?'}
+    assert parsed.calls[0].arguments == {"url": handle_for("page", url), "question": 'Who wrote "it"?'}
 
 
-def test_an_attached_image_is_loaded_and_a_video_asked_first():
-    """With --image the opening call loads it; with --video it asks video_summary the question."""
+def test_an_attached_image_is_searched_for_text_and_a_video_asked_first(tmp_path):
+    """With --image the opening call is find_text on the image's handle; with --video video_summary is asked
+    the question on the clip's handle. Handles come from the files' bytes, so no path reaches the policy."""
+    (car := tmp_path / "car.jpg").write_bytes(b"jpeg bytes")
+    (clip := tmp_path / "v.mp4").write_bytes(b"mp4 bytes")
     image = parse_completion(
-        first_turn_prefix(AskOptions("Plate?", image=Path("/x/car.jpg"), policy=UNTRAINED), NAMES),
-        tool_names=NAMES,
+        first_turn_prefix(AskOptions("Plate?", image=car, policy=UNTRAINED), NAMES), tool_names=NAMES
     )
-    assert image.calls[0].arguments == {"op": "load", "image": "/x/car.jpg"}
+    assert image.calls[0].arguments == {"op": "find_text", "image": handle_for("image", file_key(car))}
     video = parse_completion(
-        first_turn_prefix(AskOptions("What?", video=Path("/v.mp4"), policy=UNTRAINED), NAMES),
-        tool_names=NAMES,
+        first_turn_prefix(AskOptions("What?", video=clip, policy=UNTRAINED), NAMES), tool_names=NAMES
     )
     assert (video.calls[0].name, video.calls[0].arguments) == (
         "video_summary",
-        {"video": "/v.mp4", "question": "What?"},
+        {"video": handle_for("video", file_key(clip)), "question": "What?"},
     )
+    assert str(tmp_path) not in image.calls[0].arguments["image"] + video.calls[0].arguments["video"]
 
 
 def test_without_attachments_the_corpus_is_searched_and_trained_policies_get_no_prefix():
@@ -97,7 +101,8 @@ def test_tool_subset_and_unknown_tools():
 
 
 def test_validation_and_attachment_lines(tmp_path):
-    """Empty questions and missing files are refused; attachments become absolute 'Image:' / 'Page:' lines."""
+    """Empty questions and missing files are refused; attachments are shown as 'Page:' / 'Image:' lines with
+    their handles (the same for the same bytes wherever the file lies), never a path."""
     with pytest.raises(AskError, match="empty"):
         validate(AskOptions("  "))
     with pytest.raises(AskError, match="no such file"):
@@ -105,7 +110,16 @@ def test_validation_and_attachment_lines(tmp_path):
     image = tmp_path / "car.jpg"
     image.write_bytes(b"x")
     opts = validate(AskOptions("q", image=image, urls=("http://a",)))
-    assert attachments(opts).splitlines() == ["Page: http://a", f"Image: {image.resolve()}"]
+    elsewhere = tmp_path / "a" / "much" / "longer" / "folder" / "name" / "car.jpg"
+    elsewhere.parent.mkdir(parents=True)
+    elsewhere.write_bytes(b"x")
+    lines = [a.line for a in attachments(opts)]
+    assert lines == [
+        f"Page: {handle_for('page', 'http://a')}",
+        f"Image: {handle_for('image', file_key(image))}",
+    ]
+    assert attachments(validate(AskOptions("q", image=elsewhere)))[0].line == lines[1]
+    assert [a.source for a in attachments(opts)] == ["http://a", str(image.resolve())]
     assert json.loads(json.dumps(str(opts.corpus)))  # the default corpus is an absolute folder
 
 

@@ -12,6 +12,7 @@ import trafilatura
 
 from main_agent.rollout import RolloutConfig, rollout
 from main_agent.types import Episode
+from subagents.handles import handle_for
 from subagents.search import Corpus
 from tests.fakes import TOOLS, ByteChatTokenizer, fake_tool_server, ok_result
 from tool_server.client import ToolClient
@@ -64,13 +65,19 @@ async def handler(name: str, arguments: dict[str, object]) -> dict[str, object]:
         query = str(arguments["query"])
         files = next((f for key, f in HITS.items() if key in query), [])
         hits = [
-            {"title": f[:-3], "url": f"file:///corpus/train/{f}", "snippet": "", "score": 1.0} for f in files
+            {"id": doc(f), "title": f[:-3], "url": f"file:///corpus/train/{f}", "snippet": "", "score": 1.0}
+            for f in files
         ]
-        text = "\n".join(f"{i}. {h['title']} — {h['url']}" for i, h in enumerate(hits, 1))
+        text = "\n".join(f"{h['id']} {h['title']}" for h in hits)
         return {**ok_result(text or "no documents match"), "query": query, "hits": hits}
     question = str(arguments["question"])
     answer = next((a for key, a in ANSWERS.items() if key in question), "France")
     return {**ok_result(f"answer: {answer}"), "answer": answer, "quote": answer}
+
+
+def doc(file: str) -> str:
+    """The handle search gives the corpus file train/`file`."""
+    return handle_for("page", f"corpus/train/{file}")
 
 
 async def play(task: Task) -> Episode:
@@ -89,14 +96,14 @@ def calls(episode: Episode) -> list[list[tuple[str, dict[str, object]]]]:
 
 async def test_corpus_oracle_searches_then_reads_the_supporting_hits_then_answers():
     """HotpotQA: search with the question, then page_qa on exactly the hits that are supporting pages (in hit
-    order), then the answer; every URL it reads is one the search showed."""
+    order), then the answer; every page it reads is a hit the search showed, named by its handle."""
     episode = await play(HOTPOT)
     q = HOTPOT.question
     assert calls(episode) == [
         [("search", {"query": q})],
         [
-            ("page_qa", {"url": "file:///corpus/train/Paris.md", "question": q}),
-            ("page_qa", {"url": "file:///corpus/train/France.md", "question": q}),
+            ("page_qa", {"url": doc("Paris.md"), "question": q}),
+            ("page_qa", {"url": doc("France.md"), "question": q}),
         ],
         [],
     ]
@@ -113,9 +120,9 @@ async def test_corpus_oracle_goes_hop_by_hop_with_a_search_each():
     )
     assert calls(episode) == [
         [("search", {"query": hop1})],
-        [("page_qa", {"url": "file:///corpus/train/The_Journal.md", "question": hop1})],
+        [("page_qa", {"url": doc("The_Journal.md"), "question": hop1})],
         [("search", {"query": hop2})],
-        [("page_qa", {"url": "file:///corpus/train/APA.md", "question": hop2})],
+        [("page_qa", {"url": doc("APA.md"), "question": hop2})],
         [],
     ]
     assert episode.answer == "G. Stanley Hall"
@@ -129,9 +136,7 @@ async def test_corpus_oracle_reads_the_top_hit_when_no_supporting_page_was_found
         meta=dataclasses.replace(HOTPOT.meta, page_paths=("train/X.md", "train/Y.md", "train/Z.md")),
     )
     episode = await play(missing)
-    assert calls(episode)[1] == [
-        ("page_qa", {"url": "file:///corpus/train/Berlin.md", "question": missing.question})
-    ]
+    assert calls(episode)[1] == [("page_qa", {"url": doc("Berlin.md"), "question": missing.question})]
 
 
 def test_corpus_files_are_deduplicated_and_every_page_is_written(shared_data: Path, tmp_path: Path) -> None:
@@ -196,7 +201,7 @@ def test_a_session_searches_one_corpus() -> None:
 async def test_research_corpus_expert_through_the_real_tool_server(tmp_path, smollm2_path) -> None:
     """Two research_corpus questions through the in-process tool server (real BM25 over examples/corpus, real
     page_qa on the built-in model, file:// reads): the expert's search finds the source page and page_qa reads
-    it without error; each episode ends with an answer."""
+    it by its handle without error; each episode ends with an answer."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path, local_files_only=True)
@@ -214,5 +219,5 @@ async def test_research_corpus_expert_through_the_real_tool_server(tmp_path, smo
         )
     for task, (episode,) in zip(ready, groups, strict=True):
         read = [c.arguments["url"] for t in episode.turns for c in t.calls if c.name == "page_qa"]
-        assert read and str(read[0]).endswith("/examples/corpus/" + task.meta.page_paths[0]), read
+        assert read and read[0] == handle_for("page", "corpus/" + task.meta.page_paths[0]), read
         assert episode.tool_errors == 0 and episode.stop_reason == "answer", episode.turns[-1].completion_text

@@ -120,8 +120,9 @@ async def test_tool_session_readies_a_mixed_task_list(shared_data, tmp_path):
         tasks, work_dir=tmp_path, access=ToolAccess(), data_dir=shared_data, transport=fake_tool_server()
     )
     async with session as (_, ready):
-        pages = [line.rsplit(" ", 1)[1] for line in ready[0].context.splitlines()]
+        pages = [a.source for a in ready[0].attachments]
         assert len(pages) == len(multihop[0].meta.page_titles) and pages[0].startswith("http://127.0.0.1:")
+        assert ready[0].context.splitlines()[0] == ready[0].attachments[0].line
         async with httpx.AsyncClient() as http:
             assert "<h1>" in (await http.get(pages[0])).text
-    assert ready[1].context == plates[0].context and ready[1].context.startswith("Image: ")
+    assert ready[1].context == plates[0].context and ready[1].context.startswith("Image: img_")

@@ -120,14 +120,16 @@ CFG = Config()
 @pytest.mark.parametrize("fmt", ["JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF"])
 async def test_every_allowed_format_loads_as_a_new_stored_image(fmt: str) -> None:
     """Each format of the allowlist (MPO: camera JPEGs with a second picture) decodes to an RGB image of the
-    right size, stored under the id derived from the load source."""
+    right size, stored under the id derived from its bytes (the same picture has the same id wherever it
+    comes from)."""
     rt = runtime()
     extra = {"save_all": True, "append_images": [marked()]} if fmt == "MPO" else {}
     source = data_uri(encoded(marked(), fmt, **extra))
     response = await call(rt, CFG, op="load", image=source)
     assert response.ok, response.error
     assert re.fullmatch(r"img_[0-9a-f]{6}", response.image_id)
-    assert response.image_id == "img_" + hashlib.sha1(f"load\n{source}".encode()).hexdigest()[:6]
+    key = "sha256:" + hashlib.sha256(base64.b64decode(source.split(",", 1)[1])).hexdigest()
+    assert response.image_id == "img_" + hashlib.sha1(f"load\n{key}".encode()).hexdigest()[:6]
     assert (response.width, response.height) == (60, 40)
     assert response.thumbnail_url == f"/v1/images/{response.image_id}"
     assert rt.state.get("s1", response.image_id).mode == "RGB"
@@ -482,14 +484,15 @@ def test_region_labels_come_from_shape_and_confidence(box: list[int], score: flo
 
 
 def test_ocr_summaries_are_compact_and_only_read_quotes_text() -> None:
-    """read quotes what it read (a hint when nothing); find_text lists boxes, labels and confidences only."""
+    """read quotes what it read (a hint when nothing); find_text lists region ids, labels, sizes and
+    confidences only: the policy names a region, it never copies a box."""
     read = Response(op="read", image_id="img_ab12cd", width=384, height=120, text="7ABC123\nCALIFORNIA")
     assert read.observation() == 'img_ab12cd 384x120 read: "7ABC123 / CALIFORNIA"'
     empty = Response(op="read", image_id="img_ab12cd", width=384, height=120)
     assert "no text found" in empty.observation() and "zoom" in empty.observation()
-    box = TextBox(box=[912, 360, 1036, 412], score=0.98, label="plate-like")
+    box = TextBox(id="r1", box=[912, 360, 1036, 412], score=0.98, label="plate-like")
     found = Response(op="find_text", image_id="img_ab12cd", width=1920, height=1080, boxes=[box])
-    assert found.observation() == "img_ab12cd 1920x1080 1 text boxes: [912,360,1036,412] plate-like 0.98"
+    assert found.observation() == "img_ab12cd 1920x1080 1 text regions: r1 plate-like 124x52 0.98"
 
 
 # ---------------------------------------------------------------- the store
@@ -497,13 +500,16 @@ def test_ocr_summaries_are_compact_and_only_read_quotes_text() -> None:
 
 async def test_ids_are_private_to_their_session() -> None:
     """An id is usable only in a session that made it: another session's id (until that session makes the
-    same image itself) and an unknown id are not_found; the thumbnail route with a session sees only its own."""
+    same image itself) and an unknown id are invalid_args naming the session's images; the thumbnail route with
+    a session sees only its own."""
     store = ImageStore()
     mine = await loaded(runtime(store, session="a"), CFG, marked())
     theirs = await call(runtime(store, session="b"), CFG, op="crop", image=mine.image_id, box=[0, 0, 5, 5])
-    assert theirs.error is not None and theirs.error.kind == "not_found"
+    assert theirs.error is not None and theirs.error.kind == "invalid_args"
+    assert "use the image id the task gave" in theirs.error.message
     unknown = await call(runtime(store, session="a"), CFG, op="read", image="img_000000")
-    assert unknown.error is not None and unknown.error.kind == "not_found"
+    assert unknown.error is not None and unknown.error.kind == "invalid_args"
+    assert f"images here: {mine.image_id}" in unknown.error.message
     assert store.thumbnail_png(mine.image_id, session="b") is None
     assert store.thumbnail_png("img_000000") is None
     assert store.thumbnail_png(mine.image_id, session="a") == store.thumbnail_png(mine.image_id)
@@ -530,7 +536,7 @@ def test_each_session_keeps_its_most_recently_used_images() -> None:
     newest = store.put("s", Image.new("RGB", (4, 4)), "load\n3.png")
     with pytest.raises(ToolFailure) as evicted:
         store.get("s", ids[1])
-    assert evicted.value.error.kind == "not_found"
+    assert evicted.value.error.kind == "invalid_args"
     for kept in (ids[0], ids[2], newest):
         assert store.get("s", kept).size == (4, 4)
 
@@ -613,7 +619,7 @@ def test_two_sessions_holding_the_same_id_are_independent() -> None:
     store.put("a", Image.new("RGB", (4, 4)), "load\nother.png")  # a's one slot: a's copy goes
     with pytest.raises(ToolFailure) as evicted:
         store.get("a", shared)
-    assert evicted.value.error.kind == "not_found" and store.thumbnail_png(shared, session="a") is None
+    assert evicted.value.error.kind == "invalid_args" and store.thumbnail_png(shared, session="a") is None
     assert store.get("b", shared).tobytes() == marked().tobytes()
     store.put("a", marked(), "load\nshared.png")  # a makes it again; then a, the older session, is dropped
     store.get("b", shared)

@@ -17,8 +17,9 @@ import pytest
 
 from subagents import documents, page_qa, search
 from subagents.backends import Generation, Message
-from subagents.common import Runtime, ToolFailure, approx_tokens
+from subagents.common import Ref, Runtime, ToolFailure, approx_tokens
 from subagents.fetch import FetchConfig, Fetcher
+from subagents.handles import handle_for
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "corpus"
 
@@ -114,15 +115,18 @@ def test_empty_corpus_searches_without_error(tmp_path: Path) -> None:
     assert search.Corpus.build(tmp_path, max_docs=10).search("anything", 3) == []
 
 
-async def test_run_returns_numbered_hits(folder: Path) -> None:
-    """run() formats hits as numbered `title — url — snippet` lines and counts tokens both ways."""
+async def test_run_returns_hits_by_handle(folder: Path) -> None:
+    """run() formats hits as `handle title — snippet` lines, never the file:// URL (a server path), the handle
+    derived from the file's place in the corpus; it counts tokens both ways and registers the handles."""
     corpus = search.Corpus.build(folder, max_docs=100)
     response = await search.run(
         search.Request(query="Hekla eruptions", k=3), search.Config(), runtime(corpus)
     )
     assert response.ok and [hit.title for hit in response.hits] == ["Volcanoes of Iceland"]
     hit = response.hits[0]
-    assert response.summary() == f"1. Volcanoes of Iceland — {hit.url} — {hit.snippet}"
+    assert hit.id == handle_for("page", "corpus/iceland.html") and hit.url.startswith("file:///")
+    assert response.summary() == f"{hit.id} Volcanoes of Iceland — {hit.snippet}"
+    assert response.refs() == [(hit.id, Ref("page", hit.url, "Volcanoes of Iceland"))]
     assert response.tokens_returned == approx_tokens(response.summary()) and response.tokens_read > 0
 
 

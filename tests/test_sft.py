@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from main_agent.rollout import RolloutConfig, rollout
 from main_agent.tokens import collate, to_sequences
 from main_agent.types import Episode
+from subagents.handles import Attachment
 from tests.fakes import TOOLS, ByteChatTokenizer, fake_tool_server, ok_result
 from tool_server.client import ToolClient
 from tool_server.embedded import ToolAccess
@@ -28,62 +29,91 @@ from training.sft import (
 )
 from training.tasks import Task, TaskMeta, multihop, plates, video
 
-PAGES = "\n".join(
-    f"Page: {title} http://pages.test/hotpot-1/{i}.html"
-    for i, title in enumerate(["Paris", "Berlin", "France"])
-)
-MULTIHOP = Task(
-    "hotpot-1",
-    "multihop_pages",
-    "Which country is Paris the capital of?",
-    ("page_qa",),
-    "France",
-    PAGES,
-    TaskMeta(supporting_titles=("Paris", "France"), page_titles=("Paris", "Berlin", "France")),
-)
-MUSIQUE = Task(
-    "musique-1",
-    "multihop_pages",
-    "Who was the first president of the association which published the journal?",
-    ("page_qa",),
-    "G. Stanley Hall",
-    "\n".join(f"Page: P{i} http://pages.test/musique-1/{i}.html" for i in range(3)),
-    TaskMeta(
-        page_titles=("P0", "P1", "P2"),
-        hops=(("The Journal >> publisher", 2), ("Who was the first president of #1 ?", 0)),
+
+def pages(task_id: str, titles: list[str]) -> tuple[Attachment, ...]:
+    return tuple(
+        Attachment("page", f"http://pages.test/{task_id}/{i}.html", f"pages/{task_id}/{i}.html", title)
+        for i, title in enumerate(titles)
+    )
+
+
+def with_attached(task: Task, *attached: Attachment) -> Task:
+    return dataclasses.replace(task, context="\n".join(a.line for a in attached), attachments=attached)
+
+
+def photo(name: str) -> Attachment:
+    """A photo attached by its key; the fake server's images are named after the key (img_good ...)."""
+    return Attachment("image", f"/data/{name}.jpg", f"sha256:{name}")
+
+
+HOTPOT_PAGES = pages("hotpot-1", ["Paris", "Berlin", "France"])
+MUSIQUE_PAGES = pages("musique-1", ["P0", "P1", "P2"])
+MULTIHOP = with_attached(
+    Task(
+        "hotpot-1",
+        "multihop_pages",
+        "Which country is Paris the capital of?",
+        ("page_qa",),
+        "France",
+        "",
+        TaskMeta(supporting_titles=("Paris", "France"), page_titles=("Paris", "Berlin", "France")),
     ),
+    *HOTPOT_PAGES,
 )
-PLATE = Task(
-    "plate-us-good",
-    "plate_reading",
-    plates.QUESTION,
-    ("image_ops",),
-    "7ABC123",
-    "Image: /data/good.jpg",
-    TaskMeta(image_path="/data/good.jpg", plate_box=(400, 300, 70, 30)),
+MUSIQUE = with_attached(
+    Task(
+        "musique-1",
+        "multihop_pages",
+        "Who was the first president of the association which published the journal?",
+        ("page_qa",),
+        "G. Stanley Hall",
+        "",
+        TaskMeta(
+            page_titles=("P0", "P1", "P2"),
+            hops=(("The Journal >> publisher", 2), ("Who was the first president of #1 ?", 0)),
+        ),
+    ),
+    *MUSIQUE_PAGES,
 )
-BLURRY = dataclasses.replace(PLATE, task_id="plate-us-blurry", context="Image: /data/blurry.jpg")
-LATE = dataclasses.replace(PLATE, task_id="plate-us-late", context="Image: /data/late.jpg")
-VIDEO = Task(
-    "grid-bbaf2n",
-    "video_qa",
-    video.SPEECH_QUESTION,
-    ("video_summary",),
-    "bin blue at f two now",
-    "Video: /data/grid/bbaf2n.mp4",
-    TaskMeta(video_path="/data/grid/bbaf2n.mp4"),
+PLATE = with_attached(
+    Task(
+        "plate-us-good",
+        "plate_reading",
+        plates.QUESTION,
+        ("image_ops",),
+        "7ABC123",
+        "",
+        TaskMeta(image_path="/data/good.jpg", plate_box=(400, 300, 70, 30)),
+    ),
+    photo("good"),
 )
+BLURRY = with_attached(dataclasses.replace(PLATE, task_id="plate-us-blurry"), photo("blurry"))
+LATE = with_attached(dataclasses.replace(PLATE, task_id="plate-us-late"), photo("late"))
+CLIP = Attachment("video", "/data/grid/bbaf2n.mp4", "sha256:bbaf2n")
+VIDEO = with_attached(
+    Task(
+        "grid-bbaf2n",
+        "video_qa",
+        video.SPEECH_QUESTION,
+        ("video_summary",),
+        "bin blue at f two now",
+        "",
+        TaskMeta(video_path="/data/grid/bbaf2n.mp4"),
+    ),
+    CLIP,
+)
+PHOTO_NAMES = {photo(n).handle: n for n in ("good", "blurry", "late")}  # the fake server's image names
 # A byte tokenizer spends one token per character: budgets large enough for the oracle's longest turn.
 CFG = RolloutConfig(max_turns=10, max_new_tokens=1024, max_context_tokens=32768)
 SFT = SFTConfig(rollout=CFG)
 # What find_text sees in every photo: a caption, the plate (the gold box is [400, 300, 470, 330]) and a sign.
 # late.jpg's plate region is boxed loosely too: a second region overlapping the plate, tried after the first.
 REGIONS = [
-    {"box": [100, 50, 300, 90], "score": 0.95, "label": "line"},
-    {"box": [405, 302, 468, 328], "score": 0.80, "label": "plate-like"},
-    {"box": [600, 400, 660, 420], "score": 0.70, "label": "plate-like"},
+    {"id": "r1", "box": [100, 50, 300, 90], "score": 0.95, "label": "line"},
+    {"id": "r2", "box": [405, 302, 468, 328], "score": 0.80, "label": "plate-like"},
+    {"id": "r3", "box": [600, 400, 660, 420], "score": 0.70, "label": "plate-like"},
 ]
-LOOSE = {"box": [380, 280, 520, 360], "score": 0.65, "label": "plate-like"}
+LOOSE = {"id": "r4", "box": [380, 280, 520, 360], "score": 0.65, "label": "plate-like"}
 ANSWERS = {
     "The Journal": "the American Psychological Association",
     "American Psychological": "G. Stanley Hall",
@@ -98,9 +128,9 @@ def image_result(op: str, image_id: str, **fields: object) -> dict[str, object]:
 
 
 async def tools_handler(name: str, arguments: dict[str, object]) -> dict[str, object]:
-    """Results shaped like the real sub-agents', payload fields included. Photo X.jpg loads as img_X; an image's
-    zoom is its id plus "z" and the box's x0, an autocontrast its id plus "a"; reads of good.jpg's zooms and of
-    late.jpg's zoom on the loose region show the plate, every other read only "CALIFORNIA"."""
+    """Results shaped like the real sub-agents', payload fields included. Attached photo X is img_X here; an
+    image's zoom is its id plus "z" and the region's id, an autocontrast its id plus "a"; reads of good's zooms
+    and of late's zoom on the loose region (r4) show the plate, every other read only "CALIFORNIA"."""
     if name == "page_qa":
         question = str(arguments["question"])
         answer = next((a for k, a in ANSWERS.items() if k in question), "France")
@@ -110,15 +140,14 @@ async def tools_handler(name: str, arguments: dict[str, object]) -> dict[str, ob
         answer = "The speaker says: bin blue at f two now [00:00.5]"
         return {**ok_result(f"{answer}\n(video 3 s, 360x288, 8 frames)"), "answer": answer}
     op, image = str(arguments["op"]), str(arguments["image"])
-    if op == "load":
-        return image_result(op, "img_" + image.rsplit("/", 1)[-1].removesuffix(".jpg"))
+    image = "img_" + PHOTO_NAMES[image] if image in PHOTO_NAMES else image
     if op == "find_text":
         return image_result(op, image, boxes=REGIONS + ([LOOSE] if "late" in image else []))
     if op == "zoom":
-        return image_result(op, f"{image}z{arguments['box'][0]}")  # type: ignore[index]
+        return image_result(op, f"{image}z{arguments['region']}")
     if op == "autocontrast":
         return image_result(op, image + "a")
-    shows = image.startswith("img_good") or image == "img_latez300"  # late.jpg: the loose region only
+    shows = image.startswith("img_good") or image == "img_latezr4"  # late: the loose region only
     return image_result(op, image, text="7ABC 123\nCALIFORNIA" if shows else "CALIFORNIA")
 
 
@@ -144,7 +173,8 @@ def assert_clean(episode: Episode, task: Task) -> None:
 
 
 def assert_seen_before_written(episode: Episode) -> None:
-    """Every id, path and URL the oracle writes occurs in what the policy had seen when it wrote it."""
+    """Every handle the oracle writes occurs in what the policy had seen when it wrote it, and no path or URL
+    is written at all."""
     tokenizer = ByteChatTokenizer()
     seen = tokenizer.decode(episode.prompt_ids)
     for turn in episode.turns:
@@ -152,6 +182,7 @@ def assert_seen_before_written(episode: Episode) -> None:
             for key in ("image", "url", "video"):
                 if key in call.arguments:
                     assert str(call.arguments[key]) in seen, (key, call.arguments[key])
+                    assert "/" not in str(call.arguments[key]), (key, call.arguments[key])
         seen += tokenizer.decode(turn.completion_ids + turn.observation_ids)
 
 
@@ -161,8 +192,8 @@ async def test_multihop_oracle_reads_the_supporting_pages_in_one_turn_then_answe
     question = MULTIHOP.question
     assert calls(episode) == [
         [
-            ("page_qa", {"url": "http://pages.test/hotpot-1/0.html", "question": question}),
-            ("page_qa", {"url": "http://pages.test/hotpot-1/2.html", "question": question}),
+            ("page_qa", {"url": HOTPOT_PAGES[0].handle, "question": question}),
+            ("page_qa", {"url": HOTPOT_PAGES[2].handle, "question": question}),
         ],
         [],
     ]
@@ -179,7 +210,7 @@ async def test_multihop_oracle_asks_hop_by_hop_filling_in_what_it_observed():
             (
                 "page_qa",
                 {
-                    "url": "http://pages.test/musique-1/2.html",
+                    "url": MUSIQUE_PAGES[2].handle,
                     "question": "What is the publisher of The Journal?",
                 },
             )
@@ -188,7 +219,7 @@ async def test_multihop_oracle_asks_hop_by_hop_filling_in_what_it_observed():
             (
                 "page_qa",
                 {
-                    "url": "http://pages.test/musique-1/0.html",
+                    "url": MUSIQUE_PAGES[0].handle,
                     "question": "Who was the first president of the American Psychological Association ?",
                 },
             )
@@ -210,13 +241,13 @@ def test_independent_hops_go_out_together():
 
 
 async def test_plate_oracle_finds_text_zooms_on_a_found_region_reads_then_answers():
-    """load -> find_text -> zoom on the region overlapping the plate, grown by its height -> read -> answer."""
+    """find_text on the attached photo -> zoom on the region overlapping the plate, by its id -> read -> answer."""
     episode = await play(PLATE)
+    good = PLATE.attachments[0].handle
     assert calls(episode) == [
-        [("image_ops", {"op": "load", "image": "/data/good.jpg"})],
-        [("image_ops", {"op": "find_text", "image": "img_good"})],
-        [("image_ops", {"op": "zoom", "image": "img_good", "box": [379, 276, 494, 354]})],
-        [("image_ops", {"op": "read", "image": "img_goodz379"})],
+        [("image_ops", {"op": "find_text", "image": good})],
+        [("image_ops", {"op": "zoom", "image": good, "region": "r2"})],
+        [("image_ops", {"op": "read", "image": "img_goodzr2"})],
         [],
     ]
     assert episode.answer == "7ABC123"
@@ -229,11 +260,11 @@ async def test_plate_oracle_retries_with_autocontrast_then_the_next_region():
     region that overlaps the plate, read, answer."""
     episode = await play(LATE)
     assert [c[0][1]["op"] for c in calls(episode)[:-1]] == [
-        "load", "find_text", "zoom", "read", "autocontrast", "read", "zoom", "read",
+        "find_text", "zoom", "read", "autocontrast", "read", "zoom", "read",
     ]  # fmt: skip
-    assert calls(episode)[4] == [("image_ops", {"op": "autocontrast", "image": "img_latez379"})]
-    assert calls(episode)[6] == [
-        ("image_ops", {"op": "zoom", "image": "img_late", "box": [300, 200, 600, 440]})
+    assert calls(episode)[3] == [("image_ops", {"op": "autocontrast", "image": "img_latezr2"})]
+    assert calls(episode)[5] == [
+        ("image_ops", {"op": "zoom", "image": LATE.attachments[0].handle, "region": "r4"})
     ]
     assert_clean(episode, LATE)
     assert_seen_before_written(episode)
@@ -243,7 +274,7 @@ async def test_video_oracle_summarises_with_the_question_then_answers():
     """One video_summary call on the context's video with the question, then the spoken sentence."""
     episode = await play(VIDEO)
     assert calls(episode) == [
-        [("video_summary", {"video": "/data/grid/bbaf2n.mp4", "question": VIDEO.question})],
+        [("video_summary", {"video": CLIP.handle, "question": VIDEO.question})],
         [],
     ]
     assert_clean(episode, VIDEO)
@@ -270,13 +301,6 @@ async def test_oracle_reply_is_cut_by_the_token_budget_like_any_policy():
     assert (len(sample.ids), sample.finish_reason, sample.text) == (10, "length", "<tool_call")
     full = await OraclePolicy(PLATE, tokenizer).sample([1, 2, 3], max_new_tokens=1000)
     assert full.finish_reason == "stop" and full.ids[-1] == tokenizer.eos_token_id
-
-
-def test_grown_region_stays_inside_the_image():
-    """A region grown by its height on every side is clamped to the image and stays non-empty on the edge."""
-    assert plates.grown([405, 302, 468, 328], width=1000, height=600) == [379, 276, 494, 354]
-    assert plates.grown([10, 5, 80, 35], width=100, height=50) == [0, 0, 100, 50]
-    assert plates.grown([990, 590, 1000, 600], width=1000, height=600) == [980, 580, 1000, 600]
 
 
 def test_sft_settings_read_overrides_as_toml():
@@ -354,8 +378,9 @@ def test_sft_refuses_to_train_on_nothing():
 
 @pytest.mark.slow
 async def test_oracle_reads_real_plates_through_the_real_tool_server(shared_data, tmp_path):
-    """Two real plate photos, the in-process tool server with real OCR: every oracle call runs without error
-    and each episode ends with an answer (right or not: the print says how many were right)."""
+    """Two real plate photos, attached and named by handle, the in-process tool server with real OCR: every
+    oracle call runs without error, zooms name a found region, and each episode ends with an answer (right or
+    not: the print says how many were right)."""
     from transformers import AutoTokenizer
 
     from conductor.models import ModelNotFound, resolve_model
@@ -382,7 +407,17 @@ async def test_oracle_reads_real_plates_through_the_real_tool_server(shared_data
     played = [group[0] for group in groups]
     for episode in played:
         ops = [c.arguments["op"] for t in episode.turns for c in t.calls]
-        assert ops[:4] == ["load", "find_text", "zoom", "read"], ops
+        assert ops[:3] == ["find_text", "zoom", "read"], ops
+        assert episode.turns[1].calls[0].arguments["region"] in (
+            "r1",
+            "r2",
+            "r3",
+            "r4",
+            "r5",
+            "r6",
+            "r7",
+            "r8",
+        )
         assert episode.tool_errors == 0 and episode.num_parse_errors == 0 and episode.stop_reason == "answer"
     right = sum(task_data.success(t, e.answer) for t, e in zip(ready, played, strict=True))
     print(f"oracle on 2 real plates: {right} right; calls:", [len(e.turns) for e in played])
@@ -391,8 +426,8 @@ async def test_oracle_reads_real_plates_through_the_real_tool_server(shared_data
 @pytest.mark.slow
 async def test_oracle_audits_real_plates_item_by_item(shared_data, tmp_path):
     """plate_audit with 3 real photos through the real tool server: the expert reads photo after photo,
-    records each reading in the ledger (image paths relative to the first root) and ends with the ledger as its
-    answer; the recorded plates are the item expert's readings."""
+    records each reading in the ledger (photos named by handle) and ends with the ledger as its answer; the
+    recorded plates are the item expert's readings."""
     from transformers import AutoTokenizer
 
     from conductor.models import ModelNotFound, resolve_model
@@ -417,8 +452,8 @@ async def test_oracle_audits_real_plates_item_by_item(shared_data, tmp_path):
             on_turn_for=lambda task: expert.observe,
         )
     assert episode.tool_errors == 0 and episode.num_parse_errors == 0 and episode.stop_reason == "answer"
-    loads = [c.arguments["image"] for t in episode.turns for c in t.calls if c.arguments["op"] == "load"]
-    assert loads == [line.split(": ", 1)[1] for line in ready[0].context.splitlines()]
+    found = [c.arguments["image"] for t in episode.turns for c in t.calls if c.arguments["op"] == "find_text"]
+    assert found == [line.split(": ", 1)[1] for line in ready[0].context.splitlines()]
     assert all(text is not None for text in episode.ledger)
     assert episode.answer == "\n".join(episode.ledger)
     right = sum(task_data.item_reward(ready[0], i + 1, t) for i, t in enumerate(episode.ledger))

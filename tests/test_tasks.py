@@ -13,6 +13,7 @@ import imageio_ffmpeg
 import pytest
 from PIL import Image
 
+from subagents.handles import Attachment, file_key, handle_for
 from training import tasks as T
 from training.tasks import Task, TaskMeta, multihop, video
 
@@ -78,7 +79,9 @@ def test_plate_boxes_lie_inside_their_photos(shared_data: Path) -> None:
         x, y, w, h = task.meta.plate_box
         width, height = Image.open(task.meta.image_path).size
         assert x >= 0 and y >= 0 and w > 0 and h > 0 and x + w <= width and y + h <= height, task.task_id
-        assert task.context == f"Image: {task.meta.image_path}" and task.tools == ("image_ops",)
+        [photo] = task.attachments
+        assert (photo.kind, photo.source) == ("image", task.meta.image_path) and task.tools == ("image_ops",)
+        assert task.context == f"Image: {photo.handle}" and photo.handle.startswith("img_")
         assert re.fullmatch(r"[A-Z0-9]{4,8}", task.reference), task.reference
     eu1 = next(t for t in tasks if t.task_id == "plate-eu-eu1")
     assert (eu1.reference, eu1.meta.plate_box) == ("M5XSX", (396, 340, 203, 46))
@@ -117,7 +120,8 @@ def test_jsonl_round_trip_is_lossless(shared_data: Path, tmp_path: Path) -> None
 
 
 def test_page_server_serves_written_pages(shared_data: Path, tmp_path: Path) -> None:
-    """write_pages writes one HTML page per paragraph; the context's URLs fetch them over real loopback HTTP."""
+    """write_pages writes one HTML page per paragraph, attached by URL (over real loopback HTTP) and listed by
+    handle and title; the handles come from the pages' paths, not the server's port."""
     tasks = T.load_family("multihop_pages", "dev", data_dir=shared_data, limit=2)
     assert multihop.write_pages(tasks, tmp_path, data_dir=shared_data) == sum(
         len(t.meta.page_paths) for t in tasks
@@ -126,8 +130,9 @@ def test_page_server_serves_written_pages(shared_data: Path, tmp_path: Path) -> 
         task = multihop.with_base_url(tasks[0], server.base_url)
         lines = task.context.splitlines()
         assert len(lines) == len(task.meta.page_paths)
-        title, url = task.meta.page_titles[0], lines[0].rsplit(" ", 1)[1]
-        assert lines[0] == f"Page: {title} {url}" and url.startswith("http://127.0.0.1:")
+        title, url = task.meta.page_titles[0], task.attachments[0].source
+        handle = handle_for("page", f"pages/{task.meta.page_paths[0]}")
+        assert lines[0] == f"Page: {handle} {title}" and url.startswith("http://127.0.0.1:")
         page = httpx.get(url, timeout=5.0)
         assert page.status_code == 200
         assert f"<h1>{title}</h1>" in page.text and "<p>" in page.text
@@ -186,7 +191,9 @@ def test_prepare_videos_muxes_the_sentence_as_subtitles(shared_data: Path, tmp_p
     assert prepared[-1] == tasks[-1]
     grid = prepared[0]
     out = Path(grid.meta.video_path or "")
-    assert out.parent == tmp_path.resolve() and out.suffix == ".mp4" and grid.context == f"Video: {out}"
+    assert out.parent == tmp_path.resolve() and out.suffix == ".mp4"
+    assert grid.attachments == (Attachment("video", str(out), file_key(out)),)
+    assert grid.context == f"Video: {grid.attachments[0].handle}" and str(tmp_path) not in grid.context
     probe = ffmpeg_stderr("-i", str(out))
     assert "Subtitle: mov_text" in probe and "Video: h264" in probe and "Duration: 00:00:03.00" in probe
     srt = tmp_path / "cue.srt"
@@ -249,9 +256,9 @@ def test_item_tasks_bundle_one_split_deterministically(shared_data: Path) -> Non
             assert tasks[0].reference.splitlines() == [i.reference for i in tasks[0].items]
     audit = T.load_family("plate_audit", "dev", data_dir=shared_data, items=32)
     assert len(audit) == 1 and audit[0].task_id == "plate_audit-dev-n32-000"
-    assert (
-        audit[0].context.splitlines()[0].startswith("Image 1: ") and "/" in audit[0].context.splitlines()[0]
-    )
+    first = audit[0].items[0].attachments[0]
+    assert audit[0].context.splitlines()[0] == f"Image 1: {first.handle}" and "/" not in audit[0].context
+    assert audit[0].attachments == tuple(i.attachments[0] for i in audit[0].items)
 
 
 def test_item_rewards_score_each_line_against_its_item(shared_data: Path) -> None:
