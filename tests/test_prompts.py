@@ -10,6 +10,7 @@ import pytest
 from main_agent.parse import parse_completion
 from main_agent.prompts import (
     end_of_turn_id,
+    next_item,
     observation_ids,
     prompt_messages,
     render_observation,
@@ -258,3 +259,14 @@ def test_smollm2_template_ignores_tools(smollm2_tokenizer) -> None:
     rendered = smollm2_tokenizer.decode(render_prompt(smollm2_tokenizer, "q?", TOOLS, max_calls_per_turn=2))
     assert rendered.startswith("<|im_start|>system\nAnswer") and rendered.endswith("<|im_start|>assistant\n")
     assert all(f"- {name}(" in rendered for name in NAMES)
+
+
+def test_a_folded_segment_names_the_next_unrecorded_item_and_its_handle():
+    """After a fold the prompt says which item comes next and repeats its line of the context (with the
+    photo's handle), so a small policy never has to work out where it was; nothing when all are recorded."""
+    context = "Image 1: img_aaaaaa\nImage 2: img_bbbbbb\nImage 3: img_cccccc"
+    assert next_item(context, ["ABC123", None, None]) == "\nNext: item 2 (Image 2: img_bbbbbb)"
+    assert next_item(context, ["ABC123", None, "XYZ9"]) == "\nNext: item 2 (Image 2: img_bbbbbb)"
+    assert next_item(context, ["A", "B", "C"]) == ""
+    questions = "Question 1: Who?\nPage: d_111111 A\nQuestion 2: When?\nPage: d_222222 B"
+    assert next_item(questions, ["x", None]) == "\nNext: item 2 (Question 2: When?)"
