@@ -11,10 +11,12 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from conductor.models import DEFAULT_MODEL, DEFAULT_POLICY, ModelNotFound
 from main_agent.parse import CALL_CLOSE, CALL_OPEN
@@ -36,6 +38,7 @@ logger = logging.getLogger(__name__)
 # opening call when it knows what to open; this bare opening is the fallback.
 FIRST_TURN_PREFIX = '<tool_call>{"name": "'
 EXAMPLE_CORPUS = Path(__file__).resolve().parent.parent / "examples" / "corpus"
+_URL = re.compile(r"^[a-zA-Z][\w+.-]*://")  # http://, https://, file:// ...: anything else is a local path
 
 
 class AskError(Exception):
@@ -47,7 +50,8 @@ class AskOptions:
     question: str
     """The question; must not be empty."""
     urls: tuple[str, ...] = ()
-    """Pages the policy may open with page_qa."""
+    """Pages the policy may open with page_qa: http(s) URLs, or local files (HTML, Markdown, text, PDF), which
+    `validate` turns into file:// URLs the in-process tools may read."""
     image: Path | None = None
     """An image the policy may load with image_ops."""
     video: Path | None = None
@@ -97,10 +101,27 @@ def validate(opts: AskOptions) -> AskOptions:
         check_search_url(opts)
     return dataclasses.replace(
         opts,
+        urls=tuple(map(page_url, opts.urls)),
         image=opts.image.resolve() if opts.image else None,
         video=opts.video.resolve() if opts.video else None,
         corpus=None if opts.search_url else (opts.corpus or EXAMPLE_CORPUS).resolve(),
     )
+
+
+def page_url(raw: str) -> str:
+    """A URL as given; a local file as its absolute file:// URL (an AskError when there is no such file)."""
+    if _URL.match(raw):
+        return raw
+    path = Path(raw).expanduser()
+    if not path.is_file():
+        raise AskError(f"--url {raw}: neither a URL nor a file")
+    return path.resolve().as_uri()
+
+
+def local_page(url: str) -> Path | None:
+    """The file a file:// URL names (None for any other URL)."""
+    parts = urlsplit(url)
+    return Path(unquote(parts.path)) if parts.scheme == "file" else None
 
 
 def check_search_url(opts: AskOptions) -> None:
@@ -140,7 +161,11 @@ def attachments(opts: AskOptions) -> tuple[Attachment, ...]:
     """What the user attached, registered in the episode's session before the first turn; the policy sees
     each by its handle ("Image: img_8bf8dd"), never the path. A page's handle derives from its URL, a file's
     from its bytes (subagents/handles.py)."""
-    pages = [Attachment("page", url, url) for url in opts.urls]
+    pages = [
+        Attachment("page", url, url) if (path := local_page(url)) is None
+        else Attachment("page", url, file_key(path), path.name)  # a local file by its bytes, not its path
+        for url in opts.urls
+    ]  # fmt: skip
     media = [Attachment(kind, str(path), file_key(path)) for kind, path in (("image", opts.image), ("video", opts.video))
              if path is not None]  # fmt: skip
     return (*pages, *media)
@@ -162,7 +187,8 @@ async def reach(url: str) -> None:
 async def tool_client(opts: AskOptions) -> AsyncIterator[ToolClient]:
     """A client for `opts.tools_url`, or for a tool server started in this process that may read what the
     user attached and search `opts.corpus` (tool_server.embedded)."""
-    roots = [str(p.parent) for p in (opts.image, opts.video) if p is not None]
+    files = [opts.image, opts.video, *map(local_page, opts.urls)]
+    roots = list(dict.fromkeys(str(p.parent) for p in files if p is not None))
     async with contextlib.AsyncExitStack() as stack:
         try:
             tools = open_tools(

@@ -123,6 +123,24 @@ def test_validation_and_attachment_lines(tmp_path):
     assert json.loads(json.dumps(str(opts.corpus)))  # the default corpus is an absolute folder
 
 
+def test_a_local_file_given_as_url_is_a_page_named_by_its_bytes(tmp_path):
+    """`--url notes.md` (a local file) becomes a file:// page the in-process tools may read, shown by a handle
+    from its bytes and its file name, never its folder; a path that is no file is refused."""
+    notes = tmp_path / "deep" / "folder" / "notes.md"
+    notes.parent.mkdir(parents=True)
+    notes.write_text("# Notes\n\nThe meeting is on Tuesday.\n")
+    opts = validate(AskOptions("When is the meeting?", urls=(str(notes),)))
+    assert opts.urls == (notes.resolve().as_uri(),)
+    [page] = attachments(opts)
+    assert (page.source, page.line) == (
+        notes.resolve().as_uri(),
+        f"Page: {handle_for('page', file_key(notes))} notes.md",
+    )
+    with pytest.raises(AskError, match="neither a URL nor a file"):
+        validate(AskOptions("q", urls=(str(tmp_path / "missing.md"),)))
+    assert validate(AskOptions("q", urls=("https://example.org/a",))).urls == ("https://example.org/a",)
+
+
 def test_index_corpus_warms_the_index_the_in_process_server_loads(tmp_path, monkeypatch):
     """`conductor ask --corpus` indexes the folder before the tools start (with its progress bar); the embedded
     server's search then finds the persistent index and extracts nothing. A folder with nothing to search is a
