@@ -111,6 +111,8 @@ def validate(opts: AskOptions) -> AskOptions:
 def page_url(raw: str) -> str:
     """A URL as given; a local file as its absolute file:// URL (an AskError when there is no such file)."""
     if _URL.match(raw):
+        if (path := local_page(raw)) is not None and not path.is_file():
+            raise AskError(f"--url {raw}: no such file")
         return raw
     path = Path(raw).expanduser()
     if not path.is_file():
@@ -162,8 +164,9 @@ def attachments(opts: AskOptions) -> tuple[Attachment, ...]:
     each by its handle ("Image: img_8bf8dd"), never the path. A page's handle derives from its URL, a file's
     from its bytes (subagents/handles.py)."""
     pages = [
-        Attachment("page", url, url) if (path := local_page(url)) is None
-        else Attachment("page", url, file_key(path), path.name)  # a local file by its bytes, not its path
+        Attachment("page", url, file_key(path), path.name)  # a local file by its bytes, not its path
+        if (path := local_page(url)) is not None and path.is_file()
+        else Attachment("page", url, url)
         for url in opts.urls
     ]  # fmt: skip
     media = [Attachment(kind, str(path), file_key(path)) for kind, path in (("image", opts.image), ("video", opts.video))
