@@ -52,5 +52,5 @@ async def test_the_in_process_server_reads_the_callers_folders_and_its_config(
         )
         outside = await tools.call("image_ops", {"op": "load", "image": str(config)}, session="s")
     assert first.ok and second.ok, (first.observation, second.observation)
-    assert evicted.error is not None and evicted.error.kind == "not_found"  # one image per session
+    assert evicted.error is not None and evicted.error.kind == "invalid_args"  # one image per session: gone
     assert outside.error is not None and outside.error.kind == "invalid_args"
