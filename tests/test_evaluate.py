@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
-from main_agent.types import Episode
+from main_agent.types import Episode, ToolCall, ToolResult, Turn
 from tests.fakes import ByteChatTokenizer, ScriptedPolicy, call_text, fake_tool_server, ok_result
 from tool_server.client import ToolClient
-from training.evaluate import EvalConfig, evaluate_policy, format_table, summarise
-from training.tasks import Task
+from training.evaluate import EvalConfig, evaluate_policy, evidence_read, format_table, summarise
+from training.tasks import Task, TaskMeta
 
 FRANCE = Task("t-france", "multihop_pages", "What is the capital of France?", ("search",), "Paris")
 HAMLET = Task("t-hamlet", "multihop_pages", "Who wrote Hamlet?", ("page_qa",), "William Shakespeare")
@@ -126,3 +127,40 @@ async def test_tool_session_readies_a_mixed_task_list(shared_data, tmp_path):
         async with httpx.AsyncClient() as http:
             assert "<h1>" in (await http.get(pages[0])).text
     assert ready[1].context == plates[0].context and ready[1].context.startswith("Image: img_")
+
+
+def read_turn(*urls_ok: tuple[str, bool]) -> Turn:
+    """A turn of page_qa calls, each reading `url` with or without error."""
+    calls = [ToolCall("page_qa", {"url": "d_000000", "question": "q"}, "") for _ in urls_ok]
+    results = [
+        ToolResult("page_qa", ok, "", None if ok else "fetch_failed", 1.0, 1, 1, False, {"url": url})
+        for url, ok in urls_ok
+    ]
+    return Turn([1], [0.0], [2], "", "", calls, results, [], 0, 0.0, 0.0)
+
+
+def test_evidence_read_counts_a_served_read_of_a_supporting_page():
+    """A page task's episode read its evidence when page_qa served a supporting page (every listed page when
+    none is marked); a failed read, another page or a task with no pages does not count (None: not a page
+    task)."""
+    pages = TaskMeta(supporting_titles=("B",), page_titles=("A", "B"), page_paths=("t/0.html", "t/1.html"))
+    task = Task("t", "multihop_pages", "q", ("page_qa",), "x", "", pages)
+    played = episode("t", stop_reason="answer", answer="x")
+    assert evidence_read(task, dataclasses.replace(played, turns=[read_turn(("http://h/t/1.html", True))]))
+    assert not evidence_read(
+        task, dataclasses.replace(played, turns=[read_turn(("http://h/t/1.html", False))])
+    )
+    assert not evidence_read(
+        task, dataclasses.replace(played, turns=[read_turn(("http://h/t/0.html", True))])
+    )
+    source = Task(
+        "r",
+        "research_corpus",
+        "q",
+        ("page_qa",),
+        "x",
+        "",
+        TaskMeta(page_titles=("s",), page_paths=("s.html",)),
+    )
+    assert evidence_read(source, dataclasses.replace(played, turns=[read_turn(("file:///c/s.html", True))]))
+    assert evidence_read(dataclasses.replace(task, meta=TaskMeta()), played) is None

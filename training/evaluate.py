@@ -14,6 +14,7 @@ What the report measures, over the episodes that did not fail for infrastructure
     mean_reward       tasks.reward_for (token F1; plate match for plates)
     format_validity   share of turns whose completion parsed without any parse error
     valid_call_rate   share of attempted calls (served or rejected by the parser) that parsed and came back ok
+    evidence_read_rate  page tasks: share of episodes in which page_qa read a page holding the gold evidence
     calls_per_tool    mean calls of each tool per episode
     tool_error_rate   share of tool results that came back not ok (NaN without any call)
     main_tokens_*     an episode's peak main context (its longest segment; the whole stream when not folded)
@@ -116,6 +117,7 @@ class EvalReport:
     items_right: float = math.nan
     answer_rate: float = math.nan
     valid_call_rate: float = math.nan
+    evidence_read_rate: float = math.nan
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -159,7 +161,21 @@ def summarise(
         items_right=mean([_items_right(t, e) for t, e in valid if t.items]),
         answer_rate=mean([float(e.answer is not None) for e in played]),
         valid_call_rate=_valid_call_rate(turns),
+        evidence_read_rate=mean([float(read) for t, e in valid if (read := evidence_read(t, e)) is not None]),
     )
+
+
+def evidence_read(task: Task, episode: Episode) -> bool | None:
+    """Whether page_qa read (without error) a page holding the gold evidence: one of the supporting pages
+    (multihop, corpus_qa; every listed page when none is marked, as research_corpus's one source), matched by
+    its file at the end of the URL page_qa opened; None for a task with no pages (photos, clips)."""
+    support = set(task.meta.supporting_titles)
+    pages = zip(task.meta.page_titles, task.meta.page_paths, strict=False)
+    files = tuple("/" + path for title, path in pages if not support or title in support)
+    if not files:
+        return None
+    reads = (r for turn in episode.turns for r in turn.results if r.name == "page_qa" and r.ok)
+    return any(str((r.payload or {}).get("url", "")).endswith(files) for r in reads)
 
 
 CALL_ERRORS = frozenset({"unclosed_tag", "bad_json", "missing_name", "unknown_tool", "bad_arguments"})
@@ -194,6 +210,7 @@ def format_table(reports: Sequence[EvalReport]) -> str:
         ("mean reward", [f"{r.mean_reward:.3f}" for r in reports]),
         ("format validity", [f"{r.format_validity:.3f}" for r in reports]),
         ("valid call rate", [f"{r.valid_call_rate:.3f}" for r in reports]),
+        ("evidence page read", [f"{r.evidence_read_rate:.3f}" for r in reports]),
         *[(f"calls/episode {t}", [f"{r.calls_per_tool.get(t, 0.0):.2f}" for r in reports]) for t in tools],
         ("tool error rate", [f"{r.tool_error_rate:.3f}" for r in reports]),
         (
