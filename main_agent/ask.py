@@ -235,7 +235,7 @@ async def ask(
             task = RolloutTask("ask", opts.question, schemas, context=context, attachments=attached)
             cfg = RolloutConfig(
                 max_turns=opts.max_turns,
-                max_new_tokens=192,  # two page_qa calls on file:// URLs (~150 tokens) or a short answer
+                max_new_tokens=192,  # as the default policy was trained: a few page_qa calls by handle, or an answer
                 first_turn_prefix=first_turn_prefix(opts, [str(t["function"]["name"]) for t in schemas]),
                 untagged_is_answer=True,
             )
