@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import Counter
 from dataclasses import replace
@@ -17,11 +18,14 @@ import pytest
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import TextContent
+from PIL import Image
 from pydantic import BaseModel, Field
 
+from main_agent.rollout import RolloutConfig, RolloutTask, rollout
 from subagents import SUBAGENTS
 from subagents.common import Files
 from subagents.fetch import FetchConfig
+from tests.fakes import TOOLS, ScriptedPolicy, call_text
 from tests.tool_server_fakes import (
     PAGE,
     FakeFactory,
@@ -34,6 +38,7 @@ from tests.tool_server_fakes import (
     with_limits,
 )
 from tool_server.app import create_app
+from tool_server.client import ToolClient
 from tool_server.config import ToolLimits, default_tools
 from tool_server.host import INTERNAL_MESSAGE, tool_schema
 
@@ -516,3 +521,43 @@ def test_real_image_ops_zoom_then_read_a_plate(shared_data: Path) -> None:
     assert plate in "".join(ch for ch in text["text"] if ch.isalnum()), text
     assert thumbnail.status_code == 200 and thumbnail.content.startswith(b"\x89PNG")
     assert foreign.status_code == 404
+
+
+def odd_shapes_script(history: str, turn: int) -> str:
+    """A policy that loads a photo and a 1x2001 PNG, zooms to an 8x6000 strip of the photo, then looks for and
+    reads text on both odd shapes (each call's image id taken from the observations so far)."""
+    photo, thin = (re.findall(rf"(img_[0-9a-f]{{6}}) {size}", history) for size in ("600x800", "1x2001"))
+    if turn == 0:
+        return call_text("image_ops", op="load", image="photo.png") + call_text(
+            "image_ops", op="load", image="thin.png"
+        )
+    if turn == 1:
+        zoom = call_text("image_ops", op="zoom", image=photo[-1], box=[0, 0, 1, 750], factor=8)
+        return zoom + call_text("image_ops", op="find_text", image=thin[-1])
+    if turn == 2:
+        strip = re.findall(r"(img_[0-9a-f]{6}) 8x6000", history)[-1]
+        return call_text("image_ops", op="find_text", image=strip) + call_text(
+            "image_ops", op="read", image=strip
+        )
+    return "<answer>no text</answer>"
+
+
+@pytest.mark.slow
+async def test_odd_image_shapes_through_the_client_and_the_rollout_are_observations(tmp_path: Path) -> None:
+    """A policy's own odd shapes (an 8x6000 zoom, a 1x2001 PNG) through ToolClient and the rollout, with the
+    real image_ops: every call is an ok observation and the episode ends with the policy's answer, never an
+    infrastructure failure (find_text on them was an HTTP 500, i.e. ToolServerError and a dropped episode)."""
+    Image.new("RGB", (600, 800), "white").save(tmp_path / "photo.png")
+    Image.new("RGB", (1, 2001), "gray").save(tmp_path / "thin.png")
+    app = real_app(FakeFactory(), files=Files(roots=(str(tmp_path),)))
+    policy = ScriptedPolicy(odd_shapes_script)
+    task = RolloutTask("odd", "What text is there?", TOOLS)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with ToolClient("http://embedded", transport=transport, deadline_s=120) as tools:
+            episode = await rollout(task, policy, tools, policy.tokenizer, RolloutConfig())
+    assert (episode.stop_reason, episode.infra_error, episode.answer) == ("answer", None, "no text")
+    results = [result for turn in episode.turns for result in turn.results]
+    assert len(results) == 6 and episode.tool_errors == 0, [r.observation for r in results]
+    seen = " ".join(turn.observation_text for turn in episode.turns)
+    assert "1x2001 no text found" in seen and "8x6000 no text found" in seen and "8x6000 read:" in seen
