@@ -129,7 +129,7 @@ def local_file(raw: str, roots: Sequence[str], *, what: str) -> tuple[Path, int]
     try:
         path = (folders[0] / raw).resolve()  # an absolute `raw` replaces the root
         if not any(path.is_relative_to(folder) for folder in folders):
-            raise ToolFailure("invalid_args", f"{what} paths must be under {', '.join(map(str, folders))}")
+            raise ToolFailure("invalid_args", f"the {what} path {shown!r} is outside the allowed file roots")
         status = path.stat()
     except (FileNotFoundError, NotADirectoryError):
         raise ToolFailure("not_found", f"no such {what} file: {shown!r}") from None

@@ -361,12 +361,27 @@ class Fetcher:
     async def _fetch_file(self, url: str, target: ParsedTarget) -> FetchedPage:
         if not self._roots:
             raise ToolFailure("blocked_url", "file:// is disabled (the server's [files] roots is empty)")
-        path = Path(target.url.path).resolve()  # follows symlinks, so a link out of a root lands outside it
-        if not any(path.is_relative_to(root) for root in self._roots):
-            raise ToolFailure("blocked_url", f"{path} is outside the allowed file roots")
-        body = await asyncio.to_thread(_read_file, path, self.cfg.max_bytes)
+        path = file_under_roots(target.url.path, self._roots)
+        shown = target.url.path[:200]  # errors name the path as written, never where a symlink led
+        body = await asyncio.to_thread(_read_file, path, self.cfg.max_bytes, shown=shown)
         content_type = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
         return FetchedPage(url=url, final_url=path.as_uri(), status=200, content_type=content_type, body=body)
+
+
+def file_under_roots(raw: str, roots: Sequence[Path]) -> Path:
+    """The resolved `raw` (symlinks followed, so a link out of a root lands outside it) when it lies under one
+    of the resolved `roots`; else ToolFailure. Messages name `raw` as given: never a root, never a link's
+    target, and never pathlib's own error text (which names both)."""
+    shown = raw[:200]
+    try:
+        path = Path(raw).resolve()
+    except RuntimeError:  # pathlib's symlink loop (Python < 3.13)
+        raise ToolFailure("invalid_args", f"symlink loop in the path {shown!r}") from None
+    except OSError as exc:  # ELOOP from 3.13 on, ENAMETOOLONG, EACCES on a directory of the path
+        raise ToolFailure("invalid_args", f"cannot open the path {shown!r}: {exc.strerror}") from None
+    if not any(path.is_relative_to(root) for root in roots):
+        raise ToolFailure("blocked_url", f"{shown!r} is outside the allowed file roots")
+    return path
 
 
 def _redirect_target(current: ParsedTarget, location: str) -> ParsedTarget:
@@ -385,14 +400,15 @@ def _redirect_target(current: ParsedTarget, location: str) -> ParsedTarget:
     return validate_url(str(joined))
 
 
-def _read_file(path: Path, cap: int) -> bytes:
+def _read_file(path: Path, cap: int, *, shown: str) -> bytes:
+    """At most `cap` bytes of `path`; errors name it as `shown` (what the caller wrote)."""
     try:
         with path.open("rb") as handle:
             body = handle.read(cap + 1)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
-        raise ToolFailure("not_found", f"no such file: {path}") from exc
+        raise ToolFailure("not_found", f"no such file: {shown!r}") from exc
     except OSError as exc:
-        raise ToolFailure("fetch_failed", f"cannot read {path}: {exc.strerror}", retryable=False) from exc
+        raise ToolFailure("fetch_failed", f"cannot read {shown!r}: {exc.strerror}", retryable=False) from exc
     if len(body) > cap:
-        raise ToolFailure("too_large", f"{path} exceeds {cap} bytes")
+        raise ToolFailure("too_large", f"{shown!r} exceeds {cap} bytes")
     return body

@@ -438,6 +438,27 @@ async def test_file_urls_only_under_allowed_roots(tmp_path: Path) -> None:
     assert net.requests == []
 
 
+async def test_file_url_errors_are_results_that_name_no_server_path(tmp_path: Path) -> None:
+    """A symlink loop inside a root is invalid_args (pathlib raised RuntimeError: a 500 from page_qa), and no
+    file:// failure names a root or where a symlink points, only the path as the caller wrote it."""
+    root, secret = tmp_path / "corpus", tmp_path / "elsewhere" / "secret.txt"
+    root.mkdir()
+    secret.parent.mkdir()
+    secret.write_text("secret")
+    (root / "loop.html").symlink_to(root / "loop.html")
+    (root / "a").symlink_to(root / "b")
+    (root / "b").symlink_to(root / "a")
+    (root / "link.txt").symlink_to(secret)
+    net = Net(roots=(str(root),))
+    cases = {"loop.html": "invalid_args", "a/x.html": "invalid_args", "link.txt": "blocked_url"}
+    for name, kind in cases.items():
+        with pytest.raises(ToolFailure) as info:
+            await net.fetcher.fetch((root / name).as_uri())
+        assert info.value.error.kind == kind, (name, info.value.error)
+        assert "outside the allowed file roots" in info.value.error.message or kind != "blocked_url"
+        assert str(secret.parent) not in info.value.error.message, info.value.error.message
+
+
 # --- integration: real servers on loopback ---------------------------------------------------------------
 
 

@@ -239,7 +239,8 @@ async def test_other_schemes_and_bad_data_uris_are_invalid_args(source: str) -> 
 
 async def test_local_paths_must_be_regular_files_under_an_allowed_root(tmp_path: Path) -> None:
     """Outside the roots (directly, via '..' or via a symlink) is invalid_args, a missing file not_found, a
-    directory invalid_args, no roots at all invalid_args; relative paths start in the first root."""
+    directory invalid_args, no roots at all invalid_args; relative paths start in the first root. Messages name
+    the path as given, never the server's roots or where a symlink points."""
     root, outside = tmp_path / "root", tmp_path / "outside"
     root.mkdir()
     outside.mkdir()
@@ -259,6 +260,10 @@ async def test_local_paths_must_be_regular_files_under_an_allowed_root(tmp_path:
     for source, kind in cases.items():
         response = await call(runtime(roots=rooted), cfg, op="load", image=source)
         assert response.error is not None and response.error.kind == kind, (source, response.error)
+        assert str(root) not in response.error.message.replace(
+            source, ""
+        )  # neither the roots nor a link's target
+        assert str(outside) not in response.error.message.replace(source, ""), response.error.message
     assert (await call(runtime(roots=rooted), cfg, op="load", image="ok.png")).ok
     assert (await call(runtime(roots=rooted), cfg, op="load", image=str(root / "ok.png"))).ok
     no_roots = await call(runtime(), Config(), op="load", image=str(root / "ok.png"))

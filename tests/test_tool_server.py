@@ -561,3 +561,34 @@ async def test_odd_image_shapes_through_the_client_and_the_rollout_are_observati
     assert len(results) == 6 and episode.tool_errors == 0, [r.observation for r in results]
     seen = " ".join(turn.observation_text for turn in episode.turns)
     assert "1x2001 no text found" in seen and "8x6000 no text found" in seen and "8x6000 read:" in seen
+
+
+def test_symlinks_in_a_files_root_are_results_and_never_leak_over_http(tmp_path: Path) -> None:
+    """Over real HTTP: page_qa on a symlink loop inside a files root is an invalid_args result (it was a 500),
+    on a link out of the roots a blocked_url result that names neither the target nor a root, and search
+    never indexes that link's text; /health answers afterwards."""
+    root, outside = tmp_path / "corpus", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (root / "tea.txt").write_text("Green tea is steamed soon after picking.")
+    (outside / "passwd").write_text("root:x:0:0:swordfish:/root:/bin/bash")
+    (root / "loop.html").symlink_to(root / "loop.html")
+    (root / "leak.txt").symlink_to(outside / "passwd")
+    tools = default_tools()
+    search = replace(tools["search"], config=replace(tools["search"].config, corpus_dir=str(root)))
+    app = real_app(FakeFactory(), files=Files(roots=(str(root),)), tools={**tools, "search": search})
+    with serving(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        loop = client.post(
+            "/v1/tools/page_qa", json={"url": (root / "loop.html").as_uri(), "question": "What?"}
+        )
+        leak = client.post(
+            "/v1/tools/page_qa", json={"url": (root / "leak.txt").as_uri(), "question": "Who?"}
+        )
+        hits = client.post("/v1/tools/search", json={"query": "root bash swordfish"})
+        health = client.get("/health")
+    assert (loop.status_code, loop.json()["error"]["kind"]) == (200, "invalid_args"), loop.text
+    assert (leak.status_code, leak.json()["error"]["kind"]) == (200, "blocked_url"), leak.text
+    assert "outside the allowed file roots" in leak.json()["error"]["message"]
+    assert str(outside) not in leak.text and "swordfish" not in leak.text
+    assert hits.json()["ok"] is True and hits.json()["hits"] == []
+    assert health.status_code == 200
