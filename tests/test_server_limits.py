@@ -360,3 +360,52 @@ async def test_swap_with_bad_config_keeps_old_backend(token_cfg: ServerConfig) -
     assert typo.status_code == 422 and "unknown key 'modle'" in typo.json()["error"]["message"]
     assert (bad_model.status_code, bad_model.json()["error"]["kind"]) == (422, "backend_error")
     assert still["model"] == "fake:smollm2-135m-instruct"
+
+
+# The attack's swaps: each was accepted (200) or crashed the route (500); a NaN wait then failed every call.
+REFUSED_SWAPS = [
+    b'{"max_batch": -1}',
+    b'{"max_batch": 0}',
+    b'{"batch_wait_ms": NaN}',
+    b'{"batch_wait_ms": Infinity}',
+    b'{"batch_wait_ms": 1e308}',
+    b'{"batch_wait_ms": -5}',
+    b'{"max_new_tokens": 1000000000000}',
+    b'{"request_timeout_s": 0}',
+    b'{"max_retries": -1}',
+    b'{"model": ""}',
+    b'{"model": "B", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+]
+
+
+async def test_a_swap_is_validated_like_the_start_up_config_and_leaves_the_tool_as_it_was(
+    token_cfg: ServerConfig,
+) -> None:
+    """Every out-of-range, non-finite or 100,000-deep swap body is a 422 invalid_args naming the problem; no
+    model is built, the tool keeps answering on its old backend, and a valid swap still works afterwards."""
+    factory = FakeFactory()
+    async with running(app_for(token_cfg, factory), headers=AUTH) as client:
+        replies = [await client.post("/admin/backends/page_qa", content=body) for body in REFUSED_SWAPS]
+        assert len(factory.built) == 1  # the start-up model only
+        still = (await client.post("/v1/tools/page_qa", json={"text": "q"})).json()
+        ok = await client.post("/admin/backends/page_qa", json={"model": "B", "batch_wait_ms": 0})
+        health = await client.get("/health")
+    assert still["ok"] is True and still["model"] == "fake:smollm2-135m-instruct"
+    assert ok.status_code == 200 and health.json()["models"]["page_qa"] == "fake:B"
+    for body, reply in zip(REFUSED_SWAPS, replies, strict=True):
+        assert (reply.status_code, reply.json()["error"]["kind"]) == (422, "invalid_args"), body[:60]
+    assert "not valid JSON" in replies[2].json()["error"]["message"]
+    assert "batch_wait_ms must be a finite number from 0 to 1000" in replies[4].json()["error"]["message"]
+
+
+def test_the_start_up_config_refuses_the_same_values(tmp_path: Path) -> None:
+    """A TOML [<tool>.model] table with nan, inf or an out-of-range number is a ConfigError at start-up, the
+    same check a swap gets (TOML spells nan and inf)."""
+    from conductor.settings import ConfigError
+    from tool_server.config import load_config
+
+    for line in ("batch_wait_ms = nan", "batch_wait_ms = inf", "max_batch = 0", "max_new_tokens = 1_000_000"):
+        path = tmp_path / "server.toml"
+        path.write_text(f"[page_qa.model]\n{line}\n")
+        with pytest.raises(ConfigError, match=line.split(" ")[0]):
+            load_config(path)

@@ -592,3 +592,33 @@ def test_symlinks_in_a_files_root_are_results_and_never_leak_over_http(tmp_path:
     assert str(outside) not in leak.text and "swordfish" not in leak.text
     assert hits.json()["ok"] is True and hits.json()["hits"] == []
     assert health.status_code == 200
+
+
+# The attack's bodies: NaN and Infinity where JSON has none, lone surrogates no UTF-8 answer can carry, and
+# nesting deep enough to exhaust a recursive parser.
+UNENCODABLE_BODIES = [
+    b'{"calls": NaN}',
+    b'{"calls": Infinity}',
+    b'{"query": "\\ud800"}',
+    b'{"calls": [{"name": "search", "arguments": {"text": "\\udfff"}}]}',
+    b'{"calls": [{"name": "search", "arguments": {"text": "x", "delay_s": NaN}}]}',
+    b"[" * 100_000 + b"]" * 100_000,
+]
+
+
+def test_bodies_no_json_answer_can_echo_are_refused_on_every_route() -> None:
+    """/v1/batch answers NaN, Infinity, a lone surrogate or 100,000-deep nesting with 422 invalid_args (its
+    validation error echoed the input and could not encode it: a 500); /v1/tools/* with an invalid_args
+    result and /mcp with 400, as before; the server stays healthy."""
+    with serving(fake_app()) as url, httpx.Client(base_url=url, timeout=30) as client:
+        headers = {"Content-Type": "application/json"}
+        for body in UNENCODABLE_BODIES:
+            batch = client.post("/v1/batch", content=body, headers=headers)
+            assert (batch.status_code, batch.json()["error"]["kind"]) == (422, "invalid_args"), body[:60]
+            tool = client.post("/v1/tools/search", content=body, headers=headers)
+            assert (tool.status_code, tool.json()["error"]["kind"]) == (200, "invalid_args"), body[:60]
+            mcp = client.post("/mcp", content=body, headers={**headers, **MCP_HEADERS})
+            assert mcp.status_code == 400, body[:60]
+        assert client.get("/health").status_code == 200
+        calls = [{"name": "search", "arguments": {"text": "fine"}}]
+        assert client.post("/v1/batch", json={"calls": calls}).json()["results"][0]["echo"] == "fine"

@@ -27,17 +27,17 @@ request is read whole is logged as a disconnect (one info line) and counted `can
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
+import pydantic_core
 import uvicorn
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 
@@ -46,7 +46,14 @@ from subagents import SUBAGENTS, image_ops
 from subagents.backends import LLM, BackendConfig, BackendError, build_llm
 from subagents.common import ToolResponse, fail
 from tool_server.config import ServerConfig
-from tool_server.host import INTERNAL_MESSAGE, SESSION_HEADER, SubAgent, ToolHost, tool_schema
+from tool_server.host import (
+    INTERNAL_MESSAGE,
+    SESSION_HEADER,
+    SubAgent,
+    ToolHost,
+    invalid_args_message,
+    tool_schema,
+)
 from tool_server.limits import (
     AuthMiddleware,
     BodyLimitMiddleware,
@@ -175,14 +182,42 @@ async def call_tool(name: str, request: Request) -> Response:
 
 
 @router.post("/v1/batch")
-async def call_batch(batch: BatchRequest, request: Request) -> dict[str, list[dict[str, Any]]]:
+async def call_batch(request: Request) -> Response:
     host = _host(request)
+    try:
+        batch = _batch_request(await request.body())
+    except ValueError as exc:  # not JSON, NaN or Infinity, a lone surrogate, too deep, not a batch
+        return _invalid_body(str(exc))
     if len(batch.calls) > host.cfg.max_batch_calls:
-        raise HTTPException(422, f"{len(batch.calls)} calls in one batch; at most {host.cfg.max_batch_calls}")
+        return _invalid_body(f"{len(batch.calls)} calls in one batch; at most {host.cfg.max_batch_calls}")
     session = request.headers.get(SESSION_HEADER, "default")
     # Each item is its own result (call_as_result answers a bug as `internal`), so none can fail the batch.
     results = await asyncio.gather(*(_batch_item(host, call, session) for call in batch.calls))
-    return {"results": [_dump(result) for result in results]}
+    return JSONResponse({"results": [_dump(result) for result in results]})
+
+
+def json_body(body: bytes) -> Any:
+    """A request body as JSON, strictly: NaN and Infinity, lone surrogates (which no JSON answer can carry back)
+    and nesting past pydantic's depth limit (200) are ValueErrors whose text gives a position, never the input."""
+    try:
+        return pydantic_core.from_json(body, allow_inf_nan=False)
+    except ValueError as exc:
+        raise ValueError(
+            f"the body is not valid JSON ({exc}; no NaN or Infinity, no lone surrogates)"
+        ) from None
+
+
+def _batch_request(body: bytes) -> BatchRequest:
+    """The batch envelope; ValueError saying what is wrong with it (the input itself is never echoed)."""
+    try:
+        return BatchRequest.model_validate(json_body(body))
+    except ValidationError as exc:
+        raise ValueError(invalid_args_message(exc)) from None
+
+
+def _invalid_body(message: str) -> JSONResponse:
+    """422 for a body the caller's program got wrong (not a policy's call: those are results)."""
+    return JSONResponse({"error": {"kind": "invalid_args", "message": message}}, status_code=422)
 
 
 async def _batch_item(host: ToolHost, call: BatchCall, session: str) -> ToolResponse:
@@ -227,8 +262,8 @@ async def swap_backend(tool: str, request: Request) -> Response:
         raise HTTPException(404, f"unknown tool {tool!r}; tools: {', '.join(host.subagents)}")
     try:
         backend_cfg = _backend_config(await request.body())
-    except ValueError as exc:  # not JSON, not an object, an unknown key or a wrong type
-        return JSONResponse({"error": {"kind": "invalid_args", "message": str(exc)}}, status_code=422)
+    except ValueError as exc:  # not strict JSON, not an object, an unknown key, a value out of range
+        return _invalid_body(str(exc))
     try:
         model_id = await host.swap_backend(tool, backend_cfg)
     except (BackendError, OSError) as exc:  # what building a model raises for a bad name, path or device
@@ -238,7 +273,7 @@ async def swap_backend(tool: str, request: Request) -> Response:
 
 def _backend_config(body: bytes) -> BackendConfig:
     """A BackendConfig from JSON, checked like the TOML file: unknown keys and wrong types are errors."""
-    data = json.loads(body)
+    data = json_body(body)
     if not isinstance(data, dict):
         raise ValueError("the body must be a JSON object of BackendConfig fields")
     return build(BackendConfig, data, "the BackendConfig body")
