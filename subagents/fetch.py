@@ -5,7 +5,7 @@ URLs come from the policy, so they are untrusted input that must not reach the m
    read as the OS reads them (`2130706433`, `0x7f000001`, `127.1`, `0` are IPv4 literals, not names).
 2. One lookup; `check_address` refuses the hop if ANY address is not global (loopback, private, link-local,
    CGNAT, multicast, reserved, IPv6 prefixes carrying IPv4) or is a cloud metadata endpoint.
-   `allow_private_cidrs` opens listed networks, never metadata addresses.
+   `allow_private_cidrs` opens listed networks (or one port of an address), never metadata addresses.
 3. The socket goes to the checked IP (URL rewritten; Host header, TLS SNI and certificate check keep the
    name), so DNS rebinding has no second lookup to win. Redirects are followed by hand, each hop re-checked.
 4. The body is decoded here with a hard cap on decoded bytes, so a gzip bomb stops at `max_bytes`.
@@ -65,7 +65,9 @@ class FetchConfig:
     """Limits and exceptions for `Fetcher`."""
 
     allow_private_cidrs: tuple[str, ...] = ()
-    """Networks reachable despite not being global, e.g. ("127.0.0.0/8",) for a loopback test server."""
+    """Networks reachable despite not being global, e.g. ("127.0.0.0/8",) for a loopback test server, each on
+    every port; or one port of one address, "10.0.0.5:8080" or "[fd00::5]:8080", which keeps the other
+    services on that address (a database on :6379) out of reach: prefer that form for a single server."""
     max_bytes: int = 5_000_000
     """Cap on decoded body bytes: 5 MB holds any article page; more is a media file or an attack."""
     max_redirects: int = 5
@@ -162,6 +164,20 @@ def check_address(ip: IPAddress, allow: Sequence[Network]) -> None:
     kind = _special_kind(ip)
     if kind is not None:
         raise ToolFailure("blocked_url", f"{ip} is not a public address ({kind})")
+
+
+def allowed_network(entry: str) -> tuple[Network, int | None]:
+    """An `allow_private_cidrs` entry: a network on every port ("10.0.0.0/8", "fd00::/8"), or one address on
+    one port ("10.0.0.5:8080", "[fd00::5]:8080"). ValueError for anything else."""
+    if entry.startswith("["):
+        host, _, port = entry[1:].partition("]:")
+    elif entry.count(":") == 1:
+        host, _, port = entry.partition(":")
+    else:
+        return ipaddress.ip_network(entry), None
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"allow_private_cidrs entry {entry!r}: expected a network, or address:port")
+    return ipaddress.ip_network(host), int(port)
 
 
 def _embedded_ipv4(ip: IPAddress) -> ipaddress.IPv4Address | None:
@@ -265,7 +281,7 @@ class Fetcher:
     ) -> None:
         self.cfg = cfg
         self._resolver = resolver or resolve_host
-        self._allow = tuple(ipaddress.ip_network(c) for c in cfg.allow_private_cidrs)
+        self._allow = tuple(map(allowed_network, cfg.allow_private_cidrs))
         self._roots = tuple(Path(r).resolve() for r in roots)  # what file:// URLs may read ([files] roots)
         self._timeout = httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s).as_dict()
         # Straight to the transport, no httpx.AsyncClient: a client builds the next request of every 3xx even
@@ -319,8 +335,9 @@ class Fetcher:
             addresses = [ipaddress.ip_address(a) for a in found]
         if not addresses:
             raise ToolFailure("fetch_failed", f"{target.host} has no addresses")
+        allow = [network for network, port in self._allow if port in (None, target.port)]
         for address in addresses:
-            check_address(address, self._allow)
+            check_address(address, allow)
         return addresses[0]
 
     async def _send(self, target: ParsedTarget, ip: IPAddress) -> httpx.Response:

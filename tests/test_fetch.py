@@ -133,6 +133,24 @@ async def test_metadata_addresses_are_blocked_even_inside_allowed_networks(url: 
     assert net.requests == []
 
 
+async def test_an_allowed_address_port_opens_that_port_only() -> None:
+    """The attack fetched a listener on :6379 of the one allowed address. An "address:port" entry opens that
+    port alone: other ports of the address are blocked_url, directly or through a redirect; a network entry
+    still opens every port; a malformed entry fails at start-up."""
+    only = FetchConfig(allow_private_cidrs=("10.0.0.5:8080", "[fd00::5]:443"))
+    net = Net(redirect_to("http://10.0.0.5:6379/"), cfg=only)
+    assert await failure(net, "http://10.0.0.5:6379/") == "blocked_url"
+    assert await failure(net, "http://10.0.0.6:8080/") == "blocked_url"
+    assert await failure(net, "https://[fd00::5]:8443/") == "blocked_url"
+    assert await failure(net, "http://10.0.0.5:8080/go") == "blocked_url"  # its redirect to :6379
+    assert [str(r.url) for r in net.requests] == ["http://10.0.0.5:8080/go"]
+    assert (await Net(cfg=only).fetcher.fetch("https://[fd00::5]/")).status == 200
+    everywhere = Net(cfg=FetchConfig(allow_private_cidrs=("10.0.0.0/8",)))
+    assert (await everywhere.fetcher.fetch("http://10.0.0.5:6379/")).status == 200
+    with pytest.raises(ValueError, match="address:port"):
+        Fetcher(FetchConfig(allow_private_cidrs=("10.0.0.5:http",)))
+
+
 @pytest.mark.parametrize(
     "address",
     [

@@ -622,3 +622,20 @@ def test_bodies_no_json_answer_can_echo_are_refused_on_every_route() -> None:
         assert client.get("/health").status_code == 200
         calls = [{"name": "search", "arguments": {"text": "fine"}}]
         assert client.post("/v1/batch", json={"calls": calls}).json()["results"][0]["echo"] == "fine"
+
+
+def test_two_origins_are_refused_and_a_hosts_trailing_dot_is_the_same_name() -> None:
+    """Over real sockets: two Origin headers are 403 whichever comes first (the first used to win), and
+    `localhost.:<port>` (the same name with its root dot, which got 421) is accepted as Host and in an Origin,
+    while a foreign name with a dot stays 421."""
+    with serving(fake_app()) as url, httpx.Client(base_url=url, timeout=10) as client:
+        port = int(url.rsplit(":", 1)[1])
+        mine, evil = f"http://127.0.0.1:{port}", "http://evil.example"
+        for first, second in ((mine, evil), (evil, mine)):
+            reply = client.get("/v1/tools", headers=[("Origin", first), ("Origin", second)])
+            assert (reply.status_code, reply.json()["error"]["kind"]) == (403, "bad_origin")
+        dotted = client.get(
+            "/health", headers={"Host": f"localhost.:{port}", "Origin": f"http://localhost.:{port}"}
+        )
+        foreign = client.get("/health", headers={"Host": f"evil.example.:{port}"})
+    assert dotted.status_code == 200 and foreign.status_code == 421

@@ -105,7 +105,8 @@ class HostGuardMiddleware:
       the connection arrived on, so a server bound to port 0 takes whichever port it got, and the bare names
       on port 80), or one of `allowed_hosts`; else 421.
     - Origin, when present, must be http:// plus one of those Host values, or one of `allowed_origins`;
-      else 403.
+      else 403. Two Origin headers are 403 whatever they say (which one counts would be a guess).
+    A name's trailing root dot is dropped before comparing (`localhost.:8700` is `localhost:8700`).
     In-process calls (httpx.ASGITransport, Starlette's TestClient) have no socket, so no browser behind
     them: their ASGI `server` holds the client's base-URL host ("embedded", "testserver") where a socket
     server puts the IP address it listens on, and the policy is skipped for them. A scope with no `server`
@@ -117,7 +118,7 @@ class HostGuardMiddleware:
     ) -> None:
         self.app = app
         self._port = port
-        self._hosts = frozenset(host.lower() for host in allowed_hosts)
+        self._hosts = frozenset(_absolute_dot_dropped(host.lower()) for host in allowed_hosts)
         self._origins = frozenset(origin.lower() for origin in allowed_origins)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -126,12 +127,15 @@ class HostGuardMiddleware:
             return
         headers = Headers(scope=scope)
         hosts = self._hosts_for(scope)
-        host, origin = headers.get("host", "").lower(), headers.get("origin")
+        host_values, origins = headers.getlist("host"), headers.getlist("origin")
+        host = _absolute_dot_dropped(host_values[0].lower()) if len(host_values) == 1 else ""
         if host not in hosts:
             message = f"Host {host[:100]!r} is not this server (see allowed_hosts)"
             await _send_json(send, 421, _error("bad_host", message), {})
-        elif origin is not None and not self._origin_allowed(origin.lower(), hosts):
-            message = f"Origin {origin[:100]!r} may not call this server (see allowed_origins)"
+        elif len(origins) > 1:  # which one a browser, a proxy or this check reads would differ: refuse both
+            await _send_json(send, 403, _error("bad_origin", "more than one Origin header"), {})
+        elif origins and not self._origin_allowed(origins[0].lower(), hosts):
+            message = f"Origin {origins[0][:100]!r} may not call this server (see allowed_origins)"
             await _send_json(send, 403, _error("bad_origin", message), {})
         else:
             await self.app(scope, receive, send)
@@ -146,7 +150,16 @@ class HostGuardMiddleware:
         return self._hosts.union(named)
 
     def _origin_allowed(self, origin: str, hosts: frozenset[str]) -> bool:
-        return origin in self._origins or (origin.startswith("http://") and origin[len("http://") :] in hosts)
+        if origin in self._origins:
+            return True
+        return origin.startswith("http://") and _absolute_dot_dropped(origin[len("http://") :]) in hosts
+
+
+def _absolute_dot_dropped(host: str) -> str:
+    """`localhost.:8700` -> `localhost:8700`: a name with its root's trailing dot is the same name (RFC 1034),
+    which clients may send; an attacker's rebinding name stays foreign either way."""
+    name, colon, port = host.rpartition(":")  # an IPv6 literal ends in "]" either way: nothing to drop
+    return f"{name.removesuffix('.')}:{port}" if colon else host.removesuffix(".")
 
 
 def _in_process(scope: Scope) -> bool:
