@@ -17,11 +17,13 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
 from subagents.backends import BackendConfig, BackendError, build_llm
 from tests.tool_server_fakes import FakeFactory, fake_subagents, make_config, running, serving, with_limits
 from tool_server.app import create_app, serve, uvicorn_config
 from tool_server.config import ServerConfig, ToolLimits, ToolsConfig, default_tools
+from tool_server.connections import HEALTH_RESERVE
 from tool_server.limits import is_loopback
 
 TOKEN = "s3cret-token"
@@ -184,7 +186,7 @@ def test_idle_and_slow_connections_are_closed_and_never_block_other_clients() ->
         if hard != resource.RLIM_INFINITY and hard < 2000:
             pytest.skip(f"open-file limit {soft}/{hard} is too low for 1200 sockets")
         resource.setrlimit(resource.RLIMIT_NOFILE, (2000, hard))
-    cfg = make_config(port=0, request_timeout_s=1.0)
+    cfg = make_config(port=0, request_timeout_s=1.0, keep_alive_s=30.0, max_connections_per_peer=1000)
     app = app_for(cfg)
     with (
         serving(app, config=uvicorn_config(cfg, app)) as url,
@@ -409,3 +411,154 @@ def test_the_start_up_config_refuses_the_same_values(tmp_path: Path) -> None:
         path.write_text(f"[page_qa.model]\n{line}\n")
         with pytest.raises(ConfigError, match=line.split(" ")[0]):
             load_config(path)
+
+
+# ---------------------------------------------------------------- connection slots under attack (loopback)
+
+# A small cap stands in for the shipped 2,048 (the rule is the same at any size): the attacks below open 3x it.
+CAP = 32
+ATTACKERS = 3 * CAP
+PROBES = 20
+
+
+def raw_socket(port: int, *, source: str = "127.0.0.1") -> socket.socket:
+    """A loopback connection from `source` (any 127.x address is this machine: another peer to the server)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+    return sock
+
+
+def request_bytes(port: int, method: str, path: str, body: bytes = b"", **headers: str) -> bytes:
+    head = [f"{method} {path} HTTP/1.1", f"Host: 127.0.0.1:{port}", f"Content-Length: {len(body)}"]
+    head += [f"{name.replace('_', '-')}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def probe_rates(url: str) -> dict[str, float]:
+    """The share of /health probes and of tool calls answered ok, each on a fresh connection."""
+    health = tools = 0
+    for i in range(PROBES):
+        with httpx.Client(base_url=url, timeout=5) as client:
+            health += client.get("/health").status_code == 200
+        with httpx.Client(base_url=url, timeout=5) as client:
+            reply = client.post("/v1/tools/search", json={"text": f"probe {i}"})
+            tools += reply.status_code == 200 and reply.json()["ok"]
+    return {"health": health / PROBES, "tool": tools / PROBES}
+
+
+def guarded_server(**server: Any) -> tuple[Any, uvicorn.Config]:
+    """The fake app under the shipped uvicorn settings with a CAP-connection limit (and `server` changes)."""
+    limits = ToolLimits(max_concurrency=4 * CAP, queue_timeout_s=10)  # the gates never refuse in these tests
+    settings = {"max_connections": CAP, "max_connections_per_peer": CAP, "keep_alive_s": 30.0, **server}
+    cfg = make_config(port=0, request_timeout_s=2.0, tools=with_limits(search=limits), **settings)
+    app = app_for(cfg)
+    return app, uvicorn_config(cfg, app, log_level="warning")
+
+
+def test_streams_idle_sockets_and_kept_alive_pollers_cannot_fill_the_connection_slots() -> None:
+    """The three slot attacks, each at 3x the connection cap from the policy's own address: GET /mcp streams
+    (now 405 at once: no stream is held), sockets that never send a request, and kept-alive sockets that
+    polled /health once. Idle connections are closed to make room, so /health probes and the policy's tool
+    calls on fresh connections all succeed (before: 503 for most probes once the cap was full)."""
+    app, config = guarded_server()
+    accept_sse = {"Accept": "text/event-stream"}
+    attacks = {
+        "mcp_streams": request_bytes(0, "GET", "/mcp", **accept_sse),
+        "idle_sockets": b"",
+        "kept_alive_pollers": request_bytes(0, "GET", "/health"),
+    }
+    rates = {}
+    with serving(app, config=config) as url:
+        port = int(url.rsplit(":", 1)[1])
+        registry = config.http.registry  # type: ignore[union-attr]
+        for name, first in attacks.items():
+            held = [raw_socket(port) for _ in range(ATTACKERS)]
+            try:
+                for sock in held:
+                    sock.sendall(first.replace(b"Host: 127.0.0.1:0", f"Host: 127.0.0.1:{port}".encode()))
+                if first:  # answered at once (b"": evicted, idle after its answer or before its request)
+                    answers = [sock.recv(200) for sock in held[-CAP:]]
+                    expected = b"HTTP/1.1 405" if name == "mcp_streams" else b"HTTP/1.1 200"
+                    assert all(a.startswith(expected) or a == b"" for a in answers), answers[:2]
+                    assert sum(a.startswith(expected) for a in answers) >= CAP // 2, answers[:2]
+                rates[name] = probe_rates(url)
+                assert len(registry) <= CAP + HEALTH_RESERVE, len(registry)  # never past the reserve
+            finally:
+                for sock in held:
+                    sock.close()
+        evicted = registry.evicted
+    print(f"probe success rates at {ATTACKERS} attacking sockets, cap {CAP}: {rates}; evicted {evicted}")
+    assert all(rate == {"health": 1.0, "tool": 1.0} for rate in rates.values()), rates
+    assert evicted >= ATTACKERS - CAP
+
+
+def busy_within(registry: Any, count: int, *, seconds: float = 5.0) -> None:
+    """Wait (bounded) until `count` connections run a request."""
+    deadline = time.monotonic() + seconds
+    while registry.busy_count < count:
+        assert time.monotonic() < deadline, f"{registry.busy_count} busy, expected {count}"
+        time.sleep(0.02)
+
+
+def fill(port: int, registry: Any, body: bytes, *, sources: list[str], share: int) -> list[socket.socket]:
+    """`share` connections from each source address, each running a slow call (waits until they all run)."""
+    post = request_bytes(port, "POST", "/v1/tools/search", body, Content_Type="application/json")
+    held, before = [], registry.busy_count
+    for source in sources:
+        for _ in range(share):
+            held.append(raw_socket(port, source=source))
+            held[-1].sendall(post)
+    busy_within(registry, before + len(held))
+    return held
+
+
+def test_a_peer_past_its_share_is_refused_and_health_answers_when_every_slot_is_busy() -> None:
+    """Connections that all run slow calls cannot be closed: then the caps hold. Three other addresses fill
+    their per-peer shares with running calls: one more call from one of them is a 503 + Retry-After, while the
+    policy's address (127.0.0.1) is served. Once the policy's share runs calls too, every slot is busy: /health
+    still answers from its reserve, a call from a fifth address gets a structured 503, and after the slow calls
+    end calls succeed again."""
+    share = CAP // 4
+    app, config = guarded_server(max_connections_per_peer=share)
+    registry = config.http.registry  # type: ignore[union-attr]
+    slow = json.dumps({"text": "slow", "delay_s": 3.0}).encode()
+    with serving(app, config=config) as url:
+        port = int(url.rsplit(":", 1)[1])
+        held = fill(port, registry, slow, sources=["127.0.0.2", "127.0.0.3", "127.0.0.4"], share=share)
+        with raw_socket(port, source="127.0.0.2") as extra:
+            extra.sendall(request_bytes(port, "POST", "/v1/tools/search", b'{"text": "more"}'))
+            refused = extra.recv(1000)
+        policy_ok = httpx.post(f"{url}/v1/tools/search", json={"text": "mine"}, timeout=5).json()["ok"]
+        held += fill(port, registry, slow, sources=["127.0.0.1"], share=share)  # every slot runs a call
+        health = httpx.get(f"{url}/health", timeout=5)
+        with httpx.Client(
+            base_url=url, timeout=5, transport=httpx.HTTPTransport(local_address="127.0.0.5")
+        ) as c:
+            full = c.post("/v1/tools/search", json={"text": "no room"})
+        finished = [sock.recv(1000) for sock in held]
+        after = httpx.post(f"{url}/v1/tools/search", json={"text": "later"}, timeout=5)
+        for sock in held:
+            sock.close()
+    assert refused.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in refused.lower(), refused
+    assert policy_ok is True and health.status_code == 200
+    assert (full.status_code, full.json()["error"]["kind"], full.headers["Retry-After"]) == (
+        503,
+        "overloaded",
+        "1",
+    )
+    assert len(finished) == CAP and all(answer.startswith(b"HTTP/1.1 200") for answer in finished)
+    assert after.json()["ok"] is True
+
+
+def test_a_response_past_its_lifetime_has_its_connection_closed() -> None:
+    """A response still unfinished `response_timeout_s` after its request (a stream, a stuck handler) has its
+    connection closed by the server, which stays healthy; a quick call on the same settings is untouched."""
+    app, config = guarded_server(response_timeout_s=1.0)
+    with serving(app, config=config) as url, httpx.Client(base_url=url, timeout=10) as client:
+        started = time.monotonic()
+        with pytest.raises(httpx.RemoteProtocolError):
+            client.post("/v1/tools/search", json={"text": "stuck", "delay_s": 5})
+        cut_after = time.monotonic() - started
+        quick = client.post("/v1/tools/search", json={"text": "quick"}).json()
+        health = client.get("/health").status_code
+    assert 0.9 < cut_after < 3, cut_after
+    assert quick["ok"] is True and health == 200

@@ -7,7 +7,7 @@ Routes (bodies are JSON):
     GET  /v1/images/{id}         PNG thumbnail from the caller's image session, or 404
     GET  /health, GET /metrics   liveness; per-tool counts, errors, latency p50/p95, cache, queue depth
     POST /admin/backends/{tool}  body = BackendConfig: hot-swap the model behind one tool (token required)
-    /mcp                         the same tools over MCP (mcp_server.py)
+    /mcp                         the same tools over MCP (mcp_server.py); POST only, a GET stream is 405
 
 Outcome policy. A policy's mistake is an observation, not an HTTP error: arguments that fail validation
 give 200 with `{"ok": false, "error": {"kind": "invalid_args", ...}}`, as do the sub-agents' own
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -40,12 +41,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from conductor.settings import build
 from subagents import SUBAGENTS, image_ops
 from subagents.backends import LLM, BackendConfig, BackendError, build_llm
 from subagents.common import ToolResponse, fail
 from tool_server.config import ServerConfig
+from tool_server.connections import HEALTH_RESERVE, guarded_h11
 from tool_server.host import (
     INTERNAL_MESSAGE,
     SESSION_HEADER,
@@ -55,6 +58,7 @@ from tool_server.host import (
     tool_schema,
 )
 from tool_server.limits import (
+    OPEN_PATHS,
     AuthMiddleware,
     BodyLimitMiddleware,
     HostGuardMiddleware,
@@ -62,7 +66,6 @@ from tool_server.limits import (
     is_loopback,
     load_token,
     require_token_off_loopback,
-    timed_h11,
 )
 from tool_server.mcp_server import build_mcp
 
@@ -105,7 +108,7 @@ def create_app(
 
     app = FastAPI(title="Conductor tool server", lifespan=lifespan)
     app.include_router(router)
-    app.router.routes.append(Route("/mcp", endpoint=mcp.app, include_in_schema=False))  # an ASGI app
+    app.router.routes.append(Route("/mcp", endpoint=NoStreams(mcp.app), include_in_schema=False))
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     app.add_middleware(AuthMiddleware, token=token)  # outside the body limit: no body read before auth
     hosts = {"allowed_hosts": cfg.allowed_hosts, "allowed_origins": cfg.allowed_origins}
@@ -113,6 +116,22 @@ def create_app(
     app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(Exception, _internal_error)
     return app
+
+
+class NoStreams:
+    """/mcp without the server-to-client stream: a GET (the only way to open one) is 405, as the Streamable HTTP
+    spec lets a server without one answer. The endpoint is stateless and never sends on such a stream, which
+    stayed open for ever (a ping every 15 s) and held a connection each: 2,100 of them starved the server."""
+
+    def __init__(self, mcp_app: ASGIApp) -> None:
+        self.mcp_app = mcp_app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "GET":
+            body = _error_body("method_not_allowed", "/mcp offers no GET stream; POST JSON-RPC messages")
+            await JSONResponse(body, 405, headers={"Allow": "POST"})(scope, receive, send)
+            return
+        await self.mcp_app(scope, receive, send)
 
 
 def _check_subagents(subagents: Mapping[str, SubAgent], cfg: ServerConfig) -> None:
@@ -217,7 +236,11 @@ def _batch_request(body: bytes) -> BatchRequest:
 
 def _invalid_body(message: str) -> JSONResponse:
     """422 for a body the caller's program got wrong (not a policy's call: those are results)."""
-    return JSONResponse({"error": {"kind": "invalid_args", "message": message}}, status_code=422)
+    return JSONResponse(_error_body("invalid_args", message), status_code=422)
+
+
+def _error_body(kind: str, message: str) -> dict[str, Any]:
+    return {"error": {"kind": kind, "message": message}}
 
 
 async def _batch_item(host: ToolHost, call: BatchCall, session: str) -> ToolResponse:
@@ -279,30 +302,43 @@ def _backend_config(body: bytes) -> BackendConfig:
     return build(BackendConfig, data, "the BackendConfig body")
 
 
-# Uvicorn limits. Keep-alive: the rollout client reuses connections between turns a few seconds apart.
-# Concurrency: at this many open connections (idle ones included) or running requests uvicorn answers 503
-# at once. Idle and slow sockets are closed after `request_timeout_s` (TimedH11Protocol), so the cap only
-# has to stay far above what a burst of them can hold meanwhile (a few hundred) and above the real peak
-# (rollout clients pool <= 16 connections each), and below the file-descriptor limit (20000 here; one fd per
-# connection, the rest for fetches, models and ffmpeg; with the common 1024 the OS refuses first, so
-# raise `ulimit -n`). The work itself is bounded by the per-tool gates, not by this number.
-TIMEOUT_KEEP_ALIVE_S = 30
-LIMIT_CONCURRENCY = 2048
 GRACEFUL_SHUTDOWN_S = 30  # in-flight model calls get this long to finish on Ctrl-C
+# File descriptors besides the connections: fetches, model files, ffmpeg pipes, the OCR models, logs.
+SPARE_FDS = 512
 
 
-def uvicorn_config(cfg: ServerConfig, app: FastAPI) -> uvicorn.Config:
-    """uvicorn settings for `app`: the h11 protocol with `cfg.request_timeout_s` and the limits above."""
+def uvicorn_config(cfg: ServerConfig, app: FastAPI, *, log_level: str = "info") -> uvicorn.Config:
+    """uvicorn settings for `app`: the guarded h11 protocol (tool_server/connections.py) with `cfg`'s deadlines
+    and connection caps in place of uvicorn's `limit_concurrency`, which counts idle sockets and /health alike."""
+    http = guarded_h11(
+        request_timeout_s=cfg.request_timeout_s,
+        response_timeout_s=cfg.response_timeout_s,
+        max_connections=cfg.max_connections,
+        per_peer=cfg.max_connections_per_peer,
+        open_paths=OPEN_PATHS,
+    )
     return uvicorn.Config(
         app,
         host=cfg.host,
         port=cfg.port,
-        http=timed_h11(cfg.request_timeout_s),
-        timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S,
-        limit_concurrency=LIMIT_CONCURRENCY,
+        http=http,
+        timeout_keep_alive=cfg.keep_alive_s,  # type: ignore[arg-type]  # uvicorn types it int; a float works
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        log_level="info",
+        log_level=log_level,
     )
+
+
+def check_fd_limit(cfg: ServerConfig) -> None:
+    """Raise the soft open-file limit to what `max_connections` needs (the hard limit allows), or warn."""
+    needed = cfg.max_connections + HEALTH_RESERVE + SPARE_FDS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        if hard == resource.RLIM_INFINITY or hard >= needed:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+        else:
+            logger.warning(
+                "open-file limit %d < %d: lower max_connections or raise `ulimit -n`", hard, needed
+            )
 
 
 def serve(cfg: ServerConfig) -> None:
@@ -310,5 +346,6 @@ def serve(cfg: ServerConfig) -> None:
     app = create_app(cfg)
     if not is_loopback(cfg.host) and not cfg.allowed_hosts:
         logger.warning("bound to %s with no allowed_hosts: any Host but loopback names gets 421", cfg.host)
+    check_fd_limit(cfg)
     logger.info("tool server on http://%s:%d (MCP at /mcp)", cfg.host, cfg.port)
     uvicorn.Server(uvicorn_config(cfg, app)).run()

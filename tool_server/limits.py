@@ -10,8 +10,8 @@ Auth rules (AuthMiddleware):
   Missing or wrong: 401 with `WWW-Authenticate: Bearer`. Compared with `hmac.compare_digest`.
 - /admin/* always needs the token, loopback or not; with no token configured admin is disabled (403).
 
-Connection rule (TimedH11Protocol): a connection must deliver each request whole within
-`request_timeout_s`, so idle and slow-sending sockets are closed instead of holding the server's slots.
+Connection rules (request deadline, keep-alive, response lifetime, connection caps per peer and in all, a
+reserve for /health): tool_server/connections.py.
 
 Overload rule (ToolGate): each tool runs at most `max_concurrency` calls; a call waits at most
 `queue_timeout_s` for a slot, then `Overloaded` (HTTP 429 + Retry-After). Nothing waits unboundedly.
@@ -29,12 +29,9 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
-import h11
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tool_server.config import ServerConfig, ToolLimits
 
@@ -172,59 +169,6 @@ def _in_process(scope: Scope) -> bool:
     except ValueError:
         return True
     return False
-
-
-class TimedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a request deadline: a connection must deliver each request whole (headers
-    and body) within `request_timeout_s` of opening, or of the first byte of its next request after a
-    kept-alive response; past it the connection is closed. Between requests uvicorn's keep-alive timeout
-    applies as before.
-
-    Why: uvicorn 0.54 has no header or body timeout (its `timeout_keep_alive` starts only after a
-    response), so a socket that never completes a request was held for ever, and counted against
-    `limit_concurrency`: 520 idle sockets made every route answer 503. Use `timed_h11(seconds)`.
-    """
-
-    request_timeout_s: float = 10.0
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._request_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm()
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):  # a request has begun and is not whole yet
-            self._arm()
-        else:
-            self._disarm()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
-
-    def _arm(self) -> None:
-        if self._request_timer is None:
-            self._request_timer = self.loop.call_later(self.request_timeout_s, self._timed_out)
-
-    def _disarm(self) -> None:
-        if self._request_timer is not None:
-            self._request_timer.cancel()
-            self._request_timer = None
-
-    def _timed_out(self) -> None:
-        self._request_timer = None
-        if not self.transport.is_closing():
-            self.logger.debug("closing %s: no whole request within %g s", self.client, self.request_timeout_s)
-            self.transport.close()
-
-
-def timed_h11(request_timeout_s: float) -> type[TimedH11Protocol]:
-    """A `TimedH11Protocol` with this deadline, to pass as `uvicorn.Config(http=...)`."""
-    return type("TimedH11Protocol", (TimedH11Protocol,), {"request_timeout_s": request_timeout_s})
 
 
 class AuthMiddleware:
