@@ -480,6 +480,7 @@ def test_streams_idle_sockets_and_kept_alive_pollers_cannot_fill_the_connection_
                     expected = b"HTTP/1.1 405" if name == "mcp_streams" else b"HTTP/1.1 200"
                     assert all(a.startswith(expected) or a == b"" for a in answers), answers[:2]
                     assert sum(a.startswith(expected) for a in answers) >= CAP // 2, answers[:2]
+                quiet_within(registry)  # every attacking socket now holds a slot without running a request
                 rates[name] = probe_rates(url)
                 assert len(registry) <= CAP + HEALTH_RESERVE, len(registry)  # never past the reserve
             finally:
@@ -489,6 +490,14 @@ def test_streams_idle_sockets_and_kept_alive_pollers_cannot_fill_the_connection_
     print(f"probe success rates at {ATTACKERS} attacking sockets, cap {CAP}: {rates}; evicted {evicted}")
     assert all(rate == {"health": 1.0, "tool": 1.0} for rate in rates.values()), rates
     assert evicted >= ATTACKERS - CAP
+
+
+def quiet_within(registry: Any, *, seconds: float = 5.0) -> None:
+    """Wait (bounded) until no connection runs a request."""
+    deadline = time.monotonic() + seconds
+    while registry.busy_count:
+        assert time.monotonic() < deadline, f"{registry.busy_count} connections still busy"
+        time.sleep(0.02)
 
 
 def busy_within(registry: Any, count: int, *, seconds: float = 5.0) -> None:
