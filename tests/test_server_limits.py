@@ -571,3 +571,34 @@ def test_a_response_past_its_lifetime_has_its_connection_closed() -> None:
         health = client.get("/health").status_code
     assert 0.9 < cut_after < 3, cut_after
     assert quick["ok"] is True and health == 200
+
+
+def test_serve_raises_the_open_file_limit_to_what_the_connection_cap_needs(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One descriptor per connection: a soft limit under max_connections + the /health reserve + spares is
+    raised when the hard limit allows, and a warning names the fix when it does not."""
+    from tool_server import app as app_module
+
+    set_to: list[tuple[int, int]] = []
+    monkeypatch.setattr(resource, "setrlimit", lambda kind, limits: set_to.append(limits))
+    cfg = make_config(max_connections=1000)
+    needed = 1000 + HEALTH_RESERVE + app_module.SPARE_FDS
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (256, 100_000))
+    app_module.check_fd_limit(cfg)
+    assert set_to == [(needed, 100_000)]
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (256, 512))
+    with caplog.at_level(logging.WARNING):
+        app_module.check_fd_limit(cfg)
+    assert set_to == [(needed, 100_000)] and "ulimit -n" in caplog.text
+
+
+async def test_mcp_offers_no_get_stream() -> None:
+    """GET /mcp (an SSE stream that never closed, a ping every 15 s) is 405 with Allow: POST; POST still works."""
+    async with running(app_for(make_config())) as client:
+        stream = await client.get("/mcp", headers={"Accept": "text/event-stream"})
+        message = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+        accept = {"Accept": "application/json, text/event-stream"}
+        listed = await client.post("/mcp", json=message, headers=accept)
+    assert (stream.status_code, stream.headers["Allow"]) == (405, "POST")
+    assert listed.status_code == 200 and listed.json()["result"]["tools"]
