@@ -25,32 +25,19 @@ import mimetypes
 import re
 import socket
 import zlib
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from subagents.common import ToolFailure
+from subagents.addresses import IPAddress, allowed_network, check_address
+from subagents.common import ToolFailure, local_file
 
 log = logging.getLogger(__name__)
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 """`(host, port) -> addresses as strings`; injected in tests to script DNS answers."""
-
-# Instance metadata services hand out cloud credentials; refused even when their network is allowed: AWS/GCP/
-# Azure IMDS, AWS IMDS over IPv6, AWS ECS credentials, Alibaba, Azure WireServer (public range: only this list
-# catches it), Oracle Cloud.
-_METADATA_IPS = "169.254.169.254 fd00:ec2::254 169.254.170.2 100.100.100.200 168.63.129.16 192.0.0.192"
-_METADATA = frozenset(map(ipaddress.ip_address, _METADATA_IPS.split()))
-# IPv6 prefixes that carry an IPv4 address to a gateway we cannot see; refused outright. The second group
-# keeps the IPv4 address in the low 32 bits (IPv4-compatible, NAT64 well-known and local-use).
-_EMBEDS_LOW_V4 = tuple(map(ipaddress.IPv6Network, ("::/96", "64:ff9b::/96", "64:ff9b:1::/48")))
-_MAPPED_TEREDO = ("::ffff:0:0/96", "2001::/32")
-_TRANSITION_V6 = (*map(ipaddress.IPv6Network, _MAPPED_TEREDO), *_EMBEDS_LOW_V4)
-_SIX_TO_FOUR = ipaddress.IPv6Network("2002::/16")  # reaches the embedded IPv4 address: judged by that address
 _LOOPBACK_V4 = ipaddress.IPv4Address("127.0.0.1")
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _WEB_SCHEMES = ("http", "https")
@@ -65,9 +52,8 @@ class FetchConfig:
     """Limits and exceptions for `Fetcher`."""
 
     allow_private_cidrs: tuple[str, ...] = ()
-    """Networks reachable despite not being global, e.g. ("127.0.0.0/8",) for a loopback test server, each on
-    every port; or one port of one address, "10.0.0.5:8080" or "[fd00::5]:8080", which keeps the other
-    services on that address (a database on :6379) out of reach: prefer that form for a single server."""
+    """Networks reachable despite not being global, on every port ("127.0.0.0/8" for a loopback test server), or
+    one address and port ("10.0.0.5:8080", "[fd00::5]:8080"): then its other services (a :6379) stay closed."""
     max_bytes: int = 5_000_000
     """Cap on decoded body bytes: 5 MB holds any article page; more is a media file or an attack."""
     max_redirects: int = 5
@@ -149,64 +135,6 @@ def _parse_host(raw: str) -> tuple[str, IPAddress | None]:
     return str(ip4), ip4
 
 
-def check_address(ip: IPAddress, allow: Sequence[Network]) -> None:
-    """Raise ToolFailure('blocked_url') unless `ip` is globally routable or in `allow` (metadata never is)."""
-    if ip in _METADATA or _embedded_ipv4(ip) in _METADATA:
-        raise ToolFailure("blocked_url", f"{ip} is a cloud metadata address")
-    if any(ip.version == net.version and ip in net for net in allow):
-        return
-    # `::1` and `::` lie inside ::/96 (IPv4-compatible) but carry no IPv4 address: judged as what they are.
-    if isinstance(ip, ipaddress.IPv6Address) and not (ip.is_loopback or ip.is_unspecified):
-        if any(ip in net for net in _TRANSITION_V6):
-            raise ToolFailure("blocked_url", f"{ip} embeds an IPv4 address behind a translation prefix")
-        if ip in _SIX_TO_FOUR:
-            ip = _embedded_ipv4(ip) or ip
-    kind = _special_kind(ip)
-    if kind is not None:
-        raise ToolFailure("blocked_url", f"{ip} is not a public address ({kind})")
-
-
-def allowed_network(entry: str) -> tuple[Network, int | None]:
-    """An `allow_private_cidrs` entry: a network on every port ("10.0.0.0/8", "fd00::/8"), or one address on
-    one port ("10.0.0.5:8080", "[fd00::5]:8080"). ValueError for anything else."""
-    if entry.startswith("["):
-        host, _, port = entry[1:].partition("]:")
-    elif entry.count(":") == 1:
-        host, _, port = entry.partition(":")
-    else:
-        return ipaddress.ip_network(entry), None
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"allow_private_cidrs entry {entry!r}: expected a network, or address:port")
-    return ipaddress.ip_network(host), int(port)
-
-
-def _embedded_ipv4(ip: IPAddress) -> ipaddress.IPv4Address | None:
-    """The IPv4 address an IPv6 transition address carries (mapped, 6to4, NAT64, compatible), if any."""
-    if isinstance(ip, ipaddress.IPv4Address):
-        return None
-    if ip.ipv4_mapped or ip.sixtofour:
-        return ip.ipv4_mapped or ip.sixtofour
-    if any(ip in net for net in _EMBEDS_LOW_V4):
-        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-    return None
-
-
-def _special_kind(ip: IPAddress) -> str | None:
-    """What keeps `ip` off the public internet ('loopback', 'private' ...; most specific first, as 127.0.0.1
-    is also `is_private`), or None. `is_global` alone admits multicast and, before 3.12.4, special ranges."""
-    kinds = {
-        "loopback": ip.is_loopback,
-        "unspecified": ip.is_unspecified,
-        "link-local": ip.is_link_local,
-        "multicast": ip.is_multicast,
-        "site-local": isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local,
-        "private": ip.is_private,
-        "reserved": ip.is_reserved,
-        "special-purpose": not ip.is_global,
-    }
-    return next((kind for kind, applies in kinds.items() if applies), None)
-
-
 async def resolve_host(host: str, port: int) -> list[str]:
     """The default resolver: the system's getaddrinfo through the event loop."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -282,7 +210,7 @@ class Fetcher:
         self.cfg = cfg
         self._resolver = resolver or resolve_host
         self._allow = tuple(map(allowed_network, cfg.allow_private_cidrs))
-        self._roots = tuple(Path(r).resolve() for r in roots)  # what file:// URLs may read ([files] roots)
+        self._roots = roots  # what file:// URLs may read ([files] roots)
         self._timeout = httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s).as_dict()
         # Straight to the transport, no httpx.AsyncClient: a client builds the next request of every 3xx even
         # when not following it, raising InvalidURL on a Location like `mailto:x@y` before `_redirect_target`
@@ -378,27 +306,12 @@ class Fetcher:
     async def _fetch_file(self, url: str, target: ParsedTarget) -> FetchedPage:
         if not self._roots:
             raise ToolFailure("blocked_url", "file:// is disabled (the server's [files] roots is empty)")
-        path = file_under_roots(target.url.path, self._roots)
-        shown = target.url.path[:200]  # errors name the path as written, never where a symlink led
+        # A link out of the roots is blocked_url, a FIFO refused; errors name no root and no symlink's target.
+        path, _ = local_file(target.url.path, self._roots, what="page", outside="blocked_url")
+        shown = target.url.path[:200]
         body = await asyncio.to_thread(_read_file, path, self.cfg.max_bytes, shown=shown)
         content_type = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
         return FetchedPage(url=url, final_url=path.as_uri(), status=200, content_type=content_type, body=body)
-
-
-def file_under_roots(raw: str, roots: Sequence[Path]) -> Path:
-    """The resolved `raw` (symlinks followed, so a link out of a root lands outside it) when it lies under one
-    of the resolved `roots`; else ToolFailure. Messages name `raw` as given: never a root, never a link's
-    target, and never pathlib's own error text (which names both)."""
-    shown = raw[:200]
-    try:
-        path = Path(raw).resolve()
-    except RuntimeError:  # pathlib's symlink loop (Python < 3.13)
-        raise ToolFailure("invalid_args", f"symlink loop in the path {shown!r}") from None
-    except OSError as exc:  # ELOOP from 3.13 on, ENAMETOOLONG, EACCES on a directory of the path
-        raise ToolFailure("invalid_args", f"cannot open the path {shown!r}: {exc.strerror}") from None
-    if not any(path.is_relative_to(root) for root in roots):
-        raise ToolFailure("blocked_url", f"{shown!r} is outside the allowed file roots")
-    return path
 
 
 def _redirect_target(current: ParsedTarget, location: str) -> ParsedTarget:
@@ -418,7 +331,6 @@ def _redirect_target(current: ParsedTarget, location: str) -> ParsedTarget:
 
 
 def _read_file(path: Path, cap: int, *, shown: str) -> bytes:
-    """At most `cap` bytes of `path`; errors name it as `shown` (what the caller wrote)."""
     try:
         with path.open("rb") as handle:
             body = handle.read(cap + 1)

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import datetime
 import ipaddress
+import os
 import socket
 import ssl
 import threading
@@ -457,8 +458,8 @@ async def test_file_urls_only_under_allowed_roots(tmp_path: Path) -> None:
 
 
 async def test_file_url_errors_are_results_that_name_no_server_path(tmp_path: Path) -> None:
-    """A symlink loop inside a root is invalid_args (pathlib raised RuntimeError: a 500 from page_qa), and no
-    file:// failure names a root or where a symlink points, only the path as the caller wrote it."""
+    """A symlink loop inside a root is invalid_args (pathlib raised RuntimeError: a 500 from page_qa), so is a
+    FIFO (reading it blocked a thread), and no file:// failure names where a symlink points."""
     root, secret = tmp_path / "corpus", tmp_path / "elsewhere" / "secret.txt"
     root.mkdir()
     secret.parent.mkdir()
@@ -467,8 +468,10 @@ async def test_file_url_errors_are_results_that_name_no_server_path(tmp_path: Pa
     (root / "a").symlink_to(root / "b")
     (root / "b").symlink_to(root / "a")
     (root / "link.txt").symlink_to(secret)
+    os.mkfifo(root / "pipe.html")  # opening it would block a worker thread until a writer came
     net = Net(roots=(str(root),))
     cases = {"loop.html": "invalid_args", "a/x.html": "invalid_args", "link.txt": "blocked_url"}
+    cases["pipe.html"] = "invalid_args"
     for name, kind in cases.items():
         with pytest.raises(ToolFailure) as info:
             await net.fetcher.fetch((root / name).as_uri())
