@@ -12,7 +12,9 @@ Routes (bodies are JSON):
 Outcome policy. A policy's mistake is an observation, not an HTTP error: arguments that fail validation
 give 200 with `{"ok": false, "error": {"kind": "invalid_args", ...}}`, as do the sub-agents' own
 structured errors. HTTP errors are for the caller's program or the infrastructure: 404 unknown tool,
-401/403 auth, 413 body too large, 429 + Retry-After when a tool's queue deadline passes, and 500
+401/403 auth, 413 body too large, 422 a malformed batch or swap body (strict JSON: no NaN, no lone
+surrogates), 429 + Retry-After when a tool's queue deadline passes, 503 + Retry-After when every connection
+slot runs a request (connections.py; /health keeps a reserve), and 500
 `{"error": {"kind": "internal"}}` (no traceback; logged) when a bug escapes a sub-agent. In a batch or over
 MCP each call is independent: an overload or an escaped bug is that call's own `overloaded` or `internal`
 result, and the other calls keep theirs. Header `X-Conductor-Session` names the caller's image session

@@ -54,9 +54,10 @@ class ToolLimits:
     on 2 CPU cores answers a page question in 10-20 s, more when batched behind others."""
 
     def __post_init__(self) -> None:
-        check_range("max_concurrency", self.max_concurrency, 1, 4096)
-        check_range("queue_timeout_s", self.queue_timeout_s, 0, 600)
-        check_range("call_timeout_s", self.call_timeout_s, 0.01, 86400)
+        """Finite numbers in sane ranges: a NaN deadline or a zero cap would refuse or hang every call."""
+        check_range("max_concurrency", self.max_concurrency, 1, 4096)  # each a running model call
+        check_range("queue_timeout_s", self.queue_timeout_s, 0, 600)  # 0: refuse at once when full
+        check_range("call_timeout_s", self.call_timeout_s, 0.01, 86400)  # a day: past any real call
 
 
 @dataclass(frozen=True)
@@ -148,14 +149,14 @@ class ServerConfig:
 
 # What [server] accepts for its numbers: past these a value is a mistake (or NaN, which TOML can spell).
 SERVER_BOUNDS: dict[str, tuple[float, float]] = {
-    "port": (0, 65535),
-    "max_body_bytes": (1, 1 << 30),
-    "max_batch_calls": (1, 4096),
-    "request_timeout_s": (0.1, 600),
-    "response_timeout_s": (1, 86400),
-    "keep_alive_s": (0.1, 600),
-    "max_connections": (1, 1_000_000),
-    "max_connections_per_peer": (1, 1_000_000),
+    "port": (0, 65535),  # 0: a free port
+    "max_body_bytes": (1, 1 << 30),  # a GiB is far past any tool's arguments
+    "max_batch_calls": (1, 4096),  # a batch is answered at once: thousands would only queue into 429s
+    "request_timeout_s": (0.1, 600),  # past minutes an idle socket is held, which this deadline prevents
+    "response_timeout_s": (1, 86400),  # a day: the longest a response may hold a connection
+    "keep_alive_s": (0.1, 600),  # as request_timeout_s, for the gap between requests
+    "max_connections": (1, 1_000_000),  # one file descriptor each: a million is past any OS limit
+    "max_connections_per_peer": (1, 1_000_000),  # and at most max_connections (check_server)
 }
 
 
