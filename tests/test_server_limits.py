@@ -454,17 +454,23 @@ def guarded_server(**server: Any) -> tuple[Any, uvicorn.Config]:
     return app, uvicorn_config(cfg, app, log_level="warning")
 
 
+WEBSOCKET_UPGRADE = {"Connection": "Upgrade", "Upgrade": "websocket", "Sec_WebSocket_Version": "13"}
+WEBSOCKET_UPGRADE["Sec_WebSocket_Key"] = "dGhlIHNhbXBsZSBub25jZQ=="
+
+
 def test_streams_idle_sockets_and_kept_alive_pollers_cannot_fill_the_connection_slots() -> None:
     """The three slot attacks, each at 3x the connection cap from the policy's own address: GET /mcp streams
     (now 405 at once: no stream is held), sockets that never send a request, and kept-alive sockets that
-    polled /health once. Idle connections are closed to make room, so /health probes and the policy's tool
-    calls on fresh connections all succeed (before: 503 for most probes once the cap was full)."""
+    polled /health once; and WebSocket upgrades, served as plain HTTP (there are no WebSocket routes, so no
+    socket leaves the guard's sight). Idle connections are closed to make room, so /health probes and the
+    policy's tool calls on fresh connections all succeed (before: 503 for most probes once the cap was full)."""
     app, config = guarded_server()
     accept_sse = {"Accept": "text/event-stream"}
     attacks = {
         "mcp_streams": request_bytes(0, "GET", "/mcp", **accept_sse),
         "idle_sockets": b"",
         "kept_alive_pollers": request_bytes(0, "GET", "/health"),
+        "websocket_upgrades": request_bytes(0, "GET", "/health", **WEBSOCKET_UPGRADE),
     }
     rates = {}
     with serving(app, config=config) as url:

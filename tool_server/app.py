@@ -324,6 +324,7 @@ def uvicorn_config(cfg: ServerConfig, app: FastAPI, *, log_level: str = "info") 
         host=cfg.host,
         port=cfg.port,
         http=http,
+        ws="none",  # no WebSocket routes; an upgrade would hand its socket to a protocol the guard cannot see
         timeout_keep_alive=cfg.keep_alive_s,  # type: ignore[arg-type]  # uvicorn types it int; a float works
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         log_level=log_level,
