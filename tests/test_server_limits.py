@@ -608,3 +608,42 @@ async def test_mcp_offers_no_get_stream() -> None:
         listed = await client.post("/mcp", json=message, headers=accept)
     assert (stream.status_code, stream.headers["Allow"]) == (405, "POST")
     assert listed.status_code == 200 and listed.json()["result"]["tools"]
+
+
+class FakeConnection:
+    """What the registry calls on a connection: `evict`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.evicted = False
+
+    def evict(self) -> None:
+        self.evicted = True
+
+
+def test_the_registry_closes_the_longest_idle_connection_of_the_peer_past_its_share() -> None:
+    """Past a peer's share its own longest-idle connection is closed, never another peer's or a busy one;
+    past the total the longest-idle of anyone; with nothing idle requests are refused except the open paths,
+    and past the /health reserve a new connection is refused outright."""
+    from tool_server.connections import ConnectionRegistry
+
+    registry = ConnectionRegistry(max_connections=4, per_peer=2, open_paths=frozenset({"/health"}))
+    a1, a2, a3, b1, b2 = (FakeConnection(n) for n in ("a1", "a2", "a3", "b1", "b2"))
+    for conn, peer in ((b1, "b"), (a1, "a"), (a2, "a")):
+        assert registry.opened(conn, peer)  # type: ignore[arg-type]
+    registry.busy(a1)  # type: ignore[arg-type]
+    registry.idle(b1)  # type: ignore[arg-type]  # b1 used again: now the most recently idle
+    registry.opened(a3, "a")  # type: ignore[arg-type]  # "a" past its share: its idle a2 goes, not busy a1
+    assert (a2.evicted, a1.evicted, b1.evicted) == (True, False, False)
+    registry.opened(b2, "b")  # type: ignore[arg-type]  # 4 open: within both caps
+    assert len(registry) == 4 and registry.busy_count == 1
+    for conn in (a3, b1, b2):
+        registry.busy(conn)  # type: ignore[arg-type]
+    extra = [FakeConnection(f"x{i}") for i in range(HEALTH_RESERVE + 1)]
+    for i, conn in enumerate(extra[:-1]):  # each runs a request at once: nothing to close for the next
+        assert registry.opened(conn, f"peer{i}")  # type: ignore[arg-type]
+        registry.busy(conn)  # type: ignore[arg-type]
+    assert not registry.admits(extra[0], "/v1/tools/search")  # type: ignore[arg-type]
+    assert registry.admits(extra[0], "/health")  # type: ignore[arg-type]
+    assert not any(c.evicted for c in [a1, a3, b1, b2, *extra]), "a busy connection was closed"
+    assert not registry.opened(extra[-1], "late")  # type: ignore[arg-type]  # past the reserve
