@@ -639,3 +639,34 @@ def test_two_origins_are_refused_and_a_hosts_trailing_dot_is_the_same_name() -> 
         )
         foreign = client.get("/health", headers={"Host": f"evil.example.:{port}"})
     assert dotted.status_code == 200 and foreign.status_code == 421
+
+
+class Declared(BaseModel):
+    text: str
+    count: int
+
+
+def test_a_route_with_a_pydantic_body_refuses_unencodable_input_without_echoing_it() -> None:
+    """Any route whose body FastAPI validates (as /v1/batch did) answers NaN, Infinity or lone-surrogate input
+    that fails validation with 422 invalid_args naming the field, never FastAPI's echo of the input, which
+    could not be encoded: a 500."""
+    app = fake_app()
+
+    @app.post("/test/declared")
+    async def declared(body: Declared) -> dict[str, str]:
+        return {"text": body.text}
+
+    headers = {"Content-Type": "application/json"}
+    with serving(app) as url, httpx.Client(base_url=url, timeout=10) as client:
+        replies = [
+            client.post("/test/declared", content=body, headers=headers)
+            for body in (
+                b'{"text": NaN, "count": 1}',
+                b'{"text": "x", "count": Infinity}',
+                b'{"text": "\\ud800"}',
+            )
+        ]
+        health = client.get("/health").status_code
+    for reply in replies:
+        assert (reply.status_code, reply.json()["error"]["kind"]) == (422, "invalid_args"), reply.text
+    assert "count:" in replies[1].json()["error"]["message"] and health == 200

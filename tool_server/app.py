@@ -39,6 +39,7 @@ from typing import Any
 import pydantic_core
 import uvicorn
 from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 from starlette.requests import ClientDisconnect
@@ -116,6 +117,7 @@ def create_app(
     hosts = {"allowed_hosts": cfg.allowed_hosts, "allowed_origins": cfg.allowed_origins}
     app.add_middleware(HostGuardMiddleware, port=cfg.port, **hosts)  # added last = outermost
     app.add_exception_handler(ClientDisconnect, _client_gone)
+    app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(Exception, _internal_error)
     return app
 
@@ -159,6 +161,15 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     the traceback)."""
     logger.error("internal error on %s %s: %r", request.method, request.url.path, exc)
     return JSONResponse({"error": {"kind": "internal", "message": INTERNAL_MESSAGE}}, status_code=500)
+
+
+async def _invalid_request(request: Request, exc: Exception) -> Response:
+    """A body FastAPI validated for a route (one declared with a pydantic parameter) and refused: 422
+    invalid_args naming each field and problem, without FastAPI's default echo of the input, which may hold
+    what no JSON answer can encode (NaN, a lone surrogate): that echo made /v1/batch answer 500."""
+    assert isinstance(exc, RequestValidationError), type(exc)
+    parts = [f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in exc.errors()]
+    return _invalid_body("; ".join(parts))
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
