@@ -44,7 +44,7 @@ from PIL import Image
 from rich.console import Console
 from rich.table import Table
 
-from tool_server.app import LIMIT_CONCURRENCY, TIMEOUT_KEEP_ALIVE_S, create_app
+from tool_server.app import create_app, uvicorn_config
 from tool_server.config import ServerConfig
 from tool_server.embedded import embedded_config
 from tool_server.limits import load_token, percentile
@@ -154,10 +154,7 @@ def page_server(folder: Path, names: list[str]) -> Iterator[str]:
 @contextmanager
 def tool_server(cfg: ServerConfig) -> Iterator[str]:
     """The real app under uvicorn (the shipped keep-alive and connection limits) in a thread; base URL."""
-    config = uvicorn.Config(
-        create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning",
-        timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S, limit_concurrency=LIMIT_CONCURRENCY,
-    )  # fmt: skip
+    config = uvicorn_config(cfg, create_app(cfg), log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -20,6 +20,7 @@ checked or rebuilt from them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 from collections.abc import Mapping, Sequence
@@ -173,6 +174,13 @@ def _coerce_scalar(value: Any, hint: Any, where: str) -> Any:
     if hint in (int, float, str, bool, Path) and type(value) is not hint:
         raise ConfigError(f"{where}: expected {hint.__name__}, got {value!r}")
     return value
+
+
+def check_range(name: str, value: float, low: float, high: float) -> None:
+    """ValueError unless `value` is a finite number in [low, high]: for a dataclass's `__post_init__`, whose
+    ValueError `build` reports as a ConfigError naming the table. TOML and JSON can spell nan and inf."""
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ValueError(f"{name} must be a finite number from {low:g} to {high:g}, got {value!r}")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 from conductor.batching import GenerationError
 from conductor.models import DEFAULT_MODEL, ModelNotFound
+from conductor.settings import check_range
 from subagents.common import approx_tokens
 
 if TYPE_CHECKING:  # imported where used: `import openai` alone takes ~0.6 s of every `conductor ask` start
@@ -83,6 +84,25 @@ class BackendConfig:
     """Seed for any sampling; decoding is greedy by default, so this only matters for temperature > 0."""
     max_retries: int = 2
     """Retries the openai client makes on transient failures (refused connection, timeout, 408/409/429/5xx)."""
+
+    def __post_init__(self) -> None:
+        """Bounded, finite numbers (BACKEND_BOUNDS), checked alike in the TOML file and in a hot swap, so no
+        setting can leave a tool worse than before it (a NaN wait failed every later call)."""
+        for name, (low, high) in BACKEND_BOUNDS.items():
+            check_range(name, getattr(self, name), low, high)
+        if not self.model:
+            raise ValueError("model must name a model")
+
+
+# What BackendConfig accepts. Past these a value is a mistake, never a setting that works:
+BACKEND_BOUNDS: dict[str, tuple[float, float]] = {
+    "max_new_tokens": (1, 8192),  # SmolLM2's whole context; a sub-agent answer is tens of tokens
+    "max_batch": (1, 256),  # prompts in one generate; 256 is far past what fits a CPU's memory already
+    "batch_wait_ms": (0, 1000),  # a wait for company; a second is a tenth of a generation, more only stalls
+    "request_timeout_s": (0.1, 3600),  # one generation at the endpoint; the tool's call deadline is 150 s
+    "seed": (0, 2**63 - 1),  # torch.manual_seed's and the OpenAI API's range
+    "max_retries": (0, 10),  # the openai client's retries with backoff; ten already spend minutes
+}
 
 
 class LLM(Protocol):

@@ -123,12 +123,15 @@ async def guarded(response_type: type[R], body: Callable[[], Awaitable[R]]) -> R
     return response
 
 
-def local_file(raw: str, roots: Sequence[str], *, what: str) -> tuple[Path, int]:
+def local_file(
+    raw: str, roots: Sequence[str], *, what: str, outside: ErrorKind = "invalid_args"
+) -> tuple[Path, int]:
     """The resolved path and size of the regular file `raw` names under one of `roots` (relative names start
-    in the first; symlinks are resolved, so a link out of the roots is refused), or a ToolFailure.
+    in the first; symlinks are resolved, so a link out of the roots is refused as `outside`), or a ToolFailure.
 
     Every OS error on the caller's path (a name too long, a symlink loop, no permission) is the caller's
-    problem, `not_found` or `invalid_args`, told with the OS reason and never the server's absolute path."""
+    problem, `not_found` or `invalid_args`, told with the OS reason and never the server's absolute path, a
+    root or a symlink's target."""
     if not roots:
         raise ToolFailure("invalid_args", f"this server reads no local {what} files ([files] roots is empty)")
     folders = [Path(root).resolve() for root in roots]
@@ -136,7 +139,7 @@ def local_file(raw: str, roots: Sequence[str], *, what: str) -> tuple[Path, int]
     try:
         path = (folders[0] / raw).resolve()  # an absolute `raw` replaces the root
         if not any(path.is_relative_to(folder) for folder in folders):
-            raise ToolFailure("invalid_args", f"{what} paths must be under {', '.join(map(str, folders))}")
+            raise ToolFailure(outside, f"the {what} path {shown!r} is outside the allowed file roots")
         status = path.stat()
     except (FileNotFoundError, NotADirectoryError):
         raise ToolFailure("not_found", f"no such {what} file: {shown!r}") from None

@@ -56,13 +56,26 @@ class Document:
     text: str
 
 
-def document_paths(folder: Path, max_docs: int) -> list[Path]:
+def document_paths(folder: Path, max_docs: int, *, roots: Sequence[str] = ()) -> list[Path]:
     """The files of `folder` (recursively) with a readable suffix, in path order, at most `max_docs`.
-    Raises PermissionError when the folder itself cannot be listed."""
-    paths = sorted(p for p in folder.rglob("*") if p.suffix.lower() in SUFFIXES and p.is_file())
+    Raises PermissionError when the folder itself cannot be listed.
+
+    A file whose real path (symlinks followed) lies outside `folder` and outside every one of `roots` is left
+    out with a warning: it is the check page_qa applies before reading, so no snippet quotes a file the server
+    may not open (a `leak.txt` linked to /etc/passwd). Limit: a link swapped in after this check is not seen."""
+    readable = [folder.resolve(), *(Path(root).resolve() for root in roots)]
+    found = sorted(p for p in folder.rglob("*") if p.suffix.lower() in SUFFIXES and p.is_file())
+    paths = [path for path in found if _inside(path, readable)]
     if len(paths) > max_docs:
         logger.warning("search corpus: indexing the first %d of %d files in %s", max_docs, len(paths), folder)
     return paths[:max_docs]
+
+
+def _inside(path: Path, folders: Sequence[Path]) -> bool:
+    if any(path.resolve().is_relative_to(folder) for folder in folders):
+        return True
+    logger.warning("search corpus: skipping %s (a link to a file outside the allowed file roots)", path)
+    return False
 
 
 def document_url(path: Path, folder: Path, *, base_url: str | None) -> str:

@@ -5,7 +5,7 @@ URLs come from the policy, so they are untrusted input that must not reach the m
    read as the OS reads them (`2130706433`, `0x7f000001`, `127.1`, `0` are IPv4 literals, not names).
 2. One lookup; `check_address` refuses the hop if ANY address is not global (loopback, private, link-local,
    CGNAT, multicast, reserved, IPv6 prefixes carrying IPv4) or is a cloud metadata endpoint.
-   `allow_private_cidrs` opens listed networks, never metadata addresses.
+   `allow_private_cidrs` opens listed networks (or one port of an address), never metadata addresses.
 3. The socket goes to the checked IP (URL rewritten; Host header, TLS SNI and certificate check keep the
    name), so DNS rebinding has no second lookup to win. Redirects are followed by hand, each hop re-checked.
 4. The body is decoded here with a hard cap on decoded bytes, so a gzip bomb stops at `max_bytes`.
@@ -25,32 +25,19 @@ import mimetypes
 import re
 import socket
 import zlib
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from subagents.common import ToolFailure
+from subagents.addresses import IPAddress, allowed_network, check_address
+from subagents.common import ToolFailure, local_file
 
 log = logging.getLogger(__name__)
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 """`(host, port) -> addresses as strings`; injected in tests to script DNS answers."""
-
-# Instance metadata services hand out cloud credentials; refused even when their network is allowed: AWS/GCP/
-# Azure IMDS, AWS IMDS over IPv6, AWS ECS credentials, Alibaba, Azure WireServer (public range: only this list
-# catches it), Oracle Cloud.
-_METADATA_IPS = "169.254.169.254 fd00:ec2::254 169.254.170.2 100.100.100.200 168.63.129.16 192.0.0.192"
-_METADATA = frozenset(map(ipaddress.ip_address, _METADATA_IPS.split()))
-# IPv6 prefixes that carry an IPv4 address to a gateway we cannot see; refused outright. The second group
-# keeps the IPv4 address in the low 32 bits (IPv4-compatible, NAT64 well-known and local-use).
-_EMBEDS_LOW_V4 = tuple(map(ipaddress.IPv6Network, ("::/96", "64:ff9b::/96", "64:ff9b:1::/48")))
-_MAPPED_TEREDO = ("::ffff:0:0/96", "2001::/32")
-_TRANSITION_V6 = (*map(ipaddress.IPv6Network, _MAPPED_TEREDO), *_EMBEDS_LOW_V4)
-_SIX_TO_FOUR = ipaddress.IPv6Network("2002::/16")  # reaches the embedded IPv4 address: judged by that address
 _LOOPBACK_V4 = ipaddress.IPv4Address("127.0.0.1")
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _WEB_SCHEMES = ("http", "https")
@@ -65,7 +52,8 @@ class FetchConfig:
     """Limits and exceptions for `Fetcher`."""
 
     allow_private_cidrs: tuple[str, ...] = ()
-    """Networks reachable despite not being global, e.g. ("127.0.0.0/8",) for a loopback test server."""
+    """Networks reachable despite not being global, on every port ("127.0.0.0/8" for a loopback test server), or
+    one address and port ("10.0.0.5:8080", "[fd00::5]:8080"): then its other services (a :6379) stay closed."""
     max_bytes: int = 5_000_000
     """Cap on decoded body bytes: 5 MB holds any article page; more is a media file or an attack."""
     max_redirects: int = 5
@@ -147,50 +135,6 @@ def _parse_host(raw: str) -> tuple[str, IPAddress | None]:
     return str(ip4), ip4
 
 
-def check_address(ip: IPAddress, allow: Sequence[Network]) -> None:
-    """Raise ToolFailure('blocked_url') unless `ip` is globally routable or in `allow` (metadata never is)."""
-    if ip in _METADATA or _embedded_ipv4(ip) in _METADATA:
-        raise ToolFailure("blocked_url", f"{ip} is a cloud metadata address")
-    if any(ip.version == net.version and ip in net for net in allow):
-        return
-    # `::1` and `::` lie inside ::/96 (IPv4-compatible) but carry no IPv4 address: judged as what they are.
-    if isinstance(ip, ipaddress.IPv6Address) and not (ip.is_loopback or ip.is_unspecified):
-        if any(ip in net for net in _TRANSITION_V6):
-            raise ToolFailure("blocked_url", f"{ip} embeds an IPv4 address behind a translation prefix")
-        if ip in _SIX_TO_FOUR:
-            ip = _embedded_ipv4(ip) or ip
-    kind = _special_kind(ip)
-    if kind is not None:
-        raise ToolFailure("blocked_url", f"{ip} is not a public address ({kind})")
-
-
-def _embedded_ipv4(ip: IPAddress) -> ipaddress.IPv4Address | None:
-    """The IPv4 address an IPv6 transition address carries (mapped, 6to4, NAT64, compatible), if any."""
-    if isinstance(ip, ipaddress.IPv4Address):
-        return None
-    if ip.ipv4_mapped or ip.sixtofour:
-        return ip.ipv4_mapped or ip.sixtofour
-    if any(ip in net for net in _EMBEDS_LOW_V4):
-        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-    return None
-
-
-def _special_kind(ip: IPAddress) -> str | None:
-    """What keeps `ip` off the public internet ('loopback', 'private' ...; most specific first, as 127.0.0.1
-    is also `is_private`), or None. `is_global` alone admits multicast and, before 3.12.4, special ranges."""
-    kinds = {
-        "loopback": ip.is_loopback,
-        "unspecified": ip.is_unspecified,
-        "link-local": ip.is_link_local,
-        "multicast": ip.is_multicast,
-        "site-local": isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local,
-        "private": ip.is_private,
-        "reserved": ip.is_reserved,
-        "special-purpose": not ip.is_global,
-    }
-    return next((kind for kind, applies in kinds.items() if applies), None)
-
-
 async def resolve_host(host: str, port: int) -> list[str]:
     """The default resolver: the system's getaddrinfo through the event loop."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -265,8 +209,8 @@ class Fetcher:
     ) -> None:
         self.cfg = cfg
         self._resolver = resolver or resolve_host
-        self._allow = tuple(ipaddress.ip_network(c) for c in cfg.allow_private_cidrs)
-        self._roots = tuple(Path(r).resolve() for r in roots)  # what file:// URLs may read ([files] roots)
+        self._allow = tuple(map(allowed_network, cfg.allow_private_cidrs))
+        self._roots = roots  # what file:// URLs may read ([files] roots)
         self._timeout = httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s).as_dict()
         # Straight to the transport, no httpx.AsyncClient: a client builds the next request of every 3xx even
         # when not following it, raising InvalidURL on a Location like `mailto:x@y` before `_redirect_target`
@@ -319,8 +263,9 @@ class Fetcher:
             addresses = [ipaddress.ip_address(a) for a in found]
         if not addresses:
             raise ToolFailure("fetch_failed", f"{target.host} has no addresses")
+        allow = [network for network, port in self._allow if port in (None, target.port)]
         for address in addresses:
-            check_address(address, self._allow)
+            check_address(address, allow)
         return addresses[0]
 
     async def _send(self, target: ParsedTarget, ip: IPAddress) -> httpx.Response:
@@ -361,10 +306,10 @@ class Fetcher:
     async def _fetch_file(self, url: str, target: ParsedTarget) -> FetchedPage:
         if not self._roots:
             raise ToolFailure("blocked_url", "file:// is disabled (the server's [files] roots is empty)")
-        path = Path(target.url.path).resolve()  # follows symlinks, so a link out of a root lands outside it
-        if not any(path.is_relative_to(root) for root in self._roots):
-            raise ToolFailure("blocked_url", f"{path} is outside the allowed file roots")
-        body = await asyncio.to_thread(_read_file, path, self.cfg.max_bytes)
+        # A link out of the roots is blocked_url, a FIFO refused; errors name no root and no symlink's target.
+        path, _ = local_file(target.url.path, self._roots, what="page", outside="blocked_url")
+        shown = target.url.path[:200]
+        body = await asyncio.to_thread(_read_file, path, self.cfg.max_bytes, shown=shown)
         content_type = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
         return FetchedPage(url=url, final_url=path.as_uri(), status=200, content_type=content_type, body=body)
 
@@ -385,14 +330,14 @@ def _redirect_target(current: ParsedTarget, location: str) -> ParsedTarget:
     return validate_url(str(joined))
 
 
-def _read_file(path: Path, cap: int) -> bytes:
+def _read_file(path: Path, cap: int, *, shown: str) -> bytes:
     try:
         with path.open("rb") as handle:
             body = handle.read(cap + 1)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
-        raise ToolFailure("not_found", f"no such file: {path}") from exc
+        raise ToolFailure("not_found", f"no such file: {shown!r}") from exc
     except OSError as exc:
-        raise ToolFailure("fetch_failed", f"cannot read {path}: {exc.strerror}", retryable=False) from exc
+        raise ToolFailure("fetch_failed", f"cannot read {shown!r}: {exc.strerror}", retryable=False) from exc
     if len(body) > cap:
-        raise ToolFailure("too_large", f"{path} exceeds {cap} bytes")
+        raise ToolFailure("too_large", f"{shown!r} exceeds {cap} bytes")
     return body

@@ -162,13 +162,15 @@ class Corpus:
         base_url: str | None = None,
         cache_dir: Path | None = None,
         progress: Progress | None = None,
+        roots: tuple[str, ...] = (),
     ) -> Corpus:
         """Index the documents under `folder` (blocking): their text from `cache_dir` while the folder is
         unchanged (`index_dir` gives the usual place), else extracted, reporting `progress(done, total)` per file.
+        Files linked from outside `folder` and `roots` are not indexed (documents.document_paths).
         Raises FileNotFoundError for a missing folder, PermissionError for one that cannot be listed."""
         if not folder.is_dir():
             raise FileNotFoundError(f"search corpus folder not found: {folder}")
-        paths = document_paths(folder, max_docs)
+        paths = document_paths(folder, max_docs, roots=roots)
         documents = read_folder(folder, paths, base_url=base_url, cache_dir=cache_dir, progress=progress)
         logger.info("search corpus: %d documents from %s", len(documents), folder)
         root_url = base_url.rstrip("/") + "/" if base_url else folder.resolve().as_uri() + "/"
@@ -215,7 +217,9 @@ def start(cfg: Config, roots: tuple[str, ...]) -> Corpus | None:
     if cfg.base_url is None and not inside:
         logger.warning("search corpus %s is outside [files] roots: page_qa cannot open its hits", folder)
     cache_dir = index_dir(folder, cfg.base_url) if cfg.persist_index else None
-    return Corpus.build(folder, max_docs=cfg.max_docs, base_url=cfg.base_url, cache_dir=cache_dir)
+    return Corpus.build(
+        folder, max_docs=cfg.max_docs, base_url=cfg.base_url, cache_dir=cache_dir, roots=roots
+    )
 
 
 async def run(request: Request, cfg: Config, rt: Runtime[Corpus | None]) -> Response:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import datetime
 import ipaddress
+import os
 import socket
 import ssl
 import threading
@@ -131,6 +132,24 @@ async def test_metadata_addresses_are_blocked_even_inside_allowed_networks(url: 
     net = Net(cfg=FetchConfig(allow_private_cidrs=allow))
     assert await failure(net, url) == "blocked_url"
     assert net.requests == []
+
+
+async def test_an_allowed_address_port_opens_that_port_only() -> None:
+    """The attack fetched a listener on :6379 of the one allowed address. An "address:port" entry opens that
+    port alone: other ports of the address are blocked_url, directly or through a redirect; a network entry
+    still opens every port; a malformed entry fails at start-up."""
+    only = FetchConfig(allow_private_cidrs=("10.0.0.5:8080", "[fd00::5]:443"))
+    net = Net(redirect_to("http://10.0.0.5:6379/"), cfg=only)
+    assert await failure(net, "http://10.0.0.5:6379/") == "blocked_url"
+    assert await failure(net, "http://10.0.0.6:8080/") == "blocked_url"
+    assert await failure(net, "https://[fd00::5]:8443/") == "blocked_url"
+    assert await failure(net, "http://10.0.0.5:8080/go") == "blocked_url"  # its redirect to :6379
+    assert [str(r.url) for r in net.requests] == ["http://10.0.0.5:8080/go"]
+    assert (await Net(cfg=only).fetcher.fetch("https://[fd00::5]/")).status == 200
+    everywhere = Net(cfg=FetchConfig(allow_private_cidrs=("10.0.0.0/8",)))
+    assert (await everywhere.fetcher.fetch("http://10.0.0.5:6379/")).status == 200
+    with pytest.raises(ValueError, match="address:port"):
+        Fetcher(FetchConfig(allow_private_cidrs=("10.0.0.5:http",)))
 
 
 @pytest.mark.parametrize(
@@ -436,6 +455,29 @@ async def test_file_urls_only_under_allowed_roots(tmp_path: Path) -> None:
     assert await failure(net, f"file://{root}/../secret.txt") == "blocked_url"
     assert await failure(net, (root / "missing.html").as_uri()) == "not_found"
     assert net.requests == []
+
+
+async def test_file_url_errors_are_results_that_name_no_server_path(tmp_path: Path) -> None:
+    """A symlink loop inside a root is invalid_args (pathlib raised RuntimeError: a 500 from page_qa), so is a
+    FIFO (reading it blocked a thread), and no file:// failure names where a symlink points."""
+    root, secret = tmp_path / "corpus", tmp_path / "elsewhere" / "secret.txt"
+    root.mkdir()
+    secret.parent.mkdir()
+    secret.write_text("secret")
+    (root / "loop.html").symlink_to(root / "loop.html")
+    (root / "a").symlink_to(root / "b")
+    (root / "b").symlink_to(root / "a")
+    (root / "link.txt").symlink_to(secret)
+    os.mkfifo(root / "pipe.html")  # opening it would block a worker thread until a writer came
+    net = Net(roots=(str(root),))
+    cases = {"loop.html": "invalid_args", "a/x.html": "invalid_args", "link.txt": "blocked_url"}
+    cases["pipe.html"] = "invalid_args"
+    for name, kind in cases.items():
+        with pytest.raises(ToolFailure) as info:
+            await net.fetcher.fetch((root / name).as_uri())
+        assert info.value.error.kind == kind, (name, info.value.error)
+        assert "outside the allowed file roots" in info.value.error.message or kind != "blocked_url"
+        assert str(secret.parent) not in info.value.error.message, info.value.error.message
 
 
 # --- integration: real servers on loopback ---------------------------------------------------------------

@@ -357,3 +357,27 @@ async def test_ask_shows_the_policy_handles_not_the_users_paths(shared_data, smo
         assert not MACHINE_PATH.search(read), (MACHINE_PATH.search(read), read[-600:])
         if opts is image:  # the handle comes from the photo's bytes: the same as the shared copy's
             assert f"Image: {handle_for('image', file_key(photo))}" in tokenizer.decode(episode.prompt_ids)
+
+
+async def test_attach_refuses_unencodable_or_malformed_bodies_and_stays_healthy(corpus: Path) -> None:
+    """/v1/attach parses strictly, like /v1/batch: a lone surrogate (it would be stored and shown later), NaN,
+    an unknown kind or too many attachments are 422 invalid_args that never echo the input; nothing is
+    registered and the server keeps answering."""
+    app = real_app(corpus)
+    bodies = [
+        b'{"attachments": [{"kind": "page", "source": "\\ud800", "key": "k"}]}',
+        b'{"attachments": [{"kind": "page", "source": "http://a", "key": NaN}]}',
+        b'{"attachments": [{"kind": "disk", "source": "/etc/passwd", "key": "k"}]}',
+        b'{"attachments": ['
+        + b",".join([b'{"kind": "page", "source": "http://a", "key": "k"}'] * 65)
+        + b"]}",
+    ]
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8700") as http:
+            for body in bodies:
+                answer = await http.post("/v1/attach", content=body, headers={"X-Conductor-Session": "e1"})
+                assert answer.status_code == 422 and answer.json()["error"]["kind"] == "invalid_args", body
+                assert "passwd" not in answer.text and "\\ud800" not in answer.text
+            assert (await http.get("/health")).status_code == 200
+        assert app.state.host.handles.listed("e1", "page") == []

@@ -241,7 +241,8 @@ async def test_other_schemes_and_bad_data_uris_are_invalid_args(source: str) -> 
 
 async def test_local_paths_must_be_regular_files_under_an_allowed_root(tmp_path: Path) -> None:
     """Outside the roots (directly, via '..' or via a symlink) is invalid_args, a missing file not_found, a
-    directory invalid_args, no roots at all invalid_args; relative paths start in the first root."""
+    directory invalid_args, no roots at all invalid_args; relative paths start in the first root. Messages name
+    the path as given, never the server's roots or where a symlink points."""
     root, outside = tmp_path / "root", tmp_path / "outside"
     root.mkdir()
     outside.mkdir()
@@ -261,6 +262,10 @@ async def test_local_paths_must_be_regular_files_under_an_allowed_root(tmp_path:
     for source, kind in cases.items():
         response = await call(runtime(roots=rooted), cfg, op="load", image=source)
         assert response.error is not None and response.error.kind == kind, (source, response.error)
+        assert str(root) not in response.error.message.replace(
+            source, ""
+        )  # neither the roots nor a link's target
+        assert str(outside) not in response.error.message.replace(source, ""), response.error.message
     assert (await call(runtime(roots=rooted), cfg, op="load", image="ok.png")).ok
     assert (await call(runtime(roots=rooted), cfg, op="load", image=str(root / "ok.png"))).ok
     no_roots = await call(runtime(), Config(), op="load", image=str(root / "ok.png"))
@@ -832,3 +837,68 @@ async def test_find_text_and_read_on_an_image_without_text_find_nothing() -> Non
     read = await call(rt, CFG, op="read", image=source.image_id)
     assert found.ok and found.boxes == [] and found.observation().endswith("no text found")
     assert read.ok and read.text == "" and "no text found" in read.observation()
+
+
+# ---------------------------------------------------------------- shapes the OCR engine used to reject
+
+# An 8x6000 zoom (the attack: a 1x750 box at factor 8), 1x2001 PNGs both ways, one pixel, and a 1x50000 strip
+# (long side cut to ocr.MAX_SIDE before padding). rapidocr raised ResizeImgError on the first four.
+ODD_SHAPES = [(8, 6000), (6000, 8), (1, 2001), (2001, 1), (1, 1), (1, 50_000)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", ODD_SHAPES)
+async def test_every_op_answers_long_thin_and_tiny_images_with_a_result(size: tuple[int, int]) -> None:
+    """Every op, find_text and read included (with and without a box), answers a long, thin or one-pixel image
+    with ok and the right size: no shape reaches the OCR engine in a form it rejects (those were HTTP 500s)."""
+    rt = runtime()
+    source = await loaded(rt, CFG, noise(*size))
+    for args in [
+        {"op": "find_text"}, {"op": "read"}, {"op": "find_text", "box": [0, 0, 1, 1]},
+        {"op": "read", "box": [0, 0, 1, 1]}, {"op": "zoom", "factor": 1.5}, {"op": "rotate", "degrees": 90},
+        {"op": "flip"}, {"op": "autocontrast"}, {"op": "crop", "box": [0, 0, 1, 1]},
+    ]:  # fmt: skip
+        response = await call(rt, CFG, image=source.image_id, **args)
+        assert response.ok, (args, response.error)
+        if args["op"] in ("find_text", "read"):
+            assert (response.width, response.height) == size
+            assert all(0 <= b.box[0] <= b.box[2] <= size[0] and b.box[3] <= size[1] for b in response.boxes)
+    assert rt.state.thumbnail_png(source.image_id, session="s1") is not None
+
+
+@pytest.mark.slow
+async def test_find_text_after_a_zoom_on_a_one_pixel_column_is_a_result() -> None:
+    """The attack's reproduction: zoom on box [0,0,1,750] at factor 8 (an 8x6000 image), then find_text and
+    read: results that say what they found, never an error."""
+    rt = runtime()
+    source = await loaded(rt, CFG, text_photo())
+    zoomed = await call(rt, CFG, op="zoom", image=source.image_id, box=[0, 0, 1, 750], factor=8)
+    assert (zoomed.ok, zoomed.width, zoomed.height) == (True, 8, 6000), zoomed.error
+    found = await call(rt, CFG, op="find_text", image=zoomed.image_id)
+    read = await call(rt, CFG, op="read", image=zoomed.image_id)
+    assert found.ok and read.ok, (found.error, read.error)
+    assert found.observation().startswith(f"{zoomed.image_id} 8x6000")
+
+
+def test_regions_found_on_a_fitted_image_come_back_in_the_images_own_pixels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 4400x20 strip reaches the engine scaled to 2000 px and padded to 32 px high; a region the detector
+    reports there comes back in the strip's own pixels, clipped off the padding. Ordinary images reach the
+    engine untouched."""
+    import numpy as np
+    from rapidocr.ch_ppocr_det.utils import TextDetOutput
+
+    seen: list[tuple[int, int]] = []
+
+    def detector(image: Image.Image, *, recognise: bool, text_score: float) -> TextDetOutput:
+        seen.append(image.size)
+        quad = np.array([[[100.0, 2.0], [200.0, 2.0], [200.0, 30.0], [100.0, 30.0]]])  # into the padding
+        return TextDetOutput(boxes=quad, scores=[0.9])
+
+    monkeypatch.setattr(ocr, "_run", detector)
+    [(quad, score)] = ocr.detect(Image.new("RGB", (4400, 20), "white"))
+    assert seen == [(2000, 32)] and score == 0.9
+    assert quad == [[220.0, 4.4], [440.0, 4.4], [440.0, 20.0], [220.0, 20.0]]
+    assert ocr.fitted(Image.new("RGB", (640, 480)))[1] == 1.0
+    assert ocr.fitted(Image.new("RGB", (4000, 3000)))[1] == 1.0  # rapidocr scales photos itself, as before

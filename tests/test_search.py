@@ -374,3 +374,28 @@ async def test_a_pdf_hit_opens_in_page_qa_through_the_real_fetcher(mixed: Path) 
         await fetcher.aclose()
     assert response.ok, response.observation()
     assert response.title == "Columnar basalt" and response.quote in " ".join(PDF_LINES)
+
+
+def test_links_to_files_outside_the_roots_are_not_indexed(tmp_path: Path) -> None:
+    """The attack: a `leak.txt` link in the corpus to a file outside every root was indexed and quoted in
+    snippets (page_qa then refused to open it). Indexing applies the reading check: a link out of the corpus
+    and every root is skipped, a link to a file in another root is indexed, and so is a link inside the corpus."""
+    corpus, other_root, outside = tmp_path / "corpus", tmp_path / "other", tmp_path / "outside"
+    write(corpus, "tea.txt", "Green tea is steamed soon after picking.")
+    write(other_root, "coffee.txt", "Coffee beans are roasted before brewing.")
+    secret = write(outside, "secret.txt", "The launch password is swordfish.")
+    (corpus / "leak.txt").symlink_to(secret)
+    (corpus / "beans.txt").symlink_to(other_root / "coffee.txt")
+    (corpus / "same.txt").symlink_to(corpus / "tea.txt")
+    cfg = search.Config(corpus_dir=str(corpus))
+    built = search.start(cfg, (str(corpus), str(other_root)))
+    assert built is not None
+    assert sorted(Path(urlparse(d.url).path).name for d in built.documents) == [
+        "coffee.txt",
+        "tea.txt",
+        "tea.txt",
+    ]
+    assert built.search("launch password swordfish", 5) == []
+    assert [h.title for h in built.search("roasted coffee beans", 5)] == ["beans"]
+    alone = search.Corpus.build(corpus, max_docs=10)  # no roots (conductor ask): the corpus folder itself
+    assert sorted(d.title for d in alone.documents) == ["same", "tea"]

@@ -113,3 +113,22 @@ def test_tool_sections_come_from_the_subagents_dict(monkeypatch: pytest.MonkeyPa
     assert cfg.tools["echo"].config == EchoConfig(loud=True)
     assert cfg.tools["echo"].limits.max_concurrency == 1
     assert set(cfg.tools) == {*SUBAGENTS, "echo"}
+
+
+@pytest.mark.parametrize(
+    ("data", "named"),
+    [
+        ({"server": {"request_timeout_s": float("nan")}}, "request_timeout_s"),
+        ({"server": {"keep_alive_s": float("inf")}}, "keep_alive_s"),
+        ({"server": {"max_connections": 0}}, "max_connections"),
+        ({"server": {"max_connections": 100, "max_connections_per_peer": 200}}, "max_connections_per_peer"),
+        ({"page_qa": {"limits": {"queue_timeout_s": float("nan")}}}, "queue_timeout_s"),
+        ({"search": {"limits": {"max_concurrency": 0}}}, "max_concurrency"),
+        ({"image_ops": {"model": {"batch_wait_ms": float("nan")}}}, "batch_wait_ms"),
+    ],
+)
+def test_numbers_out_of_range_or_not_finite_are_config_errors(data: dict[str, Any], named: str) -> None:
+    """NaN, infinities (TOML spells both) and out-of-range limits are ConfigErrors naming the key, at start-up
+    as in a hot swap: no setting may leave the server unable to answer."""
+    with pytest.raises(ConfigError, match=named):
+        parse_config(data)

@@ -17,11 +17,13 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
 from subagents.backends import BackendConfig, BackendError, build_llm
 from tests.tool_server_fakes import FakeFactory, fake_subagents, make_config, running, serving, with_limits
 from tool_server.app import create_app, serve, uvicorn_config
 from tool_server.config import ServerConfig, ToolLimits, ToolsConfig, default_tools
+from tool_server.connections import HEALTH_RESERVE
 from tool_server.limits import is_loopback
 
 TOKEN = "s3cret-token"
@@ -184,7 +186,7 @@ def test_idle_and_slow_connections_are_closed_and_never_block_other_clients() ->
         if hard != resource.RLIM_INFINITY and hard < 2000:
             pytest.skip(f"open-file limit {soft}/{hard} is too low for 1200 sockets")
         resource.setrlimit(resource.RLIMIT_NOFILE, (2000, hard))
-    cfg = make_config(port=0, request_timeout_s=1.0)
+    cfg = make_config(port=0, request_timeout_s=1.0, keep_alive_s=30.0, max_connections_per_peer=1000)
     app = app_for(cfg)
     with (
         serving(app, config=uvicorn_config(cfg, app)) as url,
@@ -360,3 +362,288 @@ async def test_swap_with_bad_config_keeps_old_backend(token_cfg: ServerConfig) -
     assert typo.status_code == 422 and "unknown key 'modle'" in typo.json()["error"]["message"]
     assert (bad_model.status_code, bad_model.json()["error"]["kind"]) == (422, "backend_error")
     assert still["model"] == "fake:smollm2-135m-instruct"
+
+
+# The attack's swaps: each was accepted (200) or crashed the route (500); a NaN wait then failed every call.
+REFUSED_SWAPS = [
+    b'{"max_batch": -1}',
+    b'{"max_batch": 0}',
+    b'{"batch_wait_ms": NaN}',
+    b'{"batch_wait_ms": Infinity}',
+    b'{"batch_wait_ms": 1e308}',
+    b'{"batch_wait_ms": -5}',
+    b'{"max_new_tokens": 1000000000000}',
+    b'{"request_timeout_s": 0}',
+    b'{"max_retries": -1}',
+    b'{"model": ""}',
+    b'{"model": "B", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+]
+
+
+async def test_a_swap_is_validated_like_the_start_up_config_and_leaves_the_tool_as_it_was(
+    token_cfg: ServerConfig,
+) -> None:
+    """Every out-of-range, non-finite or 100,000-deep swap body is a 422 invalid_args naming the problem; no
+    model is built, the tool keeps answering on its old backend, and a valid swap still works afterwards."""
+    factory = FakeFactory()
+    async with running(app_for(token_cfg, factory), headers=AUTH) as client:
+        replies = [await client.post("/admin/backends/page_qa", content=body) for body in REFUSED_SWAPS]
+        assert len(factory.built) == 1  # the start-up model only
+        still = (await client.post("/v1/tools/page_qa", json={"text": "q"})).json()
+        ok = await client.post("/admin/backends/page_qa", json={"model": "B", "batch_wait_ms": 0})
+        health = await client.get("/health")
+    assert still["ok"] is True and still["model"] == "fake:smollm2-135m-instruct"
+    assert ok.status_code == 200 and health.json()["models"]["page_qa"] == "fake:B"
+    for body, reply in zip(REFUSED_SWAPS, replies, strict=True):
+        assert (reply.status_code, reply.json()["error"]["kind"]) == (422, "invalid_args"), body[:60]
+    assert "not valid JSON" in replies[2].json()["error"]["message"]
+    assert "batch_wait_ms must be a finite number from 0 to 1000" in replies[4].json()["error"]["message"]
+
+
+def test_the_start_up_config_refuses_the_same_values(tmp_path: Path) -> None:
+    """A TOML [<tool>.model] table with nan, inf or an out-of-range number is a ConfigError at start-up, the
+    same check a swap gets (TOML spells nan and inf)."""
+    from conductor.settings import ConfigError
+    from tool_server.config import load_config
+
+    for line in ("batch_wait_ms = nan", "batch_wait_ms = inf", "max_batch = 0", "max_new_tokens = 1_000_000"):
+        path = tmp_path / "server.toml"
+        path.write_text(f"[page_qa.model]\n{line}\n")
+        with pytest.raises(ConfigError, match=line.split(" ")[0]):
+            load_config(path)
+
+
+# ---------------------------------------------------------------- connection slots under attack (loopback)
+
+# A small cap stands in for the shipped 2,048 (the rule is the same at any size): the attacks below open 3x it.
+CAP = 32
+ATTACKERS = 3 * CAP
+PROBES = 20
+
+
+def raw_socket(port: int, *, source: str = "127.0.0.1") -> socket.socket:
+    """A loopback connection from `source` (any 127.x address is this machine: another peer to the server)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+    return sock
+
+
+def request_bytes(port: int, method: str, path: str, body: bytes = b"", **headers: str) -> bytes:
+    head = [f"{method} {path} HTTP/1.1", f"Host: 127.0.0.1:{port}", f"Content-Length: {len(body)}"]
+    head += [f"{name.replace('_', '-')}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def probe_rates(url: str) -> dict[str, float]:
+    """The share of /health probes and of tool calls answered ok, each on a fresh connection."""
+    health = tools = 0
+    for i in range(PROBES):
+        with httpx.Client(base_url=url, timeout=5) as client:
+            health += client.get("/health").status_code == 200
+        with httpx.Client(base_url=url, timeout=5) as client:
+            reply = client.post("/v1/tools/search", json={"text": f"probe {i}"})
+            tools += reply.status_code == 200 and reply.json()["ok"]
+    return {"health": health / PROBES, "tool": tools / PROBES}
+
+
+def guarded_server(**server: Any) -> tuple[Any, uvicorn.Config]:
+    """The fake app under the shipped uvicorn settings with a CAP-connection limit (and `server` changes)."""
+    limits = ToolLimits(max_concurrency=4 * CAP, queue_timeout_s=10)  # the gates never refuse in these tests
+    settings = {"max_connections": CAP, "max_connections_per_peer": CAP, "keep_alive_s": 30.0, **server}
+    cfg = make_config(port=0, request_timeout_s=2.0, tools=with_limits(search=limits), **settings)
+    app = app_for(cfg)
+    return app, uvicorn_config(cfg, app, log_level="warning")
+
+
+WEBSOCKET_UPGRADE = {"Connection": "Upgrade", "Upgrade": "websocket", "Sec_WebSocket_Version": "13"}
+WEBSOCKET_UPGRADE["Sec_WebSocket_Key"] = "dGhlIHNhbXBsZSBub25jZQ=="
+
+
+def test_streams_idle_sockets_and_kept_alive_pollers_cannot_fill_the_connection_slots() -> None:
+    """The three slot attacks, each at 3x the connection cap from the policy's own address: GET /mcp streams
+    (now 405 at once: no stream is held), sockets that never send a request, and kept-alive sockets that
+    polled /health once; and WebSocket upgrades, served as plain HTTP (there are no WebSocket routes, so no
+    socket leaves the guard's sight). Idle connections are closed to make room, so /health probes and the
+    policy's tool calls on fresh connections all succeed (before: 503 for most probes once the cap was full)."""
+    app, config = guarded_server()
+    accept_sse = {"Accept": "text/event-stream"}
+    attacks = {
+        "mcp_streams": request_bytes(0, "GET", "/mcp", **accept_sse),
+        "idle_sockets": b"",
+        "kept_alive_pollers": request_bytes(0, "GET", "/health"),
+        "websocket_upgrades": request_bytes(0, "GET", "/health", **WEBSOCKET_UPGRADE),
+    }
+    rates = {}
+    with serving(app, config=config) as url:
+        port = int(url.rsplit(":", 1)[1])
+        registry = config.http.registry  # type: ignore[union-attr]
+        for name, first in attacks.items():
+            held = [raw_socket(port) for _ in range(ATTACKERS)]
+            try:
+                for sock in held:
+                    sock.sendall(first.replace(b"Host: 127.0.0.1:0", f"Host: 127.0.0.1:{port}".encode()))
+                if first:  # answered at once (b"": evicted, idle after its answer or before its request)
+                    answers = [sock.recv(200) for sock in held[-CAP:]]
+                    expected = b"HTTP/1.1 405" if name == "mcp_streams" else b"HTTP/1.1 200"
+                    assert all(a.startswith(expected) or a == b"" for a in answers), answers[:2]
+                    assert sum(a.startswith(expected) for a in answers) >= CAP // 2, answers[:2]
+                quiet_within(registry)  # every attacking socket now holds a slot without running a request
+                rates[name] = probe_rates(url)
+                assert len(registry) <= CAP + HEALTH_RESERVE, len(registry)  # never past the reserve
+            finally:
+                for sock in held:
+                    sock.close()
+        evicted = registry.evicted
+    print(f"probe success rates at {ATTACKERS} attacking sockets, cap {CAP}: {rates}; evicted {evicted}")
+    assert all(rate == {"health": 1.0, "tool": 1.0} for rate in rates.values()), rates
+    assert evicted >= ATTACKERS - CAP
+
+
+def quiet_within(registry: Any, *, seconds: float = 5.0) -> None:
+    """Wait (bounded) until no connection runs a request."""
+    deadline = time.monotonic() + seconds
+    while registry.busy_count:
+        assert time.monotonic() < deadline, f"{registry.busy_count} connections still busy"
+        time.sleep(0.02)
+
+
+def busy_within(registry: Any, count: int, *, seconds: float = 5.0) -> None:
+    """Wait (bounded) until `count` connections run a request."""
+    deadline = time.monotonic() + seconds
+    while registry.busy_count < count:
+        assert time.monotonic() < deadline, f"{registry.busy_count} busy, expected {count}"
+        time.sleep(0.02)
+
+
+def fill(port: int, registry: Any, body: bytes, *, sources: list[str], share: int) -> list[socket.socket]:
+    """`share` connections from each source address, each running a slow call (waits until they all run)."""
+    post = request_bytes(port, "POST", "/v1/tools/search", body, Content_Type="application/json")
+    held, before = [], registry.busy_count
+    for source in sources:
+        for _ in range(share):
+            held.append(raw_socket(port, source=source))
+            held[-1].sendall(post)
+    busy_within(registry, before + len(held))
+    return held
+
+
+def test_a_peer_past_its_share_is_refused_and_health_answers_when_every_slot_is_busy() -> None:
+    """Connections that all run slow calls cannot be closed: then the caps hold. Three other addresses fill
+    their per-peer shares with running calls: one more call from one of them is a 503 + Retry-After, while the
+    policy's address (127.0.0.1) is served. Once the policy's share runs calls too, every slot is busy: /health
+    still answers from its reserve, a call from a fifth address gets a structured 503, and after the slow calls
+    end calls succeed again."""
+    share = CAP // 4
+    app, config = guarded_server(max_connections_per_peer=share)
+    registry = config.http.registry  # type: ignore[union-attr]
+    slow = json.dumps({"text": "slow", "delay_s": 3.0}).encode()
+    with serving(app, config=config) as url:
+        port = int(url.rsplit(":", 1)[1])
+        held = fill(port, registry, slow, sources=["127.0.0.2", "127.0.0.3", "127.0.0.4"], share=share)
+        with raw_socket(port, source="127.0.0.2") as extra:
+            extra.sendall(request_bytes(port, "POST", "/v1/tools/search", b'{"text": "more"}'))
+            refused = extra.recv(1000)
+        policy_ok = httpx.post(f"{url}/v1/tools/search", json={"text": "mine"}, timeout=5).json()["ok"]
+        held += fill(port, registry, slow, sources=["127.0.0.1"], share=share)  # every slot runs a call
+        health = httpx.get(f"{url}/health", timeout=5)
+        with httpx.Client(
+            base_url=url, timeout=5, transport=httpx.HTTPTransport(local_address="127.0.0.5")
+        ) as c:
+            full = c.post("/v1/tools/search", json={"text": "no room"})
+        finished = [sock.recv(1000) for sock in held]
+        after = httpx.post(f"{url}/v1/tools/search", json={"text": "later"}, timeout=5)
+        for sock in held:
+            sock.close()
+    assert refused.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in refused.lower(), refused
+    assert policy_ok is True and health.status_code == 200
+    assert (full.status_code, full.json()["error"]["kind"], full.headers["Retry-After"]) == (
+        503,
+        "overloaded",
+        "1",
+    )
+    assert len(finished) == CAP and all(answer.startswith(b"HTTP/1.1 200") for answer in finished)
+    assert after.json()["ok"] is True
+
+
+def test_a_response_past_its_lifetime_has_its_connection_closed() -> None:
+    """A response still unfinished `response_timeout_s` after its request (a stream, a stuck handler) has its
+    connection closed by the server, which stays healthy; a quick call on the same settings is untouched."""
+    app, config = guarded_server(response_timeout_s=1.0)
+    with serving(app, config=config) as url, httpx.Client(base_url=url, timeout=10) as client:
+        started = time.monotonic()
+        with pytest.raises(httpx.RemoteProtocolError):
+            client.post("/v1/tools/search", json={"text": "stuck", "delay_s": 5})
+        cut_after = time.monotonic() - started
+        quick = client.post("/v1/tools/search", json={"text": "quick"}).json()
+        health = client.get("/health").status_code
+    assert 0.9 < cut_after < 3, cut_after
+    assert quick["ok"] is True and health == 200
+
+
+def test_serve_raises_the_open_file_limit_to_what_the_connection_cap_needs(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One descriptor per connection: a soft limit under max_connections + the /health reserve + spares is
+    raised when the hard limit allows, and a warning names the fix when it does not."""
+    from tool_server import app as app_module
+
+    set_to: list[tuple[int, int]] = []
+    monkeypatch.setattr(resource, "setrlimit", lambda kind, limits: set_to.append(limits))
+    cfg = make_config(max_connections=1000)
+    needed = 1000 + HEALTH_RESERVE + app_module.SPARE_FDS
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (256, 100_000))
+    app_module.check_fd_limit(cfg)
+    assert set_to == [(needed, 100_000)]
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (256, 512))
+    with caplog.at_level(logging.WARNING):
+        app_module.check_fd_limit(cfg)
+    assert set_to == [(needed, 100_000)] and "ulimit -n" in caplog.text
+
+
+async def test_mcp_offers_no_get_stream() -> None:
+    """GET /mcp (an SSE stream that never closed, a ping every 15 s) is 405 with Allow: POST; POST still works."""
+    async with running(app_for(make_config())) as client:
+        stream = await client.get("/mcp", headers={"Accept": "text/event-stream"})
+        message = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+        accept = {"Accept": "application/json, text/event-stream"}
+        listed = await client.post("/mcp", json=message, headers=accept)
+    assert (stream.status_code, stream.headers["Allow"]) == (405, "POST")
+    assert listed.status_code == 200 and listed.json()["result"]["tools"]
+
+
+class FakeConnection:
+    """What the registry calls on a connection: `evict`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.evicted = False
+
+    def evict(self) -> None:
+        self.evicted = True
+
+
+def test_the_registry_closes_the_longest_idle_connection_of_the_peer_past_its_share() -> None:
+    """Past a peer's share its own longest-idle connection is closed, never another peer's or a busy one;
+    past the total the longest-idle of anyone; with nothing idle requests are refused except the open paths,
+    and past the /health reserve a new connection is refused outright."""
+    from tool_server.connections import ConnectionRegistry
+
+    registry = ConnectionRegistry(max_connections=4, per_peer=2, open_paths=frozenset({"/health"}))
+    a1, a2, a3, b1, b2 = (FakeConnection(n) for n in ("a1", "a2", "a3", "b1", "b2"))
+    for conn, peer in ((b1, "b"), (a1, "a"), (a2, "a")):
+        assert registry.opened(conn, peer)  # type: ignore[arg-type]
+    registry.busy(a1)  # type: ignore[arg-type]
+    registry.idle(b1)  # type: ignore[arg-type]  # b1 used again: now the most recently idle
+    registry.opened(a3, "a")  # type: ignore[arg-type]  # "a" past its share: its idle a2 goes, not busy a1
+    assert (a2.evicted, a1.evicted, b1.evicted) == (True, False, False)
+    registry.opened(b2, "b")  # type: ignore[arg-type]  # 4 open: within both caps
+    assert len(registry) == 4 and registry.busy_count == 1
+    for conn in (a3, b1, b2):
+        registry.busy(conn)  # type: ignore[arg-type]
+    extra = [FakeConnection(f"x{i}") for i in range(HEALTH_RESERVE + 1)]
+    for i, conn in enumerate(extra[:-1]):  # each runs a request at once: nothing to close for the next
+        assert registry.opened(conn, f"peer{i}")  # type: ignore[arg-type]
+        registry.busy(conn)  # type: ignore[arg-type]
+    assert not registry.admits(extra[0], "/v1/tools/search")  # type: ignore[arg-type]
+    assert registry.admits(extra[0], "/health")  # type: ignore[arg-type]
+    assert not any(c.evicted for c in [a1, a3, b1, b2, *extra]), "a busy connection was closed"
+    assert not registry.opened(extra[-1], "late")  # type: ignore[arg-type]  # past the reserve

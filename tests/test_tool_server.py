@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import Counter
 from dataclasses import replace
@@ -17,11 +18,14 @@ import pytest
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import TextContent
+from PIL import Image
 from pydantic import BaseModel, Field
 
+from main_agent.rollout import RolloutConfig, RolloutTask, rollout
 from subagents import SUBAGENTS
 from subagents.common import Files
 from subagents.fetch import FetchConfig
+from tests.fakes import TOOLS, ScriptedPolicy, call_text
 from tests.tool_server_fakes import (
     PAGE,
     FakeFactory,
@@ -34,6 +38,7 @@ from tests.tool_server_fakes import (
     with_limits,
 )
 from tool_server.app import create_app
+from tool_server.client import ToolClient
 from tool_server.config import ToolLimits, default_tools
 from tool_server.host import INTERNAL_MESSAGE, tool_schema
 
@@ -516,3 +521,152 @@ def test_real_image_ops_zoom_then_read_a_plate(shared_data: Path) -> None:
     assert plate in "".join(ch for ch in text["text"] if ch.isalnum()), text
     assert thumbnail.status_code == 200 and thumbnail.content.startswith(b"\x89PNG")
     assert foreign.status_code == 404
+
+
+def odd_shapes_script(history: str, turn: int) -> str:
+    """A policy that loads a photo and a 1x2001 PNG, zooms to an 8x6000 strip of the photo, then looks for and
+    reads text on both odd shapes (each call's image id taken from the observations so far)."""
+    photo, thin = (re.findall(rf"(img_[0-9a-f]{{6}}) {size}", history) for size in ("600x800", "1x2001"))
+    if turn == 0:
+        return call_text("image_ops", op="load", image="photo.png") + call_text(
+            "image_ops", op="load", image="thin.png"
+        )
+    if turn == 1:
+        zoom = call_text("image_ops", op="zoom", image=photo[-1], box=[0, 0, 1, 750], factor=8)
+        return zoom + call_text("image_ops", op="find_text", image=thin[-1])
+    if turn == 2:
+        strip = re.findall(r"(img_[0-9a-f]{6}) 8x6000", history)[-1]
+        return call_text("image_ops", op="find_text", image=strip) + call_text(
+            "image_ops", op="read", image=strip
+        )
+    return "<answer>no text</answer>"
+
+
+@pytest.mark.slow
+async def test_odd_image_shapes_through_the_client_and_the_rollout_are_observations(tmp_path: Path) -> None:
+    """A policy's own odd shapes (an 8x6000 zoom, a 1x2001 PNG) through ToolClient and the rollout, with the
+    real image_ops: every call is an ok observation and the episode ends with the policy's answer, never an
+    infrastructure failure (find_text on them was an HTTP 500, i.e. ToolServerError and a dropped episode)."""
+    Image.new("RGB", (600, 800), "white").save(tmp_path / "photo.png")
+    Image.new("RGB", (1, 2001), "gray").save(tmp_path / "thin.png")
+    app = real_app(FakeFactory(), files=Files(roots=(str(tmp_path),)))
+    policy = ScriptedPolicy(odd_shapes_script)
+    task = RolloutTask("odd", "What text is there?", TOOLS)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with ToolClient("http://embedded", transport=transport, deadline_s=120) as tools:
+            episode = await rollout(task, policy, tools, policy.tokenizer, RolloutConfig())
+    assert (episode.stop_reason, episode.infra_error, episode.answer) == ("answer", None, "no text")
+    results = [result for turn in episode.turns for result in turn.results]
+    assert len(results) == 6 and episode.tool_errors == 0, [r.observation for r in results]
+    seen = " ".join(turn.observation_text for turn in episode.turns)
+    assert "1x2001 no text found" in seen and "8x6000 no text found" in seen and "8x6000 read:" in seen
+
+
+def test_symlinks_in_a_files_root_are_results_and_never_leak_over_http(tmp_path: Path) -> None:
+    """Over real HTTP: page_qa on a symlink loop inside a files root is an invalid_args result (it was a 500),
+    on a link out of the roots a blocked_url result that names neither the target nor a root, and search
+    never indexes that link's text; /health answers afterwards."""
+    root, outside = tmp_path / "corpus", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (root / "tea.txt").write_text("Green tea is steamed soon after picking.")
+    (outside / "passwd").write_text("root:x:0:0:swordfish:/root:/bin/bash")
+    (root / "loop.html").symlink_to(root / "loop.html")
+    (root / "leak.txt").symlink_to(outside / "passwd")
+    tools = default_tools()
+    search = replace(tools["search"], config=replace(tools["search"].config, corpus_dir=str(root)))
+    app = real_app(FakeFactory(), files=Files(roots=(str(root),)), tools={**tools, "search": search})
+    with serving(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        loop = client.post(
+            "/v1/tools/page_qa", json={"url": (root / "loop.html").as_uri(), "question": "What?"}
+        )
+        leak = client.post(
+            "/v1/tools/page_qa", json={"url": (root / "leak.txt").as_uri(), "question": "Who?"}
+        )
+        hits = client.post("/v1/tools/search", json={"query": "root bash swordfish"})
+        health = client.get("/health")
+    assert (loop.status_code, loop.json()["error"]["kind"]) == (200, "invalid_args"), loop.text
+    assert (leak.status_code, leak.json()["error"]["kind"]) == (200, "blocked_url"), leak.text
+    assert "outside the allowed file roots" in leak.json()["error"]["message"]
+    assert str(outside) not in leak.text and "swordfish" not in leak.text
+    assert hits.json()["ok"] is True and hits.json()["hits"] == []
+    assert health.status_code == 200
+
+
+# The attack's bodies: NaN and Infinity where JSON has none, lone surrogates no UTF-8 answer can carry, and
+# nesting deep enough to exhaust a recursive parser.
+UNENCODABLE_BODIES = [
+    b'{"calls": NaN}',
+    b'{"calls": Infinity}',
+    b'{"query": "\\ud800"}',
+    b'{"calls": [{"name": "search", "arguments": {"text": "\\udfff"}}]}',
+    b'{"calls": [{"name": "search", "arguments": {"text": "x", "delay_s": NaN}}]}',
+    b"[" * 100_000 + b"]" * 100_000,
+]
+
+
+def test_bodies_no_json_answer_can_echo_are_refused_on_every_route() -> None:
+    """/v1/batch answers NaN, Infinity, a lone surrogate or 100,000-deep nesting with 422 invalid_args (its
+    validation error echoed the input and could not encode it: a 500); /v1/tools/* with an invalid_args
+    result and /mcp with 400, as before; the server stays healthy."""
+    with serving(fake_app()) as url, httpx.Client(base_url=url, timeout=30) as client:
+        headers = {"Content-Type": "application/json"}
+        for body in UNENCODABLE_BODIES:
+            batch = client.post("/v1/batch", content=body, headers=headers)
+            assert (batch.status_code, batch.json()["error"]["kind"]) == (422, "invalid_args"), body[:60]
+            tool = client.post("/v1/tools/search", content=body, headers=headers)
+            assert (tool.status_code, tool.json()["error"]["kind"]) == (200, "invalid_args"), body[:60]
+            mcp = client.post("/mcp", content=body, headers={**headers, **MCP_HEADERS})
+            assert mcp.status_code == 400, body[:60]
+        assert client.get("/health").status_code == 200
+        calls = [{"name": "search", "arguments": {"text": "fine"}}]
+        assert client.post("/v1/batch", json={"calls": calls}).json()["results"][0]["echo"] == "fine"
+
+
+def test_two_origins_are_refused_and_a_hosts_trailing_dot_is_the_same_name() -> None:
+    """Over real sockets: two Origin headers are 403 whichever comes first (the first used to win), and
+    `localhost.:<port>` (the same name with its root dot, which got 421) is accepted as Host and in an Origin,
+    while a foreign name with a dot stays 421."""
+    with serving(fake_app()) as url, httpx.Client(base_url=url, timeout=10) as client:
+        port = int(url.rsplit(":", 1)[1])
+        mine, evil = f"http://127.0.0.1:{port}", "http://evil.example"
+        for first, second in ((mine, evil), (evil, mine)):
+            reply = client.get("/v1/tools", headers=[("Origin", first), ("Origin", second)])
+            assert (reply.status_code, reply.json()["error"]["kind"]) == (403, "bad_origin")
+        dotted = client.get(
+            "/health", headers={"Host": f"localhost.:{port}", "Origin": f"http://localhost.:{port}"}
+        )
+        foreign = client.get("/health", headers={"Host": f"evil.example.:{port}"})
+    assert dotted.status_code == 200 and foreign.status_code == 421
+
+
+class Declared(BaseModel):
+    text: str
+    count: int
+
+
+def test_a_route_with_a_pydantic_body_refuses_unencodable_input_without_echoing_it() -> None:
+    """Any route whose body FastAPI validates (as /v1/batch did) answers NaN, Infinity or lone-surrogate input
+    that fails validation with 422 invalid_args naming the field, never FastAPI's echo of the input, which
+    could not be encoded: a 500."""
+    app = fake_app()
+
+    @app.post("/test/declared")
+    async def declared(body: Declared) -> dict[str, str]:
+        return {"text": body.text}
+
+    headers = {"Content-Type": "application/json"}
+    with serving(app) as url, httpx.Client(base_url=url, timeout=10) as client:
+        replies = [
+            client.post("/test/declared", content=body, headers=headers)
+            for body in (
+                b'{"text": NaN, "count": 1}',
+                b'{"text": "x", "count": Infinity}',
+                b'{"text": "\\ud800"}',
+            )
+        ]
+        health = client.get("/health").status_code
+    for reply in replies:
+        assert (reply.status_code, reply.json()["error"]["kind"]) == (422, "invalid_args"), reply.text
+    assert "count:" in replies[1].json()["error"]["message"] and health == 200

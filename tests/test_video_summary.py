@@ -632,3 +632,13 @@ async def test_audio_only_file_is_unsupported(tmp_path: Path) -> None:
     response = await vs.run(vs.Request(video="a.ogg"), config(), runtime(FakeLLM(), tmp_path))
     assert response.error is not None and response.error.kind == "unsupported_media"
     assert "no video stream" in response.error.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [(640, 1), (1, 640), (640, 8), (3, 3)])
+def test_frames_of_any_shape_go_through_ocr(size: tuple[int, int]) -> None:
+    """A frame of a one-pixel-high, thin or tiny video (what ffmpeg's scale to `frame_side` gives) is read
+    as a frame without text, not an error out of the OCR engine."""
+    buffer = io.BytesIO()
+    Image.new("RGB", size, "gray").save(buffer, format="PNG")
+    assert vs._ocr_text(buffer.getvalue()) == ""

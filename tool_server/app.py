@@ -9,12 +9,14 @@ Routes (bodies are JSON):
     GET  /v1/images/{id}         PNG thumbnail from the caller's image session, or 404
     GET  /health, GET /metrics   liveness; per-tool counts, errors, latency p50/p95, cache, queue depth
     POST /admin/backends/{tool}  body = BackendConfig: hot-swap the model behind one tool (token required)
-    /mcp                         the same tools over MCP (mcp_server.py)
+    /mcp                         the same tools over MCP (mcp_server.py); POST only, a GET stream is 405
 
 Outcome policy. A policy's mistake is an observation, not an HTTP error: arguments that fail validation
 give 200 with `{"ok": false, "error": {"kind": "invalid_args", ...}}`, as do the sub-agents' own
 structured errors. HTTP errors are for the caller's program or the infrastructure: 404 unknown tool,
-401/403 auth, 413 body too large, 429 + Retry-After when a tool's queue deadline passes, and 500
+401/403 auth, 413 body too large, 422 a malformed batch or swap body (strict JSON: no NaN, no lone
+surrogates), 429 + Retry-After when a tool's queue deadline passes, 503 + Retry-After when every connection
+slot runs a request (connections.py; /health keeps a reserve), and 500
 `{"error": {"kind": "internal"}}` (no traceback; logged) when a bug escapes a sub-agent. In a batch or over
 MCP each call is independent: an overload or an escaped bug is that call's own `overloaded` or `internal`
 result, and the other calls keep theirs. Header `X-Conductor-Session` names the caller's session (default
@@ -29,27 +31,39 @@ request is read whole is logged as a disconnect (one info line) and counted `can
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import resource
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
+import pydantic_core
 import uvicorn
 from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from conductor.settings import build
 from subagents import SUBAGENTS, image_ops
 from subagents.backends import LLM, BackendConfig, BackendError, build_llm
 from subagents.common import ToolResponse, fail
 from tool_server.config import ServerConfig
-from tool_server.host import INTERNAL_MESSAGE, SESSION_HEADER, SubAgent, ToolHost, tool_schema
+from tool_server.connections import HEALTH_RESERVE, guarded_h11
+from tool_server.host import (
+    INTERNAL_MESSAGE,
+    SESSION_HEADER,
+    SubAgent,
+    ToolHost,
+    invalid_args_message,
+    tool_schema,
+)
 from tool_server.limits import (
+    OPEN_PATHS,
     AuthMiddleware,
     BodyLimitMiddleware,
     HostGuardMiddleware,
@@ -57,7 +71,6 @@ from tool_server.limits import (
     is_loopback,
     load_token,
     require_token_off_loopback,
-    timed_h11,
 )
 from tool_server.mcp_server import build_mcp
 
@@ -116,14 +129,31 @@ def create_app(
 
     app = FastAPI(title="Conductor tool server", lifespan=lifespan)
     app.include_router(router)
-    app.router.routes.append(Route("/mcp", endpoint=mcp.app, include_in_schema=False))  # an ASGI app
+    app.router.routes.append(Route("/mcp", endpoint=NoStreams(mcp.app), include_in_schema=False))
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
     app.add_middleware(AuthMiddleware, token=token)  # outside the body limit: no body read before auth
     hosts = {"allowed_hosts": cfg.allowed_hosts, "allowed_origins": cfg.allowed_origins}
     app.add_middleware(HostGuardMiddleware, port=cfg.port, **hosts)  # added last = outermost
     app.add_exception_handler(ClientDisconnect, _client_gone)
+    app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(Exception, _internal_error)
     return app
+
+
+class NoStreams:
+    """/mcp without the server-to-client stream: a GET (the only way to open one) is 405, as the Streamable HTTP
+    spec lets a server without one answer. The endpoint is stateless and never sends on such a stream, which
+    stayed open for ever (a ping every 15 s) and held a connection each: 2,100 of them starved the server."""
+
+    def __init__(self, mcp_app: ASGIApp) -> None:
+        self.mcp_app = mcp_app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "GET":
+            body = _error_body("method_not_allowed", "/mcp offers no GET stream; POST JSON-RPC messages")
+            await JSONResponse(body, 405, headers={"Allow": "POST"})(scope, receive, send)
+            return
+        await self.mcp_app(scope, receive, send)
 
 
 def _check_subagents(subagents: Mapping[str, SubAgent], cfg: ServerConfig) -> None:
@@ -149,6 +179,15 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     the traceback)."""
     logger.error("internal error on %s %s: %r", request.method, request.url.path, exc)
     return JSONResponse({"error": {"kind": "internal", "message": INTERNAL_MESSAGE}}, status_code=500)
+
+
+async def _invalid_request(request: Request, exc: Exception) -> Response:
+    """A body FastAPI validated for a route (one declared with a pydantic parameter) and refused: 422
+    invalid_args naming each field and problem, without FastAPI's default echo of the input, which may hold
+    what no JSON answer can encode (NaN, a lone surrogate): that echo made /v1/batch answer 500."""
+    assert isinstance(exc, RequestValidationError), type(exc)
+    parts = [f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in exc.errors()]
+    return _invalid_body("; ".join(parts))
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
@@ -193,14 +232,46 @@ async def call_tool(name: str, request: Request) -> Response:
 
 
 @router.post("/v1/batch")
-async def call_batch(batch: BatchRequest, request: Request) -> dict[str, list[dict[str, Any]]]:
+async def call_batch(request: Request) -> Response:
     host = _host(request)
+    try:
+        batch = _batch_request(await request.body())
+    except ValueError as exc:  # not JSON, NaN or Infinity, a lone surrogate, too deep, not a batch
+        return _invalid_body(str(exc))
     if len(batch.calls) > host.cfg.max_batch_calls:
-        raise HTTPException(422, f"{len(batch.calls)} calls in one batch; at most {host.cfg.max_batch_calls}")
+        return _invalid_body(f"{len(batch.calls)} calls in one batch; at most {host.cfg.max_batch_calls}")
     session = request.headers.get(SESSION_HEADER, "default")
     # Each item is its own result (call_as_result answers a bug as `internal`), so none can fail the batch.
     results = await asyncio.gather(*(_batch_item(host, call, session) for call in batch.calls))
-    return {"results": [_dump(result) for result in results]}
+    return JSONResponse({"results": [_dump(result) for result in results]})
+
+
+def json_body(body: bytes) -> Any:
+    """A request body as JSON, strictly: NaN and Infinity, lone surrogates (which no JSON answer can carry back)
+    and nesting past pydantic's depth limit (200) are ValueErrors whose text gives a position, never the input."""
+    try:
+        return pydantic_core.from_json(body, allow_inf_nan=False)
+    except ValueError as exc:
+        raise ValueError(
+            f"the body is not valid JSON ({exc}; no NaN or Infinity, no lone surrogates)"
+        ) from None
+
+
+def _batch_request(body: bytes) -> BatchRequest:
+    """The batch envelope; ValueError saying what is wrong with it (the input itself is never echoed)."""
+    try:
+        return BatchRequest.model_validate(json_body(body))
+    except ValidationError as exc:
+        raise ValueError(invalid_args_message(exc)) from None
+
+
+def _invalid_body(message: str) -> JSONResponse:
+    """422 for a body the caller's program got wrong (not a policy's call: those are results)."""
+    return JSONResponse(_error_body("invalid_args", message), status_code=422)
+
+
+def _error_body(kind: str, message: str) -> dict[str, Any]:
+    return {"error": {"kind": kind, "message": message}}
 
 
 async def _batch_item(host: ToolHost, call: BatchCall, session: str) -> ToolResponse:
@@ -212,10 +283,24 @@ async def _batch_item(host: ToolHost, call: BatchCall, session: str) -> ToolResp
 
 
 @router.post("/v1/attach")
-async def attach(body: AttachRequest, request: Request) -> dict[str, list[str]]:
+async def attach(request: Request) -> Response:
+    try:
+        body = _attach_request(await request.body())
+    except (
+        ValueError
+    ) as exc:  # not JSON, NaN, a lone surrogate (it would be stored and shown), not attachments
+        return _invalid_body(str(exc))
     session = request.headers.get(SESSION_HEADER, "default")
     items = [(a.kind, a.source, a.key, a.label) for a in body.attachments]
-    return {"handles": _host(request).attach(session, items)}
+    return JSONResponse({"handles": _host(request).attach(session, items)})
+
+
+def _attach_request(body: bytes) -> AttachRequest:
+    """The attachments; ValueError saying what is wrong with them (the input itself is never echoed)."""
+    try:
+        return AttachRequest.model_validate(json_body(body))
+    except ValidationError as exc:
+        raise ValueError(invalid_args_message(exc)) from None
 
 
 @router.get("/v1/images/{image_id}")
@@ -252,8 +337,8 @@ async def swap_backend(tool: str, request: Request) -> Response:
         raise HTTPException(404, f"unknown tool {tool!r}; tools: {', '.join(host.subagents)}")
     try:
         backend_cfg = _backend_config(await request.body())
-    except ValueError as exc:  # not JSON, not an object, an unknown key or a wrong type
-        return JSONResponse({"error": {"kind": "invalid_args", "message": str(exc)}}, status_code=422)
+    except ValueError as exc:  # not strict JSON, not an object, an unknown key, a value out of range
+        return _invalid_body(str(exc))
     try:
         model_id = await host.swap_backend(tool, backend_cfg)
     except (BackendError, OSError) as exc:  # what building a model raises for a bad name, path or device
@@ -263,36 +348,50 @@ async def swap_backend(tool: str, request: Request) -> Response:
 
 def _backend_config(body: bytes) -> BackendConfig:
     """A BackendConfig from JSON, checked like the TOML file: unknown keys and wrong types are errors."""
-    data = json.loads(body)
+    data = json_body(body)
     if not isinstance(data, dict):
         raise ValueError("the body must be a JSON object of BackendConfig fields")
     return build(BackendConfig, data, "the BackendConfig body")
 
 
-# Uvicorn limits. Keep-alive: the rollout client reuses connections between turns a few seconds apart.
-# Concurrency: at this many open connections (idle ones included) or running requests uvicorn answers 503
-# at once. Idle and slow sockets are closed after `request_timeout_s` (TimedH11Protocol), so the cap only
-# has to stay far above what a burst of them can hold meanwhile (a few hundred) and above the real peak
-# (rollout clients pool <= 16 connections each), and below the file-descriptor limit (20000 here; one fd per
-# connection, the rest for fetches, models and ffmpeg; with the common 1024 the OS refuses first, so
-# raise `ulimit -n`). The work itself is bounded by the per-tool gates, not by this number.
-TIMEOUT_KEEP_ALIVE_S = 30
-LIMIT_CONCURRENCY = 2048
 GRACEFUL_SHUTDOWN_S = 30  # in-flight model calls get this long to finish on Ctrl-C
+# File descriptors besides the connections: fetches, model files, ffmpeg pipes, the OCR models, logs.
+SPARE_FDS = 512
 
 
-def uvicorn_config(cfg: ServerConfig, app: FastAPI) -> uvicorn.Config:
-    """uvicorn settings for `app`: the h11 protocol with `cfg.request_timeout_s` and the limits above."""
+def uvicorn_config(cfg: ServerConfig, app: FastAPI, *, log_level: str = "info") -> uvicorn.Config:
+    """uvicorn settings for `app`: the guarded h11 protocol (tool_server/connections.py) with `cfg`'s deadlines
+    and connection caps in place of uvicorn's `limit_concurrency`, which counts idle sockets and /health alike."""
+    http = guarded_h11(
+        request_timeout_s=cfg.request_timeout_s,
+        response_timeout_s=cfg.response_timeout_s,
+        max_connections=cfg.max_connections,
+        per_peer=cfg.max_connections_per_peer,
+        open_paths=OPEN_PATHS,
+    )
     return uvicorn.Config(
         app,
         host=cfg.host,
         port=cfg.port,
-        http=timed_h11(cfg.request_timeout_s),
-        timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S,
-        limit_concurrency=LIMIT_CONCURRENCY,
+        http=http,
+        ws="none",  # no WebSocket routes; an upgrade would hand its socket to a protocol the guard cannot see
+        timeout_keep_alive=cfg.keep_alive_s,  # type: ignore[arg-type]  # uvicorn types it int; a float works
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        log_level="info",
+        log_level=log_level,
     )
+
+
+def check_fd_limit(cfg: ServerConfig) -> None:
+    """Raise the soft open-file limit to what `max_connections` needs (the hard limit allows), or warn."""
+    needed = cfg.max_connections + HEALTH_RESERVE + SPARE_FDS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        if hard == resource.RLIM_INFINITY or hard >= needed:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+        else:
+            logger.warning(
+                "open-file limit %d < %d: lower max_connections or raise `ulimit -n`", hard, needed
+            )
 
 
 def serve(cfg: ServerConfig) -> None:
@@ -300,5 +399,6 @@ def serve(cfg: ServerConfig) -> None:
     app = create_app(cfg)
     if not is_loopback(cfg.host) and not cfg.allowed_hosts:
         logger.warning("bound to %s with no allowed_hosts: any Host but loopback names gets 421", cfg.host)
+    check_fd_limit(cfg)
     logger.info("tool server on http://%s:%d (MCP at /mcp)", cfg.host, cfg.port)
     uvicorn.Server(uvicorn_config(cfg, app)).run()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Generic, TypeVar, get_type_hints
 
-from conductor.settings import ConfigError, build, coerce
+from conductor.settings import ConfigError, build, check_range, coerce
 from subagents import SUBAGENTS
 from subagents.backends import BackendConfig
 from subagents.common import Files
@@ -52,6 +52,12 @@ class ToolLimits:
     """Deadline for one run once it has a slot; past it the caller gets a `timeout` result. Above the
     sub-agents' own budgets (video_summary: 120 s) so their more precise timeout result wins; a 135M model
     on 2 CPU cores answers a page question in 10-20 s, more when batched behind others."""
+
+    def __post_init__(self) -> None:
+        """Finite numbers in sane ranges: a NaN deadline or a zero cap would refuse or hang every call."""
+        check_range("max_concurrency", self.max_concurrency, 1, 4096)  # each a running model call
+        check_range("queue_timeout_s", self.queue_timeout_s, 0, 600)  # 0: refuse at once when full
+        check_range("call_timeout_s", self.call_timeout_s, 0.01, 86400)  # a day: past any real call
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,19 @@ class ServerConfig:
     """A connection must send each request whole (headers and body) within this many seconds of opening,
     or of its next request's first byte, or it is closed: idle and slow-sending sockets cannot pile up
     and hold the server's connection slots. Real clients send their <= 2 MB body in well under a second."""
+    response_timeout_s: float = 300.0
+    """A response not finished this long after its request arrived has its connection closed: no stream or stuck
+    handler holds a connection for ever. Above the longest call (queue 20 s + call 150 s) and a model swap."""
+    keep_alive_s: float = 5.0
+    """An idle connection between requests is closed after this. Rollout clients call again within seconds and
+    retry a closed pooled connection; a new loopback connection costs well under a millisecond."""
+    max_connections: int = 2048
+    """Open connections in all (tool_server/connections.py): past it the longest-idle one is closed to make room,
+    and when none is idle requests get 503 (/health excepted). Far above the real peak (rollout clients pool <= 16
+    connections each) and below the file-descriptor limit (one each; raise `ulimit -n` above ~2,500)."""
+    max_connections_per_peer: int = 256
+    """Open connections from one IP address, under the same rule: sixteen rollout clients of 16 connections on one
+    host. On loopback every client is one peer, so there `max_connections` is the bound that matters."""
     files: Files = field(default_factory=Files)
     """The local folders the tools may read (`[files]`)."""
     fetch: FetchConfig = field(default_factory=FetchConfig)
@@ -123,6 +142,30 @@ class ServerConfig:
     """The frozen-result cache (`[cache]`)."""
     tools: ToolsConfig = field(default_factory=default_tools)
     """Per-sub-agent settings (`[page_qa]`, `[page_qa.model]`, `[page_qa.limits]`, ...), one per SUBAGENTS entry."""
+
+    def __post_init__(self) -> None:
+        check_server(self)
+
+
+# What [server] accepts for its numbers: past these a value is a mistake (or NaN, which TOML can spell).
+SERVER_BOUNDS: dict[str, tuple[float, float]] = {
+    "port": (0, 65535),  # 0: a free port
+    "max_body_bytes": (1, 1 << 30),  # a GiB is far past any tool's arguments
+    "max_batch_calls": (1, 4096),  # a batch is answered at once: thousands would only queue into 429s
+    "request_timeout_s": (0.1, 600),  # past minutes an idle socket is held, which this deadline prevents
+    "response_timeout_s": (1, 86400),  # a day: the longest a response may hold a connection
+    "keep_alive_s": (0.1, 600),  # as request_timeout_s, for the gap between requests
+    "max_connections": (1, 1_000_000),  # one file descriptor each: a million is past any OS limit
+    "max_connections_per_peer": (1, 1_000_000),  # and at most max_connections (check_server)
+}
+
+
+def check_server(cfg: ServerConfig) -> None:
+    """ValueError for a [server] number out of SERVER_BOUNDS or a per-peer cap above the total."""
+    for name, (low, high) in SERVER_BOUNDS.items():
+        check_range(name, getattr(cfg, name), low, high)
+    if cfg.max_connections_per_peer > cfg.max_connections:
+        raise ValueError("max_connections_per_peer must not exceed max_connections")
 
 
 def load_config(path: Path | None) -> ServerConfig:
@@ -139,13 +182,17 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
     for key in data:
         if key not in sections:
             raise ConfigError(f"unknown key {key!r} in the top level; valid sections: {', '.join(sections)}")
-    return ServerConfig(
-        **_server_keys(_table(data, "server", "[server]")),
-        files=build(Files, _table(data, "files", "[files]"), "[files]"),
-        fetch=build(FetchConfig, _table(data, "fetch", "[fetch]"), "[fetch]", moved=_moved("fetch")),
-        cache=build(CacheConfig, _table(data, "cache", "[cache]"), "[cache]"),
-        tools={name: _tool(module.Config, data, name) for name, module in SUBAGENTS.items()},
-    )
+    server = _server_keys(_table(data, "server", "[server]"))
+    nested = {
+        "files": build(Files, _table(data, "files", "[files]"), "[files]"),
+        "fetch": build(FetchConfig, _table(data, "fetch", "[fetch]"), "[fetch]", moved=_moved("fetch")),
+        "cache": build(CacheConfig, _table(data, "cache", "[cache]"), "[cache]"),
+        "tools": {name: _tool(module.Config, data, name) for name, module in SUBAGENTS.items()},
+    }
+    try:
+        return ServerConfig(**server, **nested)
+    except ValueError as exc:  # ServerConfig's own range checks
+        raise ConfigError(f"[server] {exc}") from None
 
 
 def _server_keys(table: Mapping[str, Any]) -> dict[str, Any]:

@@ -10,8 +10,8 @@ Auth rules (AuthMiddleware):
   Missing or wrong: 401 with `WWW-Authenticate: Bearer`. Compared with `hmac.compare_digest`.
 - /admin/* always needs the token, loopback or not; with no token configured admin is disabled (403).
 
-Connection rule (TimedH11Protocol): a connection must deliver each request whole within
-`request_timeout_s`, so idle and slow-sending sockets are closed instead of holding the server's slots.
+Connection rules (request deadline, keep-alive, response lifetime, connection caps per peer and in all, a
+reserve for /health): tool_server/connections.py.
 
 Overload rule (ToolGate): each tool runs at most `max_concurrency` calls; a call waits at most
 `queue_timeout_s` for a slot, then `Overloaded` (HTTP 429 + Retry-After). Nothing waits unboundedly.
@@ -29,12 +29,9 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
-import h11
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tool_server.config import ServerConfig, ToolLimits
 
@@ -105,7 +102,8 @@ class HostGuardMiddleware:
       the connection arrived on, so a server bound to port 0 takes whichever port it got, and the bare names
       on port 80), or one of `allowed_hosts`; else 421.
     - Origin, when present, must be http:// plus one of those Host values, or one of `allowed_origins`;
-      else 403.
+      else 403. Two Origin headers are 403 whatever they say (which one counts would be a guess).
+    A name's trailing root dot is dropped before comparing (`localhost.:8700` is `localhost:8700`).
     In-process calls (httpx.ASGITransport, Starlette's TestClient) have no socket, so no browser behind
     them: their ASGI `server` holds the client's base-URL host ("embedded", "testserver") where a socket
     server puts the IP address it listens on, and the policy is skipped for them. A scope with no `server`
@@ -117,7 +115,7 @@ class HostGuardMiddleware:
     ) -> None:
         self.app = app
         self._port = port
-        self._hosts = frozenset(host.lower() for host in allowed_hosts)
+        self._hosts = frozenset(_absolute_dot_dropped(host.lower()) for host in allowed_hosts)
         self._origins = frozenset(origin.lower() for origin in allowed_origins)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -126,12 +124,15 @@ class HostGuardMiddleware:
             return
         headers = Headers(scope=scope)
         hosts = self._hosts_for(scope)
-        host, origin = headers.get("host", "").lower(), headers.get("origin")
+        host_values, origins = headers.getlist("host"), headers.getlist("origin")
+        host = _absolute_dot_dropped(host_values[0].lower()) if len(host_values) == 1 else ""
         if host not in hosts:
             message = f"Host {host[:100]!r} is not this server (see allowed_hosts)"
             await _send_json(send, 421, _error("bad_host", message), {})
-        elif origin is not None and not self._origin_allowed(origin.lower(), hosts):
-            message = f"Origin {origin[:100]!r} may not call this server (see allowed_origins)"
+        elif len(origins) > 1:  # which one a browser, a proxy or this check reads would differ: refuse both
+            await _send_json(send, 403, _error("bad_origin", "more than one Origin header"), {})
+        elif origins and not self._origin_allowed(origins[0].lower(), hosts):
+            message = f"Origin {origins[0][:100]!r} may not call this server (see allowed_origins)"
             await _send_json(send, 403, _error("bad_origin", message), {})
         else:
             await self.app(scope, receive, send)
@@ -146,7 +147,16 @@ class HostGuardMiddleware:
         return self._hosts.union(named)
 
     def _origin_allowed(self, origin: str, hosts: frozenset[str]) -> bool:
-        return origin in self._origins or (origin.startswith("http://") and origin[len("http://") :] in hosts)
+        if origin in self._origins:
+            return True
+        return origin.startswith("http://") and _absolute_dot_dropped(origin[len("http://") :]) in hosts
+
+
+def _absolute_dot_dropped(host: str) -> str:
+    """`localhost.:8700` -> `localhost:8700`: a name with its root's trailing dot is the same name (RFC 1034),
+    which clients may send; an attacker's rebinding name stays foreign either way."""
+    name, colon, port = host.rpartition(":")  # an IPv6 literal ends in "]" either way: nothing to drop
+    return f"{name.removesuffix('.')}:{port}" if colon else host.removesuffix(".")
 
 
 def _in_process(scope: Scope) -> bool:
@@ -159,59 +169,6 @@ def _in_process(scope: Scope) -> bool:
     except ValueError:
         return True
     return False
-
-
-class TimedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a request deadline: a connection must deliver each request whole (headers
-    and body) within `request_timeout_s` of opening, or of the first byte of its next request after a
-    kept-alive response; past it the connection is closed. Between requests uvicorn's keep-alive timeout
-    applies as before.
-
-    Why: uvicorn 0.54 has no header or body timeout (its `timeout_keep_alive` starts only after a
-    response), so a socket that never completes a request was held for ever, and counted against
-    `limit_concurrency`: 520 idle sockets made every route answer 503. Use `timed_h11(seconds)`.
-    """
-
-    request_timeout_s: float = 10.0
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._request_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm()
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):  # a request has begun and is not whole yet
-            self._arm()
-        else:
-            self._disarm()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
-
-    def _arm(self) -> None:
-        if self._request_timer is None:
-            self._request_timer = self.loop.call_later(self.request_timeout_s, self._timed_out)
-
-    def _disarm(self) -> None:
-        if self._request_timer is not None:
-            self._request_timer.cancel()
-            self._request_timer = None
-
-    def _timed_out(self) -> None:
-        self._request_timer = None
-        if not self.transport.is_closing():
-            self.logger.debug("closing %s: no whole request within %g s", self.client, self.request_timeout_s)
-            self.transport.close()
-
-
-def timed_h11(request_timeout_s: float) -> type[TimedH11Protocol]:
-    """A `TimedH11Protocol` with this deadline, to pass as `uvicorn.Config(http=...)`."""
-    return type("TimedH11Protocol", (TimedH11Protocol,), {"request_timeout_s": request_timeout_s})
 
 
 class AuthMiddleware:

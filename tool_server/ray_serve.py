@@ -54,7 +54,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from conductor.cluster import RayConfig, require_ray
 from subagents import SUBAGENTS
 from subagents.backends import build_llm
-from tool_server.app import GRACEFUL_SHUTDOWN_S, TIMEOUT_KEEP_ALIVE_S, LLMFactory, create_app
+from tool_server.app import GRACEFUL_SHUTDOWN_S, LLMFactory, create_app
 from tool_server.config import ServerConfig
 from tool_server.host import SubAgent
 
@@ -86,7 +86,7 @@ def deploy(
     and answers /health (blocking). Call inside `conductor.cluster.cluster(...)`. `port`: the proxy's port (None: a free
     one); a Serve already running on the cluster keeps its proxy, so then `port` must name it."""
     serve = _serve()
-    port = _start_proxy(serve, port)
+    port = _start_proxy(serve, port, keep_alive_s=cfg.keep_alive_s)
     cfg = replace(cfg, host=LOOPBACK, port=port)
     ingress = serve.ingress(_builder(cfg, subagents, llm_factory))()
     app = serve.deployment(ingress, name=DEPLOYMENT, **_deployment_options(cfg, ray_cfg)).bind()
@@ -173,14 +173,14 @@ def _deployment_options(cfg: ServerConfig, ray_cfg: RayConfig) -> dict[str, Any]
     }
 
 
-def _start_proxy(serve: Any, port: int | None) -> int:
+def _start_proxy(serve: Any, port: int | None, *, keep_alive_s: float) -> int:
     """Start Serve with its HTTP proxy on loopback at `port` (None: a free one); return the port."""
     if serve.status().proxies:  # running already: its proxy options cannot change
         if port is None:
             raise ValueError("Ray Serve already runs on this cluster: pass its proxy's port to deploy()")
         return port
     port = port or _free_port()
-    http = {"host": LOOPBACK, "port": port, "keep_alive_timeout_s": TIMEOUT_KEEP_ALIVE_S}
+    http = {"host": LOOPBACK, "port": port, "keep_alive_timeout_s": keep_alive_s}
     # HeadOnly: one proxy, on this (the head) node, where the loopback URL returned reaches it. No proxy
     # request timeout: the app's per-tool deadlines and the client's total deadline bound every call.
     serve.start(proxy_location="HeadOnly", http_options=http)

@@ -1,0 +1,203 @@
+"""What one client can hold of the server's connections, and for how long (uvicorn's h11 protocol, guarded).
+
+uvicorn counts every open socket, idle or busy, against one cap (`limit_concurrency`) and answers every request
+503 once it is reached, /health included; it has no per-client share and no deadline on a request's arrival or on
+a response. So sockets that send nothing, kept-alive sockets that poll now and then, or never-ending responses
+could fill the cap from one client. `GuardedH11Protocol` (made by `guarded_h11(cfg)`) replaces that cap with these
+rules, each a `[server]` setting:
+
+- Request deadline (`request_timeout_s`): a connection must deliver each request whole (headers and body) within
+  this of opening, or of the first byte of its next request; else it is closed.
+- Keep-alive (`keep_alive_s`, uvicorn's `timeout_keep_alive`): an idle connection between requests is closed after it.
+- Response lifetime (`response_timeout_s`): a response not finished this long after its request arrived has its
+  connection closed, so no stream or stuck handler holds a slot for ever. (The MCP endpoint opens no streams at
+  all: a GET for one is 405, app.py.)
+- Caps (`max_connections` in all, `max_connections_per_peer` from one IP address): a connection that takes its
+  peer or the server past a cap first makes room by closing the longest-idle connection (of that peer, else of
+  anyone). An idle socket holds no work: closing it costs its owner a reconnect (clients retry a closed kept-alive
+  connection), never the server a slot; nginx treats keep-alive connections the same way when it runs out.
+- Where no idle connection can make room (every one is running a request), requests past a cap are answered 503
+  with Retry-After and Connection: close, except the open paths (/health): the HEALTH_RESERVE connections over
+  `max_connections` serve only those. Past that reserve a new socket is closed at once: the file-descriptor budget.
+
+On loopback every client is one peer, the policy's own tool client included: there the total cap with eviction
+is what keeps room, and the per-tool gates (limits.ToolGate) bound the work itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import h11
+from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+logger = logging.getLogger(__name__)
+
+# Connections beyond `max_connections` accepted for the open paths only (/health): enough for a few probes at
+# once while every slot runs a request; each costs one file descriptor.
+HEALTH_RESERVE = 64
+# What a refused request is told to wait: a tool call's queue turns over within its queue deadline (20 s), but
+# a connection frees as soon as any request ends, usually well within a second.
+RETRY_AFTER_S = 1
+
+
+class ConnectionRegistry:
+    """The open connections of one server, counted per peer, with the idle ones in the order they went idle
+    (the longest idle first). Event-loop confined: only the protocol callbacks touch it."""
+
+    def __init__(self, *, max_connections: int, per_peer: int, open_paths: frozenset[str]) -> None:
+        self.max_connections = max_connections
+        self.per_peer = per_peer
+        self.open_paths = open_paths
+        self._peer_of: dict[GuardedH11Protocol, str] = {}
+        self._peers: Counter[str] = Counter()
+        self._idle: dict[GuardedH11Protocol, None] = {}  # insertion order: the longest idle first
+        self.evicted = 0
+        """Idle connections closed to make room (for tests and logs)."""
+
+    def __len__(self) -> int:
+        return len(self._peer_of)
+
+    @property
+    def busy_count(self) -> int:
+        """Connections running a request now."""
+        return len(self._peer_of) - len(self._idle)
+
+    def opened(self, conn: GuardedH11Protocol, peer: str) -> bool:
+        """Count a new (idle) connection, making room for it; False when it is past the reserve: close it."""
+        self._peer_of[conn] = peer
+        self._peers[peer] += 1
+        if self._peers[peer] > self.per_peer:
+            self._evict(lambda other: other is not conn and self._peer_of[other] == peer)
+        if len(self) > self.max_connections:
+            self._evict(lambda other: other is not conn)
+        self._idle[conn] = None
+        return len(self) <= self.max_connections + HEALTH_RESERVE
+
+    def closed(self, conn: GuardedH11Protocol) -> None:
+        """Forget `conn` (idempotent: an evicted connection was forgotten when it was closed)."""
+        peer = self._peer_of.pop(conn, None)
+        self._idle.pop(conn, None)
+        if peer is not None:
+            self._peers[peer] -= 1
+            if not self._peers[peer]:
+                del self._peers[peer]
+
+    def busy(self, conn: GuardedH11Protocol) -> None:
+        self._idle.pop(conn, None)
+
+    def idle(self, conn: GuardedH11Protocol) -> None:
+        if conn in self._peer_of:
+            self._idle.pop(conn, None)
+            self._idle[conn] = None  # to the end: the most recently idle
+
+    def admits(self, conn: GuardedH11Protocol, path: str) -> bool:
+        """Whether a request on `conn` may run: always for the open paths, else within both caps."""
+        peer = self._peer_of.get(conn, "")
+        return path in self.open_paths or (
+            len(self) <= self.max_connections and self._peers[peer] <= self.per_peer
+        )
+
+    def _evict(self, eligible: Callable[[GuardedH11Protocol], bool]) -> None:
+        """Close the longest-idle connection `eligible` accepts, if any."""
+        victim = next((other for other in self._idle if eligible(other)), None)
+        if victim is not None:
+            self.closed(victim)
+            self.evicted += 1
+            victim.evict()
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol under the rules of the module docstring; one `registry` per server."""
+
+    request_timeout_s: float = 10.0
+    response_timeout_s: float = 300.0
+    registry: ConnectionRegistry
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._request_timer: asyncio.TimerHandle | None = None
+        self._response_timer: asyncio.TimerHandle | None = None
+        self._app, self.app = self.app, self._admit  # every request passes `_admit` first
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._request_timer = self.loop.call_later(self.request_timeout_s, self._close, "no whole request")
+        if not self.registry.opened(self, self.client[0] if self.client else ""):
+            self._close(f"over {len(self.registry)} connections")
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):  # a request has begun and is not whole yet
+            if self._request_timer is None:
+                self._request_timer = self.loop.call_later(self.request_timeout_s, self._close, "no request")
+        else:
+            self._request_timer = _cancelled(self._request_timer)
+        self._track()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._track()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._request_timer = _cancelled(self._request_timer)
+        self._response_timer = _cancelled(self._response_timer)
+        self.registry.closed(self)
+        super().connection_lost(exc)
+
+    def evict(self) -> None:
+        """Close this idle connection to make room for another (called by the registry)."""
+        self._close("idle, evicted to make room")
+
+    def _track(self) -> None:
+        """Tell the registry whether a request is running here, and time its response."""
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.registry.busy(self)
+            if self._response_timer is None:
+                timeout = self.response_timeout_s
+                self._response_timer = self.loop.call_later(
+                    timeout, self._close, "response past its lifetime"
+                )
+        else:
+            self.registry.idle(self)
+            self._response_timer = _cancelled(self._response_timer)
+
+    def _close(self, why: str) -> None:
+        if not self.transport.is_closing():
+            logger.debug("closing %s: %s", self.client, why)
+            self.transport.close()
+
+    async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.registry.admits(self, scope["path"]):
+            await self._app(scope, receive, send)
+            return
+        logger.warning("503 to %s: connection caps reached and no idle connection to close", self.client)
+        body = b'{"error": {"kind": "overloaded", "message": "the server has no free connection; retry"}}'
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(b"retry-after", str(RETRY_AFTER_S).encode()), (b"connection", b"close")]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _cancelled(timer: asyncio.TimerHandle | None) -> None:
+    if timer is not None:
+        timer.cancel()
+
+
+def guarded_h11(
+    *,
+    request_timeout_s: float,
+    response_timeout_s: float,
+    max_connections: int,
+    per_peer: int,
+    open_paths: frozenset[str],
+) -> type[GuardedH11Protocol]:
+    """A `GuardedH11Protocol` class with these limits and its own registry, for `uvicorn.Config(http=...)`."""
+    registry = ConnectionRegistry(max_connections=max_connections, per_peer=per_peer, open_paths=open_paths)
+    limits = {"request_timeout_s": request_timeout_s, "response_timeout_s": response_timeout_s}
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {**limits, "registry": registry})
