@@ -9,8 +9,9 @@ Reward: SQuAD token F1 against the gold answer; success: normalised exact match 
 
 Expert: step by step (one step for a HotpotQA question, one per hop where MuSiQue decomposes it), it searches with
 the step's question (`#k` filled from the answer it observed for hop k), then asks page_qa that question on the
-hits that are the step's supporting pages (the metadata chooses among hits the policy saw; the top hit when none
-is), then answers. Two turns a step.
+top hit and the hits that are the step's supporting pages (the metadata chooses among hits the policy saw; a
+handle says nothing of its page, so the search's best match always comes first), then answers. Two turns a
+step.
 """
 
 from __future__ import annotations
@@ -146,10 +147,14 @@ def _hits(turn: Turn) -> list[tuple[str, str]]:
 
 
 def _pick(task: Task, hits: list[tuple[str, str]], pages: tuple[int, ...]) -> list[str]:
-    """The handles of the hits that are the step's pages (at most MAX_READS), else the top hit's."""
+    """The top hit's handle, then those of the hits that are the step's pages, at most MAX_READS in all.
+
+    The top hit always comes first: a handle says nothing of its page (a URL did), so what a small policy can
+    learn to pick without the metadata is the search's best match; the supporting pages the metadata knows
+    follow it."""
     wanted = ["/" + task.meta.page_paths[i] for i in pages if i < len(task.meta.page_paths)]
     chosen = [handle for handle, url in hits if any(url.endswith(w) for w in wanted)]
-    return (chosen or [handle for handle, _ in hits[:1]])[:MAX_READS]
+    return list(dict.fromkeys([handle for handle, _ in hits[:1]] + chosen))[:MAX_READS]
 
 
 def _read_answer(turn: Turn) -> str:
