@@ -169,7 +169,8 @@ def _serve_replicas(cfg, replicas: int, address: str | None) -> None:
 def ask(
     question: Annotated[str, typer.Argument(help="What to find out.")],
     url: Annotated[
-        list[str] | None, typer.Option("--url", help="A page the policy may read: a URL or a local file (repeatable).")
+        list[str] | None,
+        typer.Option("--url", help="A page the policy may read: a URL or a local file (repeatable)."),
     ] = None,
     image: Annotated[Path | None, typer.Option(help="An image the policy may inspect.")] = None,
     video: Annotated[Path | None, typer.Option(help="A video the policy may summarise.")] = None,
