@@ -34,6 +34,9 @@ from subagents.common import HandleKind
 
 PREFIX: dict[str, str] = {"page": "d_", "video": "v_", "image": "img_"}
 HANDLE = re.compile(r"^(d|v|img)_[0-9a-f]{6}$")
+# What a policy meant as a handle, even miscopied (a digit short or long): no URL or path starts like this, so
+# such a value is answered with the valid handles rather than as a malformed URL.
+MEANT_AS_HANDLE = re.compile(r"^(d|v|img)_[0-9A-Za-z]{0,16}$")
 
 
 def handle_for(kind: HandleKind, key: str) -> str:
@@ -58,7 +61,8 @@ def file_key(path: Path) -> str:
 
 
 def looks_like_handle(value: str) -> bool:
-    return HANDLE.match(value) is not None
+    """Whether `value` was meant as a handle (`MEANT_AS_HANDLE`): resolved, or refused naming the valid ones."""
+    return MEANT_AS_HANDLE.match(value) is not None
 
 
 @dataclass(frozen=True)

@@ -200,6 +200,8 @@ async def test_a_wrong_handle_is_invalid_args_listing_the_valid_ones(corpus: Pat
         unknown = await tools.call("page_qa", {"url": "d_000000", "question": "What?"}, session="e1")
         assert unknown.error is not None and unknown.error.kind == "invalid_args"
         assert all(h in unknown.observation for h in shown)
+        miscopied = await tools.call("page_qa", {"url": shown[0][:-1], "question": "What?"}, session="e1")
+        assert miscopied.error is not None and all(h in miscopied.observation for h in shown)
         foreign = await tools.call("page_qa", {"url": shown[0], "question": "What?"}, session="e2")
         assert foreign.error is not None and "search first" in foreign.error.message
         kind = await tools.call("video_summary", {"video": shown[0]}, session="e1")
