@@ -228,7 +228,7 @@ class Handles:
             if ref is not None and ref.kind == kind:
                 table.move_to_end(handle)
                 return ref
-            valid = [h for h, r in reversed(table.items()) if r.kind == kind][:MAX_LISTED]
+            valid = _of_kind(table, kind)
         raise ToolFailure("invalid_args", unknown_message(handle[:40], kind, valid))
 
     def get(self, session: str, handle: str) -> Ref | None:
@@ -239,18 +239,21 @@ class Handles:
     def listed(self, session: str, kind: HandleKind) -> list[str]:
         """The session's handles of `kind`, most recently registered or used first, at most MAX_LISTED."""
         with self._lock:
-            table = self._sessions.get(session, OrderedDict())
-            return [h for h, r in reversed(table.items()) if r.kind == kind][:MAX_LISTED]
+            return _of_kind(self._sessions.get(session, OrderedDict()), kind)
+
+
+def _of_kind(table: OrderedDict[str, Ref], kind: HandleKind) -> list[str]:
+    """A session's handles of `kind`, most recent first, at most MAX_LISTED (call with the lock held)."""
+    return [h for h, r in reversed(table.items()) if r.kind == kind][:MAX_LISTED]
 
 
 def unknown_message(handle: str, kind: HandleKind, valid: list[str]) -> str:
     """`no page d_000000 in this episode; pages shown: d_3fa9c1, d_77aa01` (or how to get one)."""
-    noun = {"page": "page", "video": "video", "image": "image"}[kind]
     if valid:
-        return f"no {noun} {handle!r} in this episode; {noun}s shown: {', '.join(valid)}"
+        return f"no {kind} {handle!r} in this episode; {kind}s shown: {', '.join(valid)}"
     how = {"page": "search first, or use a page listed in the task", "video": "use the video listed in the task",
            "image": "use an image id a tool returned"}[kind]  # fmt: skip
-    return f"no {noun} {handle!r} in this episode: {how}"
+    return f"no {kind} {handle!r} in this episode: {how}"
 
 
 S = TypeVar("S")

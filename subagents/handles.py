@@ -40,10 +40,15 @@ MEANT_AS_HANDLE = re.compile(r"^(d|v|img)_[0-9A-Za-z]{0,16}$")
 
 
 def handle_for(kind: HandleKind, key: str) -> str:
-    """The handle of the `kind` thing with this stable key: its prefix and 6 hex digits of sha1("load\\n" +
-    key) for images (image_ops' derivation of a load), of sha1(key) otherwise."""
-    text = f"load\n{key}" if kind == "image" else key
+    """The handle of the `kind` thing with this stable key: its prefix and 6 hex digits of sha1 of the key,
+    for an image of its `load_derivation` (so an attached photo has the id image_ops gives it when loaded)."""
+    text = load_derivation(key) if kind == "image" else key
     return PREFIX[kind] + hashlib.sha1(text.encode()).hexdigest()[:6]
+
+
+def load_derivation(key: str) -> str:
+    """How image_ops names a loaded image: from its bytes' key, whatever path or URL it came from."""
+    return f"load\n{key}"
 
 
 def content_key(data: bytes) -> str:

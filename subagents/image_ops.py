@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from subagents import ocr
 from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, local_file
-from subagents.handles import content_key
+from subagents.handles import content_key, load_derivation
 
 NAME = "image_ops"
 # Not cached: a call writes into the caller's per-session image store (a load creates an image id, a zoom a new
@@ -172,7 +172,7 @@ async def _run(request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Respon
     """Pixel ops store a new image and describe it; OCR ops describe their source and add the text."""
     if request.op == "load":
         data = await source_bytes(request.image, cfg, rt)
-        image, made = await asyncio.to_thread(decode, data, cfg), f"load\n{content_key(data)}"
+        image, made = await asyncio.to_thread(decode, data, cfg), load_derivation(content_key(data))
     else:
         image = await stored(request.image, cfg, rt)
         if request.region is not None:  # the tool does the box arithmetic, never the policy
@@ -208,7 +208,7 @@ async def stored(image_id: str, cfg: Config, rt: Runtime[ImageStore]) -> Image.I
     if ref is None or ref.kind != "image":
         return rt.state.get(rt.session, image_id)  # raises, listing the session's images
     data = await source_bytes(ref.source, cfg, rt)
-    made = f"load\n{content_key(data)}"
+    made = load_derivation(content_key(data))
     if derived_id(made) != image_id:
         raise ToolFailure("not_found", f"image {image_id} changed since it was attached")
     image = await asyncio.to_thread(decode, data, cfg)
