@@ -8,10 +8,10 @@ as in `conductor ask` with no attachment. The other questions' pages are the dis
 Reward: SQuAD token F1 against the gold answer; success: normalised exact match (as multihop_pages).
 
 Expert: step by step (one step for a HotpotQA question, one per hop where MuSiQue decomposes it), it searches with
-the step's question (`#k` filled from the answer it observed for hop k), then asks page_qa that question on the
-top hit and the hits that are the step's supporting pages (the metadata chooses among hits the policy saw; a
-handle says nothing of its page, so the search's best match always comes first), then answers. Two turns a
-step.
+the step's question (`#k` filled from the answer it observed for hop k), then asks page_qa that question on one
+hit: the first, in the search's order, that is one of the step's supporting pages (the metadata chooses among
+hits the policy saw, whose titles it was shown), else the top hit. It answers from the last page it read, so
+what the policy learns is a rule it can follow: the answer is in what the last read returned. Two turns a step.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from main_agent.types import Turn
+from training.rewards import contains_evidence
 from training.tasks import multihop
 from training.tasks.task import NO_ANSWER, Task, answer_text, call_text, data_root, payload_field
 
 NAME = "corpus_qa"
 TOOLS = ("search", "page_qa")
 SEARCH_K = 5  # the search tool's default: 5 hits with snippets fit one observation
-MAX_READS = 2  # page_qa calls a step makes: a HotpotQA question has two supporting pages
 _NOT_NAME = re.compile(r"[^A-Za-z0-9]+")
 
 reward = multihop.reward
@@ -135,9 +135,7 @@ def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool) -> str
         pages = _pick(task, _hits(turns[-1]), plan[step][1])
         if pages:
             return "\n".join(call_text("page_qa", url=page, question=question) for page in pages)
-    useful = [a for a in answers.values() if a != NO_ANSWER]
-    guess = useful[-1] if useful else NO_ANSWER
-    return answer_text(multihop._grounded(task, turns, guess, trust_reference))
+    return answer_text(_from_last_read(task, turns, answers, trust_reference))
 
 
 def _hits(turn: Turn) -> list[tuple[str, str]]:
@@ -147,14 +145,22 @@ def _hits(turn: Turn) -> list[tuple[str, str]]:
 
 
 def _pick(task: Task, hits: list[tuple[str, str]], pages: tuple[int, ...]) -> list[str]:
-    """The top hit's handle, then those of the hits that are the step's pages, at most MAX_READS in all.
+    """The handle of the first hit that is one of the step's pages, else the top hit's (all it can know).
 
-    The top hit always comes first: a handle says nothing of its page (a URL did), so what a small policy can
-    learn to pick without the metadata is the search's best match; the supporting pages the metadata knows
-    follow it."""
+    One read a step: with two, the policy saw two answers and no way to tell which to trust, and learned to
+    copy the last whatever its page (the README's question was answered from a distractor's reading)."""
     wanted = ["/" + task.meta.page_paths[i] for i in pages if i < len(task.meta.page_paths)]
     chosen = [handle for handle, url in hits if any(url.endswith(w) for w in wanted)]
-    return list(dict.fromkeys([handle for handle, _ in hits[:1]] + chosen))[:MAX_READS]
+    return (chosen or [handle for handle, _ in hits])[:1]
+
+
+def _from_last_read(task: Task, turns: list[Turn], answers: dict[int, str], trust_reference: bool) -> str:
+    """The reference when the last reading turn showed it (or when trusted), else what that read answered."""
+    last = next((t for t in reversed(turns) if t.calls and t.calls[0].name == "page_qa"), None)
+    seen = "\n".join(r.observation for r in (last.results if last else []) if r.ok)
+    if trust_reference or (seen and contains_evidence(seen, task.reference)):
+        return task.reference
+    return answers[max(answers)] if answers else NO_ANSWER
 
 
 def _read_answer(turn: Turn) -> str:
