@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conductor.cli import optional_value
+from app.cli import optional_value
 from conductor.cluster import RayConfig, cluster
 from main_agent.rollout import RolloutConfig
 from tests.test_train import final_weights, parity_score, sampled_task_ids, tiny_config

@@ -153,7 +153,7 @@ import sys
 from tests.test_train import parity_score
 from training import train
 train.score = parity_score
-from conductor.cli import main
+from app.cli import main
 sys.argv = ["conductor", "train", *sys.argv[1:]]
 main()
 """

@@ -217,7 +217,7 @@ def ask(
         _setup_logging(verbose)
     else:
         _quiet_logging()  # before the imports: some libraries read their settings when imported
-    from main_agent.ask import AskOptions
+    from app.ask import AskOptions
     from main_agent.policy import SamplingConfig
 
     imported = time.perf_counter()
@@ -245,8 +245,8 @@ def ask(
 def _index_corpus(opts) -> None:
     """Index the in-process tools' corpus now, or find its index unchanged, so the tool server loads it from the
     cache; a bar on stderr while a large folder is extracted (display.IndexBar). Errors exit with 2."""
-    from conductor import display
-    from main_agent import ask as assistant
+    from app import ask as assistant
+    from app import display
 
     if opts.tools_url is not None or opts.search_url is not None:
         return  # the corpus is another server's, or search reads the web
@@ -265,8 +265,8 @@ def _run_ask(opts, *, json_out: bool, trace: Path | None, imported: float | None
     Given when the imports were done, one line says where the cold start went (to the first policy turn)."""
     import asyncio
 
-    from conductor import display
-    from main_agent import ask as assistant
+    from app import ask as assistant
+    from app import display
 
     indexed = time.perf_counter()
     view = None if json_out else display.LiveView(opts.question)
@@ -292,7 +292,7 @@ def _run_ask(opts, *, json_out: bool, trace: Path | None, imported: float | None
     else:
         typer.echo(episode.to_json())
     if trace:
-        from main_agent.trace import write_html
+        from app.trace import write_html
 
         write_html([episode], trace)
         typer.echo(f"trace written to {trace}", err=True)
@@ -304,7 +304,7 @@ def trace_cmd(
     out: Annotated[Path, typer.Option("-o", "--out", help="HTML file to write.")] = Path("trace.html"),
 ) -> None:
     """Render episodes as a self-contained HTML trace tree."""
-    from main_agent.trace import load_episodes, write_html
+    from app.trace import load_episodes, write_html
 
     write_html(load_episodes(episodes), out)
     typer.echo(f"wrote {out}")
