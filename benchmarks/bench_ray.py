@@ -83,7 +83,7 @@ def episodes_per_s(groups, seconds: float) -> dict[str, float]:
 
 async def collect_local(cfg, warm, timed) -> dict[str, float]:
     """Row a: the single-process path (in-process sampler and tool server)."""
-    from main_agent.policy import load_policy
+    from main_agent.backends import load_policy
     from training import play
     from training.run import seed_step
 

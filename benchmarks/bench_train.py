@@ -186,7 +186,7 @@ def run_loop(mode: str, bench: BenchConfig) -> LoopResult:
 def prepare_batch(bench: BenchConfig, path: Path) -> None:
     """Random ids, the starting model's log-probs of the completions, advantages ~ N(0, 1); saved to `path`."""
     from conductor.models import resolve_model
-    from main_agent.policy import load_model
+    from main_agent.transformers_policy import load_model
     from training.loss import token_logprobs
 
     model, _ = load_model(resolve_model(POLICY))
@@ -241,8 +241,8 @@ def throughput(side: SideResult, bench: BenchConfig) -> dict[str, float]:
 def our_side(bench: BenchConfig, path: Path) -> SideResult:
     """`training.train.update` on the saved batch, in this (child) process."""
     from conductor.models import resolve_model
-    from main_agent.policy import load_model
     from main_agent.tokens import TrainSequence, micro_batches
+    from main_agent.transformers_policy import load_model
     from training.train import update
 
     model, _ = load_model(resolve_model(POLICY))
@@ -269,7 +269,7 @@ def trl_side(bench: BenchConfig, path: Path) -> SideResult:
     from trl import GRPOConfig, GRPOTrainer
 
     from conductor.models import resolve_model
-    from main_agent.policy import load_model
+    from main_agent.transformers_policy import load_model
 
     model, tokenizer = load_model(resolve_model(POLICY))
     per, n_micro = layout(bench)

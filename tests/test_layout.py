@@ -7,7 +7,7 @@
     subagents    the frozen sub-agents
     conductor    the bottom layer: settings, models, batching, cluster (and the shipped default policy)
 
-A module imports only modules on its own floor or below. Every import
+A module imports only modules on its own floor or below, and no two modules import each other. Every import
 counts, at the top of a file, inside a function or under TYPE_CHECKING; `from package import module` counts as
 importing that module (not the package's `__init__`). No exceptions.
 """
@@ -70,3 +70,10 @@ def test_no_module_imports_a_module_on_a_higher_floor() -> None:
         if floor(target) > floor(module)
     ]
     assert not upward, "\n".join(upward)
+
+
+def test_no_two_modules_import_each_other() -> None:
+    """A pair that imports each other is one module in two files, or a contract beside its implementation."""
+    edges = graph()
+    pairs = sorted({tuple(sorted((a, b))) for a, targets in edges.items() for b in targets if a in edges[b]})
+    assert not pairs, f"modules that import each other: {pairs}"

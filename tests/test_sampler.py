@@ -11,13 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from main_agent.policy import (
-    OpenAIPolicy,
-    PolicyError,
-    SamplingConfig,
-    TransformersPolicy,
-    load_model,
-)
+from main_agent.openai_policy import OpenAIPolicy
+from main_agent.policy import PolicyError, SamplingConfig
+from main_agent.transformers_policy import TransformersPolicy, load_model
 from tests.fake_openai_server import serve
 from tests.fake_vllm_server import completions_app
 from tests.fakes import ByteChatTokenizer, fake_tool_server

@@ -521,7 +521,8 @@ def test_the_trained_weights_load_in_process_whatever_samples(
     import asyncio
     import importlib.util
 
-    from main_agent.policy import SamplingConfig, TransformersPolicy
+    from main_agent.policy import SamplingConfig
+    from main_agent.transformers_policy import TransformersPolicy
     from training.run import start_run
 
     real = importlib.util.find_spec

@@ -20,12 +20,8 @@ import httpx
 import pytest
 import torch
 
-from main_agent.policy import (
-    SERVER_EXTENSION_FLAG,
-    SamplingConfig,
-    TransformersPolicy,
-    load_model,
-)
+from main_agent.policy import SERVER_EXTENSION_FLAG, SamplingConfig
+from main_agent.transformers_policy import TransformersPolicy, load_model
 from tests.fake_openai_server import unused_port
 from tests.fakes import fake_tool_server
 from tests.test_train import (

@@ -56,7 +56,7 @@ class RolloutWorker:
     def __init__(self, cfg: TrainConfig, rank: int, tools_url: str) -> None:
         import torch
 
-        from main_agent.policy import chosen_backend
+        from main_agent.backends import chosen_backend
 
         torch.set_num_threads(actor_threads(cfg.ray.cpus_per_rollout_worker))
         self.cfg, self.rank, self.tools_url = cfg, rank, tools_url
@@ -162,34 +162,30 @@ class RolloutWorker:
             )
 
     async def _sampler(self, version: int):
-        """The sampler for the weights just loaded into `self.model`."""
-        from main_agent.policy import TransformersPolicy
+        """The sampler for the weights just loaded into `self.model` (built by main_agent/backends.py): the
+        model itself, or a vLLM engine on the folder this worker exports them to (reloaded in place once
+        started)."""
+        from main_agent.backends import build_policy
+        from training.sampler import engine_dtype, export_weights, max_model_len
 
         cfg = self.cfg
-        if self.backend == "transformers":
-            return TransformersPolicy(
-                self.model, self.tokenizer, cfg=cfg.sampling, max_batch=cfg.max_concurrent_episodes,
-                version=version,
-            )  # fmt: skip
-        from training.sampler import export_weights
-
-        folder = export_weights(
-            self.model, self.tokenizer, cfg.run_dir / "sampler" / f"worker-{self.rank}", version
-        )
-        if self.policy is not None:
-            await self.policy.reload_weights(folder)
-            self.policy.version = version
-            return self.policy
-        from main_agent.vllm_policy import VLLMPolicy
-
-        if (
-            cfg.ray.weight_push == "ipc"
-        ):  # the trainer's CUDA IPC handles arrive pickled (training/weight_sync.py)
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # read by this worker's engine processes
-        return VLLMPolicy.start(
-            folder, self.tokenizer, cfg=cfg.sampling, seed=cfg.seed + self.rank, version=version,
-            max_model_len=cfg.rollout.max_context_tokens + cfg.rollout.max_new_tokens,
-            dtype="bfloat16" if cfg.precision == "bf16" else "float32",
+        folder = None
+        if self.backend == "vllm":
+            folder = export_weights(
+                self.model, self.tokenizer, cfg.run_dir / "sampler" / f"worker-{self.rank}", version
+            )
+            if self.policy is not None:
+                await self.policy.reload_weights(folder)
+                self.policy.version = version
+                return self.policy
+            if cfg.ray.weight_push == "ipc":  # the trainer's CUDA IPC handles arrive pickled (weight_sync.py)
+                os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = (
+                    "1"  # read by this worker's engine processes
+                )
+        return build_policy(
+            self.backend, self.tokenizer, cfg.sampling, model=self.model, folder=folder, version=version,
+            max_batch=cfg.max_concurrent_episodes, seed=cfg.seed + self.rank, max_model_len=max_model_len(cfg),
+            dtype=engine_dtype(cfg),
             weight_transfer=None if cfg.ray.weight_push == "object_store" else cfg.ray.weight_push,
         )  # fmt: skip
 
@@ -205,7 +201,8 @@ def load_structure(cfg: TrainConfig):
     structure the pushed weights load into."""
     import torch
 
-    from main_agent.policy import SamplingConfig, load_policy
+    from main_agent.backends import load_policy
+    from main_agent.policy import SamplingConfig
 
     torch.manual_seed(cfg.seed)
     policy, tokenizer = load_policy(

@@ -29,7 +29,9 @@ import torch
 from torch import nn
 
 from conductor.models import native_bf16
-from main_agent.policy import Policy, SamplingConfig, TransformersPolicy, load_policy
+from main_agent.backends import load_policy
+from main_agent.policy import Policy, SamplingConfig
+from main_agent.transformers_policy import TransformersPolicy
 from main_agent.types import Episode
 from tool_server.client import ToolClient
 from training import checkpoint as ckpt

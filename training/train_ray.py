@@ -39,7 +39,7 @@ from pathlib import Path
 
 from conductor.cluster import cluster
 from conductor.settings import ConfigError
-from main_agent.policy import chosen_backend
+from main_agent.backends import chosen_backend
 from main_agent.types import Episode
 from tool_server.client import ToolClient
 from tool_server.config import ServerConfig, load_config
