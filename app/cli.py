@@ -342,21 +342,18 @@ def train(
     from tqdm import tqdm
 
     from training.config import config_hash, load_train_config
+    from training.loop import train
     from training.metrics import step_line
 
     _setup_logging(False)
     cfg = _settings(lambda: load_train_config(config, list(set_ or ())))
     if ray is not None:
-        from training.train_ray import check_supported, train_ray
+        from training.ray_session import check_supported
 
         if ray:  # `--ray` alone keeps [ray] address (default: a local cluster)
             cfg = dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, address=ray))
         _settings(lambda: check_supported(cfg))
-        loop = functools.partial(train_ray, overlap=async_)
-    elif async_:
-        from training.train_async import train_async as loop
-    else:
-        from training.train import train as loop
+    loop = functools.partial(train, overlap=async_, on_ray=ray is not None)
     bar = tqdm(total=cfg.steps, unit="step", desc=f"train {config_hash(cfg)}", file=sys.stderr)
 
     def on_step(row) -> None:  # one fixed-shape line per step above the progress bar
@@ -439,7 +436,7 @@ def _user_errors(work: Callable[[], T]) -> T:
     from main_agent.policy import PolicyError
     from tool_server.client import ToolServerError
     from training.checkpoint import CheckpointError
-    from training.train import InfraFailure
+    from training.step import InfraFailure
 
     try:
         return work()

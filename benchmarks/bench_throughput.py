@@ -125,8 +125,8 @@ def train_path(path: str, policy: str, steps: int, precision: str) -> dict[str, 
     from main_agent.tokens import segment_ids
     from main_agent.types import Episode
     from training.config import load_train_config
+    from training.loop import train
     from training.metrics import read_metrics
-    from training.train import train
 
     use_path(path)
     torch.manual_seed(0)
@@ -187,7 +187,7 @@ def same_batches(run_dir: str, policy: str, precision: str) -> dict[str, Any]:
     from main_agent.transformers_policy import load_model
     from main_agent.types import Episode
     from training.config import load_train_config
-    from training.train import update
+    from training.update import update
 
     model, _ = load_model(resolve_model(policy))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)

@@ -15,7 +15,6 @@ and counts compare exactly.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -29,8 +28,9 @@ import torch
 from main_agent.policy import SamplingConfig
 from tests.fakes import fake_tool_server
 from tests.test_train import parity_score, tiny_config
-from training import train as train_module
+from training import step as step_module
 from training.advantages import CreditConfig
+from training.loop import train
 from training.metrics import read_metrics
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -110,13 +110,10 @@ def test_a_local_run_gives_the_recorded_episodes_and_metrics(
     name: str, tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """2 steps in this process, tools from the fake server (tests/fakes.py), against the record `name`."""
-    from training.train_async import train_async
-
-    monkeypatch.setattr(train_module, "score", parity_score)
+    monkeypatch.setattr(step_module, "score", parity_score)
     overlap, changes = LOCAL_RUNS[name]
     cfg = golden_config(tmp_path / name, tiny_policy, **changes)
-    loop = train_async if overlap else train_module.train
-    check(name, loop(cfg, transport=fake_tool_server()))
+    check(name, train(cfg, overlap=overlap, transport=fake_tool_server()))
 
 
 @pytest.mark.slow
@@ -131,12 +128,11 @@ def test_a_ray_run_gives_the_recorded_episodes_and_metrics(
     from tests.tool_server_fakes import FakeFactory, fake_subagents, make_config, serving
     from tool_server.app import create_app
     from tool_server.embedded import ToolAccess
-    from training.train_ray import train_ray
 
-    monkeypatch.setattr(train_module, "score", parity_score)
+    monkeypatch.setattr(step_module, "score", parity_score)
     threads = torch.get_num_threads()
     on_ray = RayConfig(cpus_per_rollout_worker=threads, cpus_per_trainer_worker=threads, tool_replicas=1)
     app = create_app(make_config(), subagents=fake_subagents(Counter()), llm_factory=FakeFactory())
     with serving(app) as url:
         cfg = golden_config(tmp_path / name, tiny_policy, tools=ToolAccess(url=url), ray=on_ray)
-        check(name, train_ray(dataclasses.replace(cfg), overlap=name == "ray_async"))
+        check(name, train(cfg, on_ray=True, overlap=name == "ray_async"))

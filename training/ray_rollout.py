@@ -6,7 +6,7 @@
 
 A step's tasks are split into contiguous shares, one per worker; a group (the G episodes of one task) stays on
 one worker, so its turns batch in one sampler and it is sampled by one policy version. Worker r seeds torch from
-(seed, step, r) before it plays (`training.run.seed_step`): worker 0 draws exactly what the single-process loop
+(seed, step, r) before it plays (`training.run.seed_step`): worker 0 draws exactly what the run in this process
 draws, which is why 1 worker reproduces `conductor train` without Ray.
 
 The sampler follows `sampling.backend` as in the single-process run (training/sampler.py): "transformers" keeps
@@ -18,7 +18,7 @@ Weights arrive through Ray's object store: rank 0 of the trainer puts them once 
 worker reads the same object. With `[ray] weight_push = "nccl"` or `"ipc"` and vLLM engines on GPUs, rank 0
 streams them into each engine over the GPU instead (training/weight_sync.py; the worker forwards vLLM's
 weight-sync calls to its engine). Either way a worker swaps weights only between collections (an asyncio
-lock), so every turn of an episode has one version, as in the async single-process loop.
+lock), so every turn of an episode has one version, as in the run in this process.
 
 Faults: a worker that dies mid-step (its process killed, its node lost) loses its share: those episodes come
 back `infra_failed` with the reason, and the step trains or fails by `max_infra_failure_frac` as any infra
