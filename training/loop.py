@@ -19,9 +19,10 @@ it samples with the weights of step s-1; the weight push waits for it to finish,
 has one version, and the loss's importance ratio corrects the one-step lag (groups older than `max_staleness`
 versions are dropped). Without overlap the next collection starts after the step is recorded.
 
-Exactness: without overlap a resumed run samples and learns exactly what an uninterrupted one would have. With
-overlap which batch overlapped which update is fixed too, but timing decides what a collection and an update do
-to shared state beyond the weights (none here), so the exact loop is the one without overlap.
+Exactness: torch is reseeded from (seed, step) before each collection, and the cursor, the weights, the
+optimizer and the schedule are checkpointed, so without overlap a resumed run samples and learns exactly what an
+uninterrupted one would have. With overlap it does not: the first collection after a resume samples with the
+checkpoint's weights, where the uninterrupted run's was one version behind.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ def start_collection(
 
 
 async def collect(collector: Collector, step: int, tasks: list[Task], state: TrainState) -> Collected:
+    """`tasks` played by `collector` as step `step`, timed; `state` is the cursor after them."""
     start = time.monotonic()
     groups, branches, branching = await collector.collect(tasks, step)
     return Collected(step, tasks, state, groups, time.monotonic() - start, branches, branching)
