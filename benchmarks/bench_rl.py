@@ -8,7 +8,8 @@ For each task family, through the `conductor` CLI exactly as a user would run it
 
   1. `conductor sft` on the family's train split                    -> runs/sft-<short>/model
   2. `conductor train examples/train_<short>.toml`, credit.mode=outcome and =turn -> runs/rl-<short>-<credit>/
-  3. `conductor eval` of the base model, the SFT model and both RL models on the same first n dev tasks (greedy)
+  3. `conductor eval` of the base model, the SFT model and both RL models on the same first n dev tasks (greedy),
+     and the scripted expert the warm start imitates on the same tasks (through the same real tools)
   4. `conductor plot` of both RL runs                               -> runs/rl-<short>-<credit>/plots/*.png
      and both runs' training reward in one PNG                       -> results/bench_rl_<short>_reward.png
 
@@ -23,10 +24,12 @@ to JSON. RL wall time is the sum of the run's step times from its metrics.jsonl,
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +37,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from conductor.models import DEFAULT_MODEL, resolve_model  # noqa: E402
+from main_agent.policy import tokenizer_dir  # noqa: E402
+from training import tasks as task_data  # noqa: E402
 from training.checkpoint import find_latest  # noqa: E402
 from training.config import load_train_config  # noqa: E402
+from training.evaluate import EvalConfig, summarise  # noqa: E402
 from training.metrics import read_metrics  # noqa: E402
+from training.play import play, tool_session  # noqa: E402
+from training.sft import OraclePolicy  # noqa: E402
 
 CREDITS = ("outcome", "turn")
 
@@ -129,6 +138,43 @@ def run_eval(name: str, policy: str, family: Family, opts: Options) -> dict:
     return json.loads(out.read_text(encoding="utf-8"))
 
 
+def run_expert_eval(family: Family, opts: Options) -> dict:
+    """The scripted expert on the same first n dev tasks, under evaluation's budgets: its report (reused when
+    present). It is what a policy that imitated the demonstrations perfectly would score."""
+    out = opts.runs / "eval" / f"{family.short}-expert-n{opts.n}.json"
+    if not out.exists():
+        print(f"$ scripted expert on {family.name} dev, first {opts.n}   (-> {out})", flush=True)
+        report = asyncio.run(_play_expert(family.name, opts.n))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report.to_json() + "\n", encoding="utf-8")
+    return json.loads(out.read_text(encoding="utf-8"))
+
+
+async def _play_expert(family: str, n: int):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        tokenizer_dir(resolve_model(DEFAULT_MODEL)), local_files_only=True
+    )
+    cfg = EvalConfig(task=family, n=n)
+    tasks = task_data.load_family(family, "dev", limit=n)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="bench-expert-") as work:
+        async with tool_session(tasks, work_dir=Path(work), access=cfg.tools) as (tools, ready):
+            experts = {t.task_id: OraclePolicy(t, tokenizer) for t in ready}
+            groups = await play(
+                ready,
+                lambda task: experts[task.task_id],
+                tools=tools,
+                tokenizer=tokenizer,
+                cfg=cfg.rollout,
+                max_concurrent=cfg.max_concurrent_episodes,
+                on_turn_for=lambda task: experts[task.task_id].observe,
+            )
+    episodes = [group[0] for group in groups]
+    return summarise(ready, episodes, policy="expert", wall_s=time.monotonic() - start)
+
+
 def rl_summary(run_dir: Path) -> dict:
     """Wall time and the first/last training reward of a run, from its metrics.jsonl."""
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -177,7 +223,8 @@ def bench_family(family: Family, opts: Options) -> dict:
     tag = f"-{opts.tag}" if opts.tag else ""
     for credit, run_dir in rl_dirs.items():
         policies[f"rl{tag}-{credit}"] = str(find_latest(run_dir) / "model")
-    evals = {name: run_eval(name, policy, family, opts) for name, policy in policies.items()}
+    evals = {"expert": run_expert_eval(family, opts)}
+    evals |= {name: run_eval(name, policy, family, opts) for name, policy in policies.items()}
     png = opts.results / f"bench_rl_{opts.label(family)}_reward.png"
     return {
         "family": family.name,
