@@ -25,9 +25,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from pypdf.errors import PyPdfError
 from trafilatura.settings import Document as Extracted
 
-from subagents.backends import BackendError, Message
 from subagents.common import Runtime, ToolFailure, ToolResponse, bm25_terms, guarded, truncate
 from subagents.documents import pdf_text
+from subagents.llm import BackendError, Message
 
 logger = logging.getLogger(__name__)
 

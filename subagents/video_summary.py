@@ -31,8 +31,8 @@ from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
 from subagents import media, ocr
-from subagents.backends import BackendError, Message
 from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, local_file, truncate
+from subagents.llm import BackendError, Message
 from subagents.media import Cue
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from subagents.backends import LLM, BackendConfig, build_llm
+from subagents.backends import build_llm
+from subagents.llm import LLM, BackendConfig
 from tests.fake_openai_server import create_openai_app, serve, unused_port
 from tests.tool_server_fakes import PAGE, FakeFactory, FakeLLM, page_server, serving
 from tool_server.app import create_app

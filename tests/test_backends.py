@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 from conductor.batching import GenerationError, MicroBatcher
-from subagents.backends import BackendConfig, BackendError, Message, OpenAILLM, TransformersLLM, build_llm
+from subagents.backends import build_llm
+from subagents.llm import BackendConfig, BackendError, Message
+from subagents.openai_llm import OpenAILLM
+from subagents.transformers_llm import TransformersLLM
 from tests.fake_openai_server import Script, create_openai_app, serve, unused_port
 
 PNG = base64.b64decode(

@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from subagents import page_qa
-from subagents.backends import BackendError, Generation, Message
 from subagents.common import Runtime, ToolFailure, approx_tokens
 from subagents.fetch import FetchConfig, FetchedPage, Fetcher
+from subagents.llm import BackendError, Generation, Message
 
 FILLER = [
     "The museum opens at nine in the morning and closes at six in the evening.",
@@ -360,7 +360,8 @@ async def test_real_smollm2_answers_from_a_real_page(shared_data: Path, smollm2_
     """End to end with the real model: a saved NYT article over loopback and the real fetcher; the answer
     names the country, the quote is the page's own sentence about it, and the caller reads far less than
     the sub-agent did."""
-    from subagents.backends import BackendConfig, build_llm
+    from subagents.backends import build_llm
+    from subagents.llm import BackendConfig
 
     base, root = loopback
     source = (shared_data / "pages/readability/nytimes-1/source.html").read_bytes()

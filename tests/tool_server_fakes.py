@@ -23,8 +23,8 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
 from subagents import SUBAGENTS
-from subagents.backends import BackendConfig, Generation, Message
 from subagents.common import Runtime, ToolResponse, fail
+from subagents.llm import BackendConfig, Generation, Message
 from tool_server.config import ServerConfig, ToolLimits, ToolsConfig, default_tools
 
 BASE_URL = "http://127.0.0.1:8700"

@@ -50,8 +50,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from conductor.settings import build
 from subagents import SUBAGENTS, image_ops
-from subagents.backends import LLM, BackendConfig, BackendError, build_llm
+from subagents.backends import build_llm
 from subagents.common import ToolResponse, fail
+from subagents.llm import LLM, BackendConfig, BackendError
 from tool_server.config import ServerConfig
 from tool_server.connections import HEALTH_RESERVE, guarded_h11
 from tool_server.host import (

@@ -27,10 +27,11 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ValidationError
 
-from subagents.backends import LLM, BackendConfig, TransformersLLM
 from subagents.common import HandleKind, Handles, Ref, Runtime, ToolFailure, ToolResponse, fail
 from subagents.fetch import Fetcher
 from subagents.handles import handle_for, looks_like_handle
+from subagents.llm import LLM, BackendConfig
+from subagents.transformers_llm import TransformersLLM
 from tool_server.cache import ResultCache, cache_key
 from tool_server.config import ServerConfig
 from tool_server.limits import Overloaded, ToolGate, ToolMetrics

@@ -1,17 +1,17 @@
-"""The sub-agents' in-process vLLM backend (`backend = "vllm"`, the `vllm` extra): see backends.py."""
+"""The sub-agents' in-process vLLM backend (`backend = "vllm"`, the `vllm` extra): see llm.py."""
 
 from __future__ import annotations
 
 import itertools
 
-from subagents.backends import (
+from subagents.llm import (
     BackendConfig,
     BackendError,
     Generation,
     Message,
-    _chat_dicts,
-    _context_error,
-    _text_only_error,
+    chat_dicts,
+    context_error,
+    text_only_error,
 )
 
 
@@ -58,14 +58,14 @@ class VLLMLLM:
 
     async def generate(self, messages: list[Message], *, max_new_tokens: int) -> Generation:
         if any(m.images for m in messages):
-            raise _text_only_error(self.model_id)
+            raise text_only_error(self.model_id)
         prompt = list(
             self.tokenizer.apply_chat_template(
-                _chat_dicts(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+                chat_dicts(messages), add_generation_prompt=True, tokenize=True, return_dict=False
             )
         )
         if len(prompt) > self.context - max_new_tokens:
-            raise _context_error(len(prompt), max_new_tokens=max_new_tokens, context=self.context)
+            raise context_error(len(prompt), max_new_tokens=max_new_tokens, context=self.context)
         params = self.vllm.SamplingParams(temperature=0, max_tokens=max_new_tokens, seed=self.cfg.seed)
         final = None
         stream = self.engine.generate(
