@@ -77,7 +77,7 @@ class Family:
 
 
 FAMILIES = {
-    "plate_reading": Family("plate_reading", "plates", ("limit=48", "epochs=3", "lr=3e-5", "eval_n=0")),
+    "plate_reading": Family("plate_reading", "plates", ("limit=160", "epochs=2", "lr=3e-5", "eval_n=0")),
     "multihop_pages": Family("multihop_pages", "multihop", ("limit=24", "epochs=3", "lr=3e-5", "eval_n=0")),
 }
 
