@@ -90,8 +90,20 @@ def test_repair_keeps_commas_and_apostrophes_inside_json_strings() -> None:
     assert parse(text).calls[0].arguments == {"query": "what's ,} here"}
 
 
+def test_unescaped_quotes_inside_a_string_are_repaired() -> None:
+    """A question copied with its own double quotes unescaped stays one string, closed or unclosed; a quote that
+    JSON could end a string at (`,` `:` `}` `]` after it) still ends it."""
+    body = '{"name": "search", "arguments": {"query": "who sang "Yesterday" in 1965?", "k": 2}}'
+    for text in (f"<tool_call>{body}</tool_call>", f"<tool_call>{body}"):
+        turn = parse(text)
+        assert turn.errors == [], text
+        assert turn.calls[0].arguments == {"query": 'who sang "Yesterday" in 1965?', "k": 2}
+    ambiguous = '<tool_call>{"name": "search", "arguments": {"query": "is "A", or B?"}}</tool_call>'
+    assert kinds(parse(ambiguous)) == ["bad_json"]
+
+
 def test_other_bad_json() -> None:
-    """Anything beyond the two repairs is bad_json, and nothing runs."""
+    """Anything beyond the three repairs is bad_json, and nothing runs."""
     for body in [
         '{"name": "search", "arguments": {query: "x"}}',
         '{"name": "search"',
