@@ -162,7 +162,7 @@ class SpanScorer(Protocol):
 @dataclass(frozen=True)
 class Reply:
     """What an answer mode made: the answer, where the page says it (None: not found, or not on the page) and
-    the prompt tokens the model read."""
+    the tokens the model read (its prompt; for "extract" also the replies it scored)."""
 
     answer: str
     span: Span | None

@@ -182,13 +182,13 @@ def candidates(
         if _phrase(span) and not all(_is_name_word(w) for w in span.text.split())
     )
     for span in itertools.chain(entities, phrases):
+        if len(found) >= limit:
+            break
         key = tuple(normal_words(span.text))
         if not key or key in seen or set(key) <= asked | STOPWORDS:
             continue
         seen.add(key)
         found.append(span)
-        if len(found) == limit:
-            break
     return found
 
 

@@ -60,6 +60,7 @@ def test_candidates_leave_out_the_question_and_repeats() -> None:
     assert "It" not in texts(found) and len(keys) == len(set(keys))
     assert "weather" in texts(found)  # the other sentence's phrases come later
     assert len(spans.candidates(sentences, "Who?", limit=3)) == 3
+    assert spans.candidates(sentences, "Who?", limit=0) == []
 
 
 def test_align_snaps_a_restated_answer_to_its_new_words() -> None:
