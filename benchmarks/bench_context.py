@@ -37,8 +37,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from main_agent.backends import load_policy
 from main_agent.parse import ANSWER_CLOSE, ANSWER_OPEN, parse_completion
-from main_agent.policy import Policy, SamplingConfig, load_policy
+from main_agent.policy import Policy, SamplingConfig
 from main_agent.rollout import RolloutConfig
 from main_agent.types import Episode
 from tool_server.embedded import ToolAccess

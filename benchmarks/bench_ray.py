@@ -83,7 +83,7 @@ def episodes_per_s(groups, seconds: float) -> dict[str, float]:
 
 async def collect_local(cfg, warm, timed) -> dict[str, float]:
     """Row a: the single-process path (in-process sampler and tool server)."""
-    from main_agent.policy import load_policy
+    from main_agent.backends import load_policy
     from training import play
     from training.run import seed_step
 
@@ -103,9 +103,9 @@ async def collect_local(cfg, warm, timed) -> dict[str, float]:
 async def collect_ray(cfg, warm, timed, weights) -> dict[str, float]:
     """Rows b-d: rollout workers and Serve replicas as `cfg.ray` says, fresh for the row."""
     from training.ray_rollout import RolloutGroup
-    from training.train_ray import tool_session
+    from training.ray_session import serve_tools
 
-    async with tool_session(cfg, [*warm, *timed]) as (url, ready):
+    async with serve_tools(cfg, [*warm, *timed]) as (url, ready):
         group = await RolloutGroup.start(cfg, tools_url=url, weights=weights, version=0)
         try:
             await group.collect(ready[: len(warm)], 1)
@@ -245,9 +245,8 @@ def load_structure_of(cfg):
 
 def part_train(args, cfg) -> dict[str, Any]:
     from conductor.cluster import RayConfig
+    from training.loop import train
     from training.metrics import read_metrics
-    from training.train import train
-    from training.train_ray import train_ray
 
     cores = os.cpu_count() or 1
     cfg = dataclasses.replace(cfg, steps=args.steps, group_size=4, save_every=args.steps)
@@ -255,9 +254,9 @@ def part_train(args, cfg) -> dict[str, Any]:
     one = RayConfig(
         cpus_per_rollout_worker=cores, cpus_per_trainer_worker=cores, gpus_per_rollout_worker=args.gpus
     )
-    for name, run in (("one_process", train), ("ray_1_1", train_ray)):
+    for name, on_ray in (("one_process", False), ("ray_1_1", True)):
         print(f"train {name} ...", flush=True)
-        run_dir = run(dataclasses.replace(cfg, run_dir=cfg.run_dir / name, ray=one))
+        run_dir = train(dataclasses.replace(cfg, run_dir=cfg.run_dir / name, ray=one), on_ray=on_ray)
         rows = read_metrics(run_dir / "metrics.jsonl")
         keys = ("time/rollout", "time/train", "time/weight_sync")
         out[name] = {k: statistics.mean(r[k] for r in rows) for k in keys}
@@ -328,7 +327,7 @@ def main() -> None:
             if "push" in args.parts and args.gpus > 0:
                 result["push_gpu"] = part_push_gpu(cfg)
         if "train" in args.parts:
-            result["train"] = part_train(args, cfg)  # each path its own cluster (train_ray starts one)
+            result["train"] = part_train(args, cfg)  # each path its own cluster (train on Ray starts one)
     result["wall_s"] = time.monotonic() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -20,9 +20,11 @@ has-gold (the answer contains the gold answer), in-page (the answer occurs on th
 flag) and "not found" (wrongly); on negatives: the rates of "not in the page" and of supported (wrongly); on
 all: p50 latency and mean tokens read and returned.
 
-Records: one JSON line per (mode, question) in results/bench_reader/<mode>.jsonl, with a fingerprint of the
-settings, the model and READER_VERSION (bumped when the reader's code changes); lines under another fingerprint
-are ignored, so a run resumes where it stopped and a changed reader is measured anew. Questions run in order,
+Every mode is set explicitly (`Config(answer_mode=...)`), whatever page_qa's default. Written: the table and the
+settings in results/bench_reader.json (small, committed); one JSON line per (mode, question) in
+<work>/records/<mode>.jsonl (runs/bench_reader/records/ by default: ~750 KB for --n 150, not committed), with a
+fingerprint of the settings, the model and READER_VERSION (bumped when the reader's code changes); lines under
+another fingerprint are ignored, so a run resumes where it stopped and a changed reader is measured anew. Questions run in order,
 every mode on one question before the next, so a run cut short leaves a comparable table over its first
 questions. "free" and "align" share one generation per question (the model is greedy, so the reply is the same):
 the second reuses it, and its latency counts the reused generation's time, as if it had generated it. "extract"
@@ -48,9 +50,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from subagents import page_qa, spans  # noqa: E402
-from subagents.backends import LLM, BackendConfig, Generation, Message, build_llm  # noqa: E402
+from subagents.backends import build_llm  # noqa: E402
 from subagents.common import Runtime  # noqa: E402
 from subagents.fetch import FetchConfig, Fetcher  # noqa: E402
+from subagents.llm import LLM, BackendConfig, Generation, Message  # noqa: E402
 from training.rewards import exact_match, normalize_answer, token_f1  # noqa: E402
 from training.tasks import multihop, research_corpus  # noqa: E402
 from training.tasks.task import data_root  # noqa: E402
@@ -59,8 +62,10 @@ MODES = ("free", "align", "extract")
 RESULTS = ROOT / "benchmarks" / "results"
 SEED = 25  # the shuffle of the questions
 # Bumped with every change to how page_qa answers (page_qa.py, spans.py) that its Config does not show, so that
-# records of the old code are measured anew rather than mixed in.
-READER_VERSION = {"free": 1, "align": 1, "extract": 4}
+# records of the old code are measured anew rather than mixed in. free 2: the model's words as page_qa gave them
+# before answer modes (no "not in the page" for refusals, `supported` not judged), the observation the shipped
+# policy was trained on.
+READER_VERSION = {"free": 2, "align": 1, "extract": 4}
 
 
 @dataclass(frozen=True)
@@ -160,7 +165,7 @@ class SharedGenerations:
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
-        self.model_id, self.multimodal = llm.model_id, llm.multimodal
+        self.model_id, self.multimodal, self.scores = llm.model_id, llm.multimodal, llm.scores
         self.kept: dict[tuple, tuple[Generation, float]] = {}
         self.reused_s = 0.0  # generation time reused since the last reset
         self.scored: list[tuple[str, float]] = []  # the last call's replies and scores ("extract")
@@ -177,7 +182,7 @@ class SharedGenerations:
         return generation
 
     async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
-        scores = await self.llm.score(messages, replies)  # type: ignore[attr-defined]  # transformers backend
+        scores = await self.llm.score(messages, replies)
         self.scored = list(zip(replies, scores, strict=True))
         return scores
 
@@ -233,8 +238,11 @@ def summarise(mode: str, records: list[dict]) -> dict:
     pos = [r for r in records if r["holds_answer"]]
     neg = [r for r in records if not r["holds_answer"]]
 
-    def mean(rows: list[dict], key: str) -> float:
-        return statistics.mean(float(r[key]) for r in rows) if rows else float("nan")
+    def mean(
+        rows: list[dict], key: str
+    ) -> float:  # nan for none, or for a value not judged ("free": supported)
+        known = [r[key] for r in rows]
+        return statistics.mean(map(float, known)) if rows and None not in known else float("nan")
 
     return {
         "mode": mode,
@@ -275,7 +283,7 @@ async def run(todo: list[Item], modes: list[str], work: Path, recorded: bool) ->
     """Every mode's records for `todo`: read where recorded under the same fingerprint, else measured now."""
     configs = {m: page_qa.Config(answer_mode=m) for m in modes}  # type: ignore[arg-type]
     model_id = f"transformers:{BackendConfig().model}"
-    paths = {m: RESULTS / "bench_reader" / f"{m}.jsonl" for m in modes}
+    paths = {m: work / "records" / f"{m}.jsonl" for m in modes}
     prints = {m: fingerprint(configs[m], model_id) for m in modes}
     done = {m: load_records(paths[m], prints[m]) for m in modes}
     missing = [i for i in todo if any(i.item_id not in done[m] for m in modes)]
@@ -316,7 +324,9 @@ def main() -> None:
         "--n", type=int, default=150, help="questions (the first n; negatives for half of them)"
     )
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_reader")
+    parser.add_argument(
+        "--work", type=Path, default=ROOT / "runs" / "bench_reader", help="pages and per-question records"
+    )
     parser.add_argument("--recorded", action="store_true", help="run nothing: tabulate the records")
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_reader.json")
     args = parser.parse_args()
@@ -325,8 +335,16 @@ def main() -> None:
     rows = [summarise(m, records[m]) for m in args.modes]
     print("\n" + table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    answers = {m: [{k: v for k, v in r.items() if k != "scored"} for r in records[m]] for m in args.modes}
-    report = {"settings": {"n": args.n, "modes": args.modes, "seed": SEED}, "rows": rows, "answers": answers}
+    configs = {m: page_qa.Config(answer_mode=m) for m in args.modes}  # type: ignore[arg-type]
+    settings = {
+        "n": args.n,
+        "modes": args.modes,
+        "seed": SEED,
+        "model": f"transformers:{BackendConfig().model}",
+        "reader_version": {m: READER_VERSION[m] for m in args.modes},
+        "page_qa": {m: dataclasses.asdict(cfg) for m, cfg in configs.items()},
+    }
+    report = {"settings": settings, "rows": rows}
     args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {args.out}")
 

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from conductor.models import DEFAULT_MODEL, resolve_model  # noqa: E402
-from main_agent.policy import tokenizer_dir  # noqa: E402
+from main_agent.transformers_policy import tokenizer_dir  # noqa: E402
 from training import tasks as task_data  # noqa: E402
 from training.checkpoint import find_latest  # noqa: E402
 from training.config import load_train_config  # noqa: E402
@@ -77,7 +77,7 @@ class Family:
 
 
 FAMILIES = {
-    "plate_reading": Family("plate_reading", "plates", ("limit=48", "epochs=3", "lr=3e-5", "eval_n=0")),
+    "plate_reading": Family("plate_reading", "plates", ("limit=160", "epochs=2", "lr=3e-5", "eval_n=0")),
     "multihop_pages": Family("multihop_pages", "multihop", ("limit=24", "epochs=3", "lr=3e-5", "eval_n=0")),
 }
 

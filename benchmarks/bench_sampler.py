@@ -57,8 +57,8 @@ class SamplerResult:
 
 def run(sampler: str, steps: int) -> SamplerResult:
     """One whole sync training run with `sampler`, in this (child) process."""
+    from training.loop import train
     from training.metrics import read_metrics
-    from training.train import train
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = dataclasses.replace(

@@ -125,8 +125,8 @@ def train_path(path: str, policy: str, steps: int, precision: str) -> dict[str, 
     from main_agent.tokens import segment_ids
     from main_agent.types import Episode
     from training.config import load_train_config
+    from training.loop import train
     from training.metrics import read_metrics
-    from training.train import train
 
     use_path(path)
     torch.manual_seed(0)
@@ -183,11 +183,11 @@ def same_batches(run_dir: str, policy: str, precision: str) -> dict[str, Any]:
     import torch
 
     from conductor.models import resolve_model
-    from main_agent.policy import load_model
     from main_agent.tokens import to_sequences
+    from main_agent.transformers_policy import load_model
     from main_agent.types import Episode
     from training.config import load_train_config
-    from training.train import update
+    from training.update import update
 
     model, _ = load_model(resolve_model(policy))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
@@ -216,8 +216,8 @@ def drift(run_dir: str, policy: str) -> dict[str, dict[str, float]]:
     import torch
 
     from conductor.models import resolve_model
-    from main_agent.policy import load_model
     from main_agent.tokens import collate, micro_batches, to_sequences
+    from main_agent.transformers_policy import load_model
     from main_agent.types import Episode
     from training.loss import batch_logprobs
 
@@ -331,7 +331,8 @@ def page_qa_profile(data: str) -> dict[str, Any]:
 
     from conductor.batching import left_pad
     from subagents import page_qa
-    from subagents.backends import BackendConfig, TransformersLLM
+    from subagents.llm import BackendConfig
+    from subagents.transformers_llm import TransformersLLM
 
     folder = Path(data) / "pages" / "readability"
     cfg = page_qa.Config()
@@ -515,7 +516,7 @@ class Settings:
 
 def count_parameters(policy: str) -> int:
     from conductor.models import resolve_model
-    from main_agent.policy import load_model
+    from main_agent.transformers_policy import load_model
 
     model, _ = load_model(resolve_model(policy))
     return sum(p.numel() for p in model.parameters())

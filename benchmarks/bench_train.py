@@ -2,7 +2,7 @@
 
     python benchmarks/bench_train.py [--out benchmarks/results/bench_train.json] [--quick]
 
-1. Sync vs async (`training.train.train` vs `training.train_async.train_async` on one TrainConfig, LOOP): the
+1. Sync vs async (`training.loop.train` without and with `overlap` on one TrainConfig, LOOP): the
    real SmolLM2-135M-Instruct policy plays plate_reading train tasks (needs the shared data) against a stub tool
    server passed as `transport=` (as tests/test_train.py does): real tool schemas, every call answered after a
    fixed latency, so overlap matters as with real sub-agents while the numbers stay about the trainer. Untrained,
@@ -12,7 +12,7 @@
    first generate, optimizer state; its own row); "all" = every episode / (row N - start). The one checkpoint
    comes after row N.
 2. Update step on identical synthetic batches (random ids, seed 0; advantages ~ N(0, 1) per sequence; old
-   log-probs = the starting model's own): ours = `training.train.update` (full [B, T, V] logits per micro-batch);
+   log-probs = the starting model's own): ours = `training.update.update` (full [B, T, V] logits per micro-batch);
    TRL = `GRPOTrainer.training_step` (compute_loss + backward; a fused, chunked LM head over completion positions
    only, entropy computed) per micro-batch, then its `_clip_grad_norm` and the AdamW of its `create_optimizer`;
    `_prepare_inputs` (where TRL generates and scores) is the identity, so nothing is generated. Matched: micro-
@@ -156,9 +156,8 @@ class LoopResult:
 
 def run_loop(mode: str, bench: BenchConfig) -> LoopResult:
     """One whole training run of `mode` ("sync"/"async") in this (child) process, timed row by row."""
+    from training.loop import train
     from training.metrics import read_metrics
-    from training.train import train
-    from training.train_async import train_async
 
     with tempfile.TemporaryDirectory() as tmp:
         n, run_dir = bench.steps, Path(tmp) / "run"  # limit: B x n tasks, so each step gets new ones
@@ -166,7 +165,7 @@ def run_loop(mode: str, bench: BenchConfig) -> LoopResult:
         clock = RowClock(cfg.run_dir / "metrics.jsonl")
         clock.start()
         start = time.monotonic()
-        (train if mode == "sync" else train_async)(cfg, transport=stub_tools(bench.tool_latency_s))
+        train(cfg, overlap=mode == "async", transport=stub_tools(bench.tool_latency_s))
         time.sleep(2 * POLLING_S)  # the clock's last poll
         clock.done.set()
         clock.join()
@@ -186,7 +185,7 @@ def run_loop(mode: str, bench: BenchConfig) -> LoopResult:
 def prepare_batch(bench: BenchConfig, path: Path) -> None:
     """Random ids, the starting model's log-probs of the completions, advantages ~ N(0, 1); saved to `path`."""
     from conductor.models import resolve_model
-    from main_agent.policy import load_model
+    from main_agent.transformers_policy import load_model
     from training.loss import token_logprobs
 
     model, _ = load_model(resolve_model(POLICY))
@@ -239,11 +238,11 @@ def throughput(side: SideResult, bench: BenchConfig) -> dict[str, float]:
 
 
 def our_side(bench: BenchConfig, path: Path) -> SideResult:
-    """`training.train.update` on the saved batch, in this (child) process."""
+    """`training.update.update` on the saved batch, in this (child) process."""
     from conductor.models import resolve_model
-    from main_agent.policy import load_model
     from main_agent.tokens import TrainSequence, micro_batches
-    from training.train import update
+    from main_agent.transformers_policy import load_model
+    from training.update import update
 
     model, _ = load_model(resolve_model(POLICY))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)  # as training.run
@@ -260,7 +259,7 @@ def our_side(bench: BenchConfig, path: Path) -> SideResult:
         assert stats.skipped is None, stats.skipped
         return stats.pg_loss, stats.grad_norm
 
-    return measure("ours", "training.train.update", step, bench)
+    return measure("ours", "training.update.update", step, bench)
 
 
 def trl_side(bench: BenchConfig, path: Path) -> SideResult:
@@ -269,7 +268,7 @@ def trl_side(bench: BenchConfig, path: Path) -> SideResult:
     from trl import GRPOConfig, GRPOTrainer
 
     from conductor.models import resolve_model
-    from main_agent.policy import load_model
+    from main_agent.transformers_policy import load_model
 
     model, tokenizer = load_model(resolve_model(POLICY))
     per, n_micro = layout(bench)

@@ -9,6 +9,8 @@ A sub-agent module defines exactly these names, and the tool server learns every
     Config             frozen dataclass: limits and knobs, read from the server's `[NAME]` section
     start              `start(cfg, roots) -> State`: what the tool keeps while the server runs (an image store, a
                        search index; None for most), built once at start-up in a worker thread
+    check_model        `check_model(cfg, llm)`: ConfigError when `cfg` cannot run on the model built for the tool
+                       (page_qa's "extract" on a model that cannot score), at start-up and before a hot swap
     run                `async def run(request, cfg, rt: Runtime[State]) -> Response`
 
 `run` never raises for a problem with the request or the outside world: it returns `fail(...)` with a
@@ -18,7 +20,8 @@ Token accounting: `tokens_read` counts what the sub-agent consumed on the caller
 prompt tokens it fed its model); `tokens_returned` counts the tokens of `observation()`, the compact text the
 main policy actually reads. Their ratio is how the project shows that delegation keeps the main context small.
 
-This module imports nothing else from the project.
+This module imports nothing else from the project (the sub-agents' model contract, subagents/llm.py, only for a
+type hint).
 """
 
 from __future__ import annotations
@@ -34,9 +37,8 @@ from typing import TYPE_CHECKING, Generic, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-if TYPE_CHECKING:  # only for type hints; importing these at run time would create a cycle
-    from subagents.backends import LLM
-    from subagents.fetch import Fetcher
+if TYPE_CHECKING:  # only for type hints: the contract of the sub-agents' models imports nothing back
+    from subagents.llm import LLM
 
 ErrorKind = Literal[
     "invalid_args",  # the caller's arguments are wrong: the policy can fix them
@@ -256,6 +258,25 @@ def unknown_message(handle: str, kind: HandleKind, valid: list[str]) -> str:
     return f"no {kind} {handle!r} in this episode: {how}"
 
 
+@dataclass(frozen=True)
+class FetchedPage:
+    """A 2xx response: `url` as requested, `final_url` after redirects (normalised), the status (200 for
+    file://), the Content-Type header ('' when absent; guessed from the name for file://) and the decoded
+    body, at most `FetchConfig.max_bytes` bytes."""
+
+    url: str
+    final_url: str
+    status: int
+    content_type: str
+    body: bytes
+
+
+class PageFetcher(Protocol):
+    """What a sub-agent fetches pages with (`subagents.fetch.Fetcher`, the SSRF-safe one; tests pass fakes)."""
+
+    async def fetch(self, url: str) -> FetchedPage: ...
+
+
 S = TypeVar("S")
 
 
@@ -270,7 +291,7 @@ class Runtime(Generic[S]):
     """
 
     llm: LLM
-    fetcher: Fetcher
+    fetcher: PageFetcher
     state: S
     roots: tuple[str, ...] = ()
     session: str = "default"

@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from subagents.addresses import IPAddress, allowed_network, check_address
-from subagents.common import ToolFailure, local_file
+from subagents.common import FetchedPage, ToolFailure, local_file
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +67,6 @@ class FetchConfig:
     could otherwise hold a call for redirects x reads x read_timeout_s."""
     user_agent: str = "conductor-fetch/0.1"
     """Sent with every request so site operators can identify the traffic."""
-
-
-@dataclass(frozen=True)
-class FetchedPage:
-    """A 2xx response: `url` as requested, `final_url` after redirects (normalised), the status (200 for
-    file://), the Content-Type header ('' when absent; guessed from the name for file://) and the decoded
-    body, at most `FetchConfig.max_bytes` bytes."""
-
-    url: str
-    final_url: str
-    status: int
-    content_type: str
-    body: bytes
 
 
 @dataclass(frozen=True)

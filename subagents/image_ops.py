@@ -10,7 +10,7 @@ id wherever it lies. An image a user or task attached (subagents/handles.py) has
 turn and is loaded when a call first names it. Ids are 6 hex digits: two different derivations inside one
 session may collide, but for a session of 32 images the odds are about 3e-5 (`ImageStore`).
 
-Regions. `find_text` names its regions r1..rk (most confident first) within the image it ran on; zoom, crop
+Regions. `find_text` names its regions r1..rk (largest first) within the image it ran on; zoom, crop
 and read take `region="r2"` instead of a box, and image_ops grows the region by its height on every side,
 clamped to the image (`region_box`): the margin the reader needs, so the policy never does box arithmetic.
 
@@ -53,6 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from subagents import ocr
 from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, local_file
 from subagents.handles import content_key, load_derivation
+from subagents.llm import LLM
 
 NAME = "image_ops"
 # Not cached: a call writes into the caller's per-session image store (a load creates an image id, a zoom a new
@@ -99,7 +100,7 @@ class Request(BaseModel):
 
 
 class TextBox(BaseModel):
-    """One detected text region: its id within the image (r1 is the most confident), its box [x0,y0,x1,y1] in
+    """One detected text region: its id within the image (r1 is the largest), its box [x0,y0,x1,y1] in
     the image's pixels, the detector's confidence and a label from its shape and confidence (`region_label`).
     Its text is not read: `read` is the only reader."""
 
@@ -162,6 +163,10 @@ class Config:
 def start(cfg: Config, roots: tuple[str, ...]) -> ImageStore:
     """The server's image store: every session's images, bounded as `cfg` says."""
     return ImageStore(cfg)
+
+
+def check_model(cfg: Config, llm: LLM) -> None:
+    """Any model serves: image_ops asks none (OCR reads the text)."""
 
 
 async def run(request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Response:
@@ -364,10 +369,18 @@ def region_label(box: list[int], score: float) -> str:
 
 
 def find_text(image: Image.Image, box: list[float] | None) -> list[TextBox]:
-    """Text regions in `box` (or everywhere) at full resolution, most confident first, in image pixels."""
+    """Text regions in `box` (or everywhere) at full resolution, largest first (then most confident), in image
+    pixels. The largest text is what a photo is about: on the shared plate photos the plate is the largest region
+    in 194 of 230 train photos and 40 of 47 dev ones, the most confident in 96 and 22 (regions of a sign, a grille
+    or a sticker often score higher), so r1 is the one to read first."""
     left, top, right, bottom = pixel_box(box, image.size)
     region = image if box is None else image.crop((left, top, right, bottom))  # no copy of a whole image
-    return sorted(detect(region, offset=(left, top)), key=lambda b: -b.score)
+    return sorted(detect(region, offset=(left, top)), key=lambda b: (-area(b.box), -b.score))
+
+
+def area(box: list[int]) -> int:
+    """Pixels in a [x0, y0, x1, y1] box."""
+    return (box[2] - box[0]) * (box[3] - box[1])
 
 
 def read_text(image: Image.Image, box: list[float] | None, *, side: int) -> list[str]:

@@ -2,20 +2,18 @@
 
     fetch (rt.fetcher, SSRF-safe) -> main text (trafilatura; pypdf for PDFs) -> paragraph-aware chunks
     -> BM25 over the chunks (bm25s, one tiny index per page) -> the frozen model answers from the top chunks
-    -> the quote: the sentence of those chunks holding the answer (or sharing most words with it), from the page
+    -> the quote, chosen here and never by the model (a 135M model paraphrases and invents): the sentence of
+       those chunks holding the answer (or sharing most words with it), from the page
 
 How the answer is made (`Config.answer_mode`; spans.py has the span rules):
-- "extract": candidate spans of the top chunks (names, numbers and dates, short phrases near the question's
-  words) and "not in the page" are scored by the model's log-probability of each as its whole reply; the best
-  wins. The answer is always the page's own words or an explicit "not in the page". Needs a backend that
-  scores (the in-process transformers one); elsewhere "free" is used (an endpoint's model is often larger).
+- "free" (the default): the model's own words (first line, cleaned), unjudged, as the shipped policy knows them.
 - "align": the model answers freely, then the answer snaps to the page span with the best token F1 with it;
   below `align_min_f1` the reply is "not in the page".
-- "free": the model's own words (first line, cleaned), as before.
-`supported`: the answer occurs on the page in a sentence that shares a content word with the question (the page,
-not only the model, ties it to the question). Measured, it is false for more of the wrong pages than of the right.
-
-Answer and quote are chosen here, never copied from the model unchecked: a 135M model paraphrases and invents.
+- "extract": candidate spans of the top chunks (names, numbers and dates, short phrases near the question's
+  words) and "not in the page" are scored by the model's log-probability of each as its whole reply; the best
+  wins. Needs a model that scores (`LLM.scores`, the transformers backend): `check_model` refuses others.
+`supported` (align, extract): the answer is on the page in a sentence sharing a content word with the question;
+false for more of the wrong pages than of the right. The policy reads "(unsupported)" after such an answer.
 
 Limits: no JavaScript (pages rendered client-side extract as empty), text in images or iframes is not seen,
 text beyond `max_page_chars` is dropped, and the answer is only as good as the small model behind it.
@@ -28,7 +26,7 @@ import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal
 
 import numpy as np
 import trafilatura
@@ -36,11 +34,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from pypdf.errors import PyPdfError
 from trafilatura.settings import Document as Extracted
 
+from conductor.settings import ConfigError
 from subagents import spans
-from subagents.backends import BackendError, Message
 from subagents.common import Runtime, ToolFailure, ToolResponse, bm25_terms, guarded, truncate
 from subagents.documents import pdf_text
-from subagents.spans import Span
+from subagents.llm import LLM, BackendError, Message
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +62,6 @@ _SAYS_NOT_FOUND = re.compile(
     r"not (in|on) the (page|text)|(does|do) not (say|mention|state)|not mentioned|no (answer|information)",
     re.IGNORECASE,
 )
-AnswerMode = Literal["extract", "align", "free"]
 _ANSWER_PREFIX = re.compile(r"^((the\s+)?(short\s+)?answer(\s+is)?\s*:\s*)+", re.IGNORECASE)
 
 
@@ -82,7 +79,7 @@ class Request(BaseModel):
 class Response(ToolResponse):
     answer: str = ""
     quote: str = ""
-    supported: bool = Field(default=False, description="on the page, in a sentence sharing a question word")
+    supported: bool | None = None  # on the page in a sentence sharing a question word; None: "free", unjudged
     url: str = ""
     title: str = ""
     chunks: list[str] = Field(
@@ -93,6 +90,8 @@ class Response(ToolResponse):
         """Answer, quote and the page's title: never its URL, which for a file is a path on the server (the
         policy knows which page it asked; `url` stays in the payload for traces and citations)."""
         source = self.title or "untitled page"
+        if self.supported is None:  # "free": the shape the shipped default policy was trained on
+            return f'answer: {self.answer} | quote: "{self.quote}" | source: {source}'
         if self.answer == NOT_FOUND:
             return f"answer: {NOT_FOUND} | source: {source}"
         flag = "" if self.supported else " (unsupported)"
@@ -114,14 +113,15 @@ class Config:
     """Answers are cut (with a visible marker) past this: the policy's context is the scarce resource."""
     max_quote_chars: int = 300
     """Longer supporting sentences are cut at a word boundary; the cut quote is still verbatim."""
-    answer_mode: AnswerMode = "extract"
-    """How the answer is made: "extract", "align" or "free" (module docstring). benchmarks/bench_reader.py
-    measures them on single-hop questions with the page that holds the answer, and pages that do not."""
+    # "free" while the shipped default policy (conductor/policies/default) is the one trained on free-text
+    # observations: it should read what it was trained on. "extract" measured best on benchmarks/bench_reader.py
+    # (EM 0.320 vs free's 0.007 on 150 single-hop questions): switch when the default policy is retrained on it.
+    answer_mode: Literal["free", "align", "extract"] = "free"
+    """How the answer is made: "free", "align" or "extract" (module docstring; benchmarks/bench_reader.py)."""
     max_candidates: int = 48
     """Spans "extract" scores (plus "not in the page"), from the sentences closest to the question first."""
     null_bias: float = 0.0
-    """"extract": added to the log-prob of "not in the page" before the best reply is chosen (higher: says
-    not found more often)."""
+    """"extract": added to the log-prob of "not in the page" (higher: says not found more often)."""
     align_min_f1: float = 0.5
     """"align": the least token F1 between the model's answer and a page span for the span to be the answer."""
 
@@ -152,20 +152,23 @@ async def run(request: Request, cfg: Config, rt: Runtime[None]) -> Response:
     return await guarded(Response, lambda: _answer(request, cfg, rt))
 
 
-@runtime_checkable
-class SpanScorer(Protocol):
-    """A model that scores given replies (TransformersLLM.score): what "extract" needs."""
-
-    async def score(self, messages: list[Message], replies: list[str]) -> list[float]: ...
+def check_model(cfg: Config, llm: LLM) -> None:
+    """ConfigError where `cfg` cannot run on `llm`: the tool server asks at start-up and before a hot swap."""
+    if cfg.answer_mode == "extract" and not llm.scores:
+        raise ConfigError(
+            f'[page_qa] answer_mode = "extract" scores page spans with the model, which {llm.model_id} cannot '
+            'do (only backend = "transformers" scores): use answer_mode "align" or "free", or that backend'
+        )
 
 
 @dataclass(frozen=True)
 class Reply:
-    """What an answer mode made: the answer, where the page says it (None: not found, or not on the page) and
-    the tokens the model read (its prompt; for "extract" also the replies it scored)."""
+    """What an answer mode made: the answer, its quote ("" for "not in the page"), whether the page supports
+    it (None: not judged, "free") and the tokens the model read (its prompt; "extract": also what it scored)."""
 
     answer: str
-    span: Span | None
+    quote: str
+    supported: bool | None
     prompt_tokens: int
 
 
@@ -175,19 +178,13 @@ async def _answer(request: Request, cfg: Config, rt: Runtime[None]) -> Response:
     prep = await asyncio.to_thread(prepare, page.body, page.content_type, question=request.question, cfg=cfg)
     chunks = ["\n".join(chunk) for chunk in prep.top]
     try:
-        reply = await _reply(build_prompt(chunks, request.question), prep, request.question, cfg, rt)
+        reply = await _reply(prep, request.question, cfg=cfg, rt=rt)
     except BackendError as exc:
         raise ToolFailure("backend_error", str(exc), retryable=exc.retryable) from exc
-    if reply.span is not None:
-        quote = spans.quote_around(reply.span, cfg.max_quote_chars)
-    elif reply.answer == NOT_FOUND:
-        quote = ""
-    else:
-        quote = pick_quote(prep.top, reply.answer, question=request.question, max_chars=cfg.max_quote_chars)
     response = Response(
         answer=reply.answer,
-        quote=quote,
-        supported=reply.span is not None and spans.mentions(reply.span.sentence, request.question),
+        quote=reply.quote,
+        supported=reply.supported,
         url=page.final_url,
         title=prep.title,
         chunks=chunks,
@@ -197,29 +194,35 @@ async def _answer(request: Request, cfg: Config, rt: Runtime[None]) -> Response:
     return response
 
 
-async def _reply(
-    messages: list[Message], prep: Prepared, question: str, cfg: Config, rt: Runtime[None]
-) -> Reply:
-    """The answer in `cfg.answer_mode` ("extract" becomes "free" where the backend cannot score)."""
+async def _reply(prep: Prepared, question: str, *, cfg: Config, rt: Runtime[None]) -> Reply:
+    """The answer in `cfg.answer_mode` (module docstring)."""
+    messages = build_prompt(["\n".join(chunk) for chunk in prep.top], question)
     sentences = page_sentences(prep.top)
-    if cfg.answer_mode == "extract" and isinstance(rt.llm, SpanScorer):
+    if cfg.answer_mode == "extract":
         found = spans.candidates(sentences, question, limit=cfg.max_candidates)
         replies = [span.text for span in found] + [NOT_FOUND]
         scores = await rt.llm.score(messages, replies)
         scores[-1] += cfg.null_bias
         best = scores.index(max(scores))  # the first of equals: the candidate nearer the question
         read = sum(rt.count_tokens(text) for text in [m.content for m in messages] + replies)  # all it fed
-        return Reply(NOT_FOUND, None, read) if best == len(found) else Reply(replies[best], found[best], read)
+        if best == len(found):
+            return Reply(NOT_FOUND, "", False, read)
+        return _on_page(found[best], question, cfg=cfg, prompt_tokens=read)
     generation = await rt.llm.generate(messages, max_new_tokens=cfg.max_new_tokens)
-    said = clean_answer(generation.text, cfg.max_answer_chars)
-    if _SAYS_NOT_FOUND.search(said):
-        return Reply(NOT_FOUND, None, generation.prompt_tokens)
-    if cfg.answer_mode != "align":
-        return Reply(said, spans.find(sentences, said), generation.prompt_tokens)
-    span, score = spans.align(sentences, said, question)
+    said, read = clean_answer(generation.text, cfg.max_answer_chars), generation.prompt_tokens
+    if cfg.answer_mode == "free":
+        quote = pick_quote(prep.top, said, question=question, max_chars=cfg.max_quote_chars)
+        return Reply(said, quote, None, read)
+    span, score = (None, 0.0) if _SAYS_NOT_FOUND.search(said) else spans.align(sentences, said, question)
     if span is None or score < cfg.align_min_f1:
-        return Reply(NOT_FOUND, None, generation.prompt_tokens)
-    return Reply(span.text, span, generation.prompt_tokens)
+        return Reply(NOT_FOUND, "", False, read)
+    return _on_page(span, question, cfg=cfg, prompt_tokens=read)
+
+
+def _on_page(span: spans.Span, question: str, *, cfg: Config, prompt_tokens: int) -> Reply:
+    """A span of the page as the answer, supported when its sentence shares a content word with the question."""
+    quote = spans.quote_around(span, cfg.max_quote_chars)
+    return Reply(span.text, quote, spans.mentions(span.sentence, question), prompt_tokens)
 
 
 def page_sentences(chunks: list[list[str]]) -> list[str]:

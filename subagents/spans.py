@@ -241,17 +241,3 @@ def quote_around(span: Span, max_chars: int) -> str:
     if right < len(sentence) and (cut := sentence.rfind(" ", span.end, right)) >= 0:
         right = cut
     return sentence[left:right].strip()
-
-
-def find(sentences: Sequence[str], answer: str) -> Span | None:
-    """The shortest span of the first sentence holding one whose normalised words equal the answer's
-    ("actress" for "an Actress", not "an actress"); None when the page does not say it."""
-    target = normal_words(answer)
-    if not target:
-        return None
-    for sentence in sentences:
-        # Articles and lone punctuation are no words after normalising: allow a few more raw words.
-        found = [s for s in ngrams(sentence, len(target) + 3) if normal_words(s.text) == target]
-        if found:
-            return min(found, key=lambda s: s.end - s.start)
-    return None

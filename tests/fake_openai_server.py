@@ -28,8 +28,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from subagents.backends import LLM, BackendError, Message
 from subagents.common import approx_tokens
+from subagents.llm import LLM, BackendError, Message
 
 Mode = Literal["echo", "no_usage", "error_500", "error_422", "context_400", "empty_choices", "null_content"]
 

@@ -6,10 +6,11 @@ import dataclasses
 
 import pytest
 
-from main_agent.policy import SamplingConfig, TransformersPolicy, load_model
+from app.trace import render_html
+from main_agent.policy import SamplingConfig
 from main_agent.rollout import RolloutConfig, RolloutTask, rollout
 from main_agent.tokens import segment_ids
-from main_agent.trace import render_html
+from main_agent.transformers_policy import TransformersPolicy, load_model
 from tests.tool_server_fakes import page_server, serving
 from tool_server.app import create_app
 from tool_server.client import ToolClient

@@ -10,9 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from conductor.display import LiveView, shown_answer
-from conductor.models import DEFAULT_MODEL, DEFAULT_POLICY
-from main_agent.ask import (
+from app.ask import (
     AskError,
     AskOptions,
     attachments,
@@ -23,6 +21,8 @@ from main_agent.ask import (
     requires_call,
     validate,
 )
+from app.display import LiveView, shown_answer
+from conductor.models import DEFAULT_MODEL, DEFAULT_POLICY
 from main_agent.parse import parse_completion
 from main_agent.types import Episode
 from subagents.handles import file_key, handle_for
@@ -205,7 +205,7 @@ def test_the_answer_panel_numbers_its_sources():
 def test_sources_are_the_pages_read_and_search_hits_only_when_nothing_was_read():
     """A hit never opened is not a source: after page_qa read one hit, only that page is listed; an episode that
     only searched lists its hits; failed calls list nothing."""
-    from main_agent.ask import sources
+    from app.ask import sources
     from main_agent.types import ToolCall, ToolResult, Turn
 
     def result(name: str, ok: bool, payload: dict) -> ToolResult:
@@ -228,7 +228,7 @@ def test_sources_are_the_pages_read_and_search_hits_only_when_nothing_was_read()
 async def test_a_tools_url_that_does_not_answer_fails_before_the_policy_loads(monkeypatch) -> None:
     """--tools-url is checked first: nothing answering there is an AskError naming the URL, and the policy (seconds
     to load) is never loaded for a run that cannot start."""
-    from main_agent import ask as ask_module
+    from app import ask as ask_module
     from tests.fake_openai_server import unused_port
 
     def must_not_load(*args, **kwargs):

@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 from conductor.batching import GenerationError, MicroBatcher
-from subagents.backends import BackendConfig, BackendError, Message, OpenAILLM, TransformersLLM, build_llm
+from subagents.backends import build_llm
+from subagents.llm import BackendConfig, BackendError, Message
+from subagents.openai_llm import OpenAILLM
+from subagents.transformers_llm import TransformersLLM
 from tests.fake_openai_server import Script, create_openai_app, serve, unused_port
 
 PNG = base64.b64decode(
@@ -203,6 +206,17 @@ async def test_openai_text_only_refuses_images(endpoint: tuple[str, list[dict[st
     assert not caught.value.retryable and requests == []
 
 
+async def test_openai_cannot_score(endpoint: tuple[str, list[dict[str, object]]]) -> None:
+    """An endpoint says it does not score (page_qa refuses "extract" on it at start-up), and a call to `score`
+    anyway fails fast, not retryable, without a request on the wire."""
+    base_url, requests = endpoint
+    llm = OpenAILLM(openai_cfg(base_url))
+    with pytest.raises(BackendError, match="cannot score") as caught:
+        await llm.score(USER, ["Paris"])
+    await llm.aclose()
+    assert not llm.scores and not caught.value.retryable and requests == []
+
+
 @pytest.mark.parametrize(
     ("mode", "retryable", "attempts", "wording"),
     [
@@ -383,6 +397,7 @@ async def test_scored_replies_equal_their_full_forward_log_probs(tiny_policy: Pa
     import torch
 
     llm = TransformersLLM(BackendConfig(model=str(tiny_policy)))
+    assert llm.scores
     messages = [Message("system", "Answer briefly."), Message("user", "Where is the tower? Paris, France.")]
     replies = ["Paris", "Paris, France", "not in the page"]
     scores = await llm.score(messages, replies)

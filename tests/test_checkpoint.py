@@ -271,7 +271,7 @@ def test_checkpoint_model_folder_loads_on_its_own(tmp_path: Path) -> None:
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
-    from main_agent.policy import load_model
+    from main_agent.transformers_policy import load_model
 
     words = Tokenizer(WordLevel({"<unk>": 0, "plate": 1}, unk_token="<unk>"))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>")

@@ -24,7 +24,7 @@ def conductor(
     *args: str, timeout: float = 120, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "conductor.cli", *args],
+        [sys.executable, "-m", "app.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -155,7 +155,7 @@ def test_serve_with_replicas_serves_the_real_tools_from_ray_serve(smollm2_path, 
 
     pytest.importorskip("ray", reason="Ray is the optional extra `distributed`")
     port = unused_port()
-    args = [sys.executable, "-m", "conductor.cli", "serve", "--replicas", "2", "--port", str(port)]
+    args = [sys.executable, "-m", "app.cli", "serve", "--replicas", "2", "--port", str(port)]
     log = (tmp_path / "stderr").open("w")  # a file, not a pipe: nothing reads stderr while this waits
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
     try:

@@ -340,8 +340,8 @@ async def test_ask_shows_the_policy_handles_not_the_users_paths(shared_data, smo
     call (forced for the untrained model) works on it, and no prompt or observation holds a path."""
     from transformers import AutoTokenizer
 
+    from app.ask import AskOptions, ask
     from conductor.models import DEFAULT_MODEL
-    from main_agent.ask import AskOptions, ask
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path, local_files_only=True)
     photo = next((shared_data / "images" / "plates" / "endtoend" / "eu").glob("*.jpg"))

@@ -146,7 +146,8 @@ async def test_the_trainer_consumes_100_call_episodes_segment_by_segment() -> No
 
     from tests.test_train import tiny_llama
     from training.config import TrainConfig
-    from training.train import group_to_sequences, update
+    from training.step import group_to_sequences
+    from training.update import update
 
     cfg = RolloutConfig(max_turns=110, max_new_tokens=96, max_context_tokens=2048, fold_at_tokens=2048)
     right, right_policy = await play(audit_task(32), auditor(32), cfg)

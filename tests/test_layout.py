@@ -1,8 +1,15 @@
-"""The tree is the architecture: which package may import which, checked on the source (no imports run).
+"""The tree is the architecture: which module may import which, checked on the source (no imports run).
 
-conductor (settings, models, batching)   the bottom layer: imports no runtime package
-subagents -> tool_server -> main_agent -> training   each imports only packages before it, and the bottom
-conductor.cli, conductor.display         the top (the command and its terminal view): nothing imports them
+    app          the command line, the live display, `ask`, the trace viewer: nothing imports it
+    training     the trainers
+    main_agent   the policy's side
+    tool_server  hosts the sub-agents
+    subagents    the frozen sub-agents
+    conductor    the bottom layer: settings, models, batching, cluster (and the shipped default policy)
+
+A module imports only modules on its own floor or below, and no two modules import each other. Every import
+counts, at the top of a file, inside a function or under TYPE_CHECKING; `from package import module` counts as
+importing that module (not the package's `__init__`). No exceptions.
 """
 
 from __future__ import annotations
@@ -11,43 +18,62 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ORDER = ("subagents", "tool_server", "main_agent", "training")
-BOTTOM = ("conductor.settings", "conductor.models", "conductor.batching", "conductor.cluster")
-TOP = ("conductor.cli", "conductor.display")
+FLOORS = ("conductor", "subagents", "tool_server", "main_agent", "training", "app")
 
 
-def imported(path: Path) -> set[str]:
-    """Every module a file imports, top level or inside functions, as dotted names."""
+def modules() -> dict[str, Path]:
+    """Every first-party module by dotted name (a package by its own name, for its `__init__.py`)."""
+    found = {}
+    for package in FLOORS:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imported(path: Path, known: set[str]) -> set[str]:
+    """The first-party modules a file imports, anywhere in it: `from a import b` is module a.b when there is
+    one, else module a."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names} & known
+            names.update(submodules)
+            if len(submodules) < len(node.names):
+                names.add(node.module)
+    return names & known
 
 
-def first_party(names: set[str]) -> set[str]:
-    return {n for n in names if n.split(".")[0] in (*ORDER, "conductor")}
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imported(path, set(found)) - {name} for name, path in found.items()}
 
 
-def test_the_bottom_layer_imports_no_runtime_package():
-    """settings, models and batching are shared machinery: they may not reach into the packages that use them."""
-    for module in BOTTOM:
-        path = REPO / (module.replace(".", "/") + ".py")
-        reached = {n for n in first_party(imported(path)) if n.split(".")[0] in ORDER}
-        assert not reached, f"{module} imports {sorted(reached)}"
+def floor(module: str) -> int:
+    return FLOORS.index(module.split(".")[0])
 
 
-def test_runtime_packages_import_only_packages_below_them_and_the_bottom_layer():
-    """subagents < tool_server < main_agent < training; none imports the CLI, its view or a package above it."""
-    for rank, package in enumerate(ORDER):
-        allowed = (*ORDER[: rank + 1], *BOTTOM, "conductor")
-        for path in sorted((REPO / package).rglob("*.py")):
-            for name in first_party(imported(path)):
-                assert not any(name == t or name.startswith(t + ".") for t in TOP), (path, name)
-                top = name.split(".")[0]
-                ok = top in ORDER[: rank + 1] or any(name == b or name.startswith(b + ".") for b in BOTTOM)
-                ok = ok or name == "conductor"  # `from conductor import models`
-                assert ok, f"{path.relative_to(REPO)} imports {name}; {package} may use {allowed}"
+def test_every_package_is_on_a_floor() -> None:
+    """A new top-level package must be placed in FLOORS; the installed packages are exactly the floors'."""
+    packages = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests", "benchmarks", "examples"}
+    assert packages == set(FLOORS), f"packages {sorted(packages)} != floors {sorted(FLOORS)}"
+
+
+def test_no_module_imports_a_module_on_a_higher_floor() -> None:
+    """The bottom layer imports no runtime package; subagents < tool_server < main_agent < training < app."""
+    upward = [
+        f"{module} ({FLOORS[floor(module)]}) imports {target} ({FLOORS[floor(target)]})"
+        for module, targets in sorted(graph().items())
+        for target in sorted(targets)
+        if floor(target) > floor(module)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_two_modules_import_each_other() -> None:
+    """A pair that imports each other is one module in two files, or a contract beside its implementation."""
+    edges = graph()
+    pairs = sorted({tuple(sorted((a, b))) for a, targets in edges.items() for b in targets if a in edges[b]})
+    assert not pairs, f"modules that import each other: {pairs}"

@@ -21,10 +21,11 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from conductor.settings import ConfigError
 from subagents import page_qa
-from subagents.backends import BackendError, Generation, Message
 from subagents.common import Runtime, ToolFailure, approx_tokens
 from subagents.fetch import FetchConfig, FetchedPage, Fetcher
+from subagents.llm import BackendError, Generation, Message, cannot_score_error
 from training.tasks import multihop
 
 FILLER = [
@@ -46,6 +47,7 @@ class ScriptedLLM:
 
     model_id = "scripted"
     multimodal = False
+    scores = False  # like an endpoint: page_qa's "extract" needs ScoringLLM
 
     def __init__(self, reply: str | BackendError) -> None:
         self.reply = reply
@@ -59,6 +61,9 @@ class ScriptedLLM:
         return Generation(
             text=self.reply, prompt_tokens=prompt_tokens, completion_tokens=approx_tokens(self.reply)
         )
+
+    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
+        raise cannot_score_error(self.model_id)
 
     def count_tokens(self, text: str) -> int:
         return approx_tokens(text)
@@ -273,15 +278,17 @@ def test_request_limits() -> None:
 class ScoringLLM(ScriptedLLM):
     """A ScriptedLLM that also scores replies ("extract" mode): listed replies get their score, others -100."""
 
-    def __init__(self, scores: dict[str, float]) -> None:
+    scores = True
+
+    def __init__(self, table: dict[str, float]) -> None:
         super().__init__("unused")
-        self.scores = scores
+        self.table = table
         self.scored: list[list[str]] = []
 
     async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
         self.calls.append(messages)
         self.scored.append(replies)
-        return [self.scores.get(reply, -100.0) for reply in replies]
+        return [self.table.get(reply, -100.0) for reply in replies]
 
 
 async def ask_in(mode: str, llm: ScriptedLLM, body: str = HTML) -> page_qa.Response:
@@ -309,13 +316,27 @@ async def test_extract_says_not_found_when_that_scores_best() -> None:
     assert response.summary() == "answer: not in the page | source: Visiting Paris"
 
 
-async def test_extract_without_a_scoring_backend_answers_freely() -> None:
-    """A backend that cannot score (an endpoint) answers in its own words under "extract", flagged by
-    `supported`; "align" snaps that sentence to the page's span."""
-    reply = "The Eiffel Tower is 330 metres high."
-    response = await ask_in("extract", ScriptedLLM(reply))
-    assert (response.answer, response.supported) == (reply, False)
-    aligned = await ask_in("align", ScriptedLLM(reply))
+def test_extract_on_a_model_that_cannot_score_is_a_config_error() -> None:
+    """`check_model` (asked by the tool server at start-up and before a hot swap) refuses "extract" on a model
+    that cannot score, naming the setting and the way out; "free" and "align" run on any model."""
+    with pytest.raises(ConfigError, match='answer_mode = "extract".*scripted cannot do.*"align" or "free"'):
+        page_qa.check_model(page_qa.Config(answer_mode="extract"), ScriptedLLM("x"))
+    page_qa.check_model(page_qa.Config(answer_mode="extract"), ScoringLLM({}))
+    for mode in ("free", "align"):
+        page_qa.check_model(page_qa.Config(answer_mode=mode), ScriptedLLM("x"))  # type: ignore[arg-type]
+
+
+async def test_extract_never_falls_back_to_free() -> None:
+    """Run anyway (page_qa.run alone, no server to check), "extract" on a model that cannot score is a
+    `backend_error` saying so, never the model's own words in its place."""
+    response = await ask_in("extract", ScriptedLLM("The Eiffel Tower is 330 metres high."))
+    assert not response.ok and response.error is not None and response.error.kind == "backend_error"
+    assert "cannot score" in response.error.message and not response.error.retryable
+
+
+async def test_align_snaps_a_sentence_to_the_page_span() -> None:
+    """ "align" turns the model's sentence into the page's span that best matches it, supported."""
+    aligned = await ask_in("align", ScriptedLLM("The Eiffel Tower is 330 metres high."))
     assert (aligned.answer, aligned.supported) == ("330 metres", True)
 
 
@@ -330,14 +351,18 @@ async def test_align_says_not_found_for_refusals_and_words_not_on_the_page(reply
     assert (response.answer, response.supported) == (answer, False)
 
 
-async def test_free_keeps_the_models_words_and_flags_them() -> None:
-    """ "free" answers with the model's own words; supported says whether they occur on the page, and the
-    summary marks an answer the page does not hold."""
+async def test_free_is_the_default_and_reads_as_before() -> None:
+    """ "free", the default (the shipped policy was trained on its observations), gives the model's own words,
+    refusals and inventions included, unjudged, with the sentence sharing most words as the quote: the
+    observation is the one page_qa gave before answer modes existed."""
+    assert page_qa.Config().answer_mode == "free"
     on_page = await ask_in("free", ScriptedLLM("330 Metres"))
-    assert (on_page.answer, on_page.supported) == ("330 Metres", True) and "330 metres" in on_page.quote
-    invented = await ask_in("free", ScriptedLLM("About 1000 feet"))
-    assert (invented.answer, invented.supported) == ("About 1000 feet", False)
-    assert invented.summary().startswith("answer: About 1000 feet (unsupported) | quote:")
+    assert (on_page.answer, on_page.supported) == ("330 Metres", None)
+    assert on_page.summary() == f'answer: 330 Metres | quote: "{ANSWER_PARAGRAPH}" | source: Visiting Paris'
+    for said in ("About 1000 feet", "Not in the page."):
+        response = await ask_in("free", ScriptedLLM(said))
+        assert (response.answer, response.supported) == (said, None)
+        assert response.summary().startswith(f'answer: {said} | quote: "') and response.quote
 
 
 async def test_a_span_from_a_sentence_off_the_question_is_unsupported() -> None:
@@ -441,7 +466,8 @@ async def test_real_smollm2_answers_from_a_real_page(shared_data: Path, smollm2_
     """End to end with the real model: a saved NYT article over loopback and the real fetcher; the answer
     names the country, the quote is the page's own sentence about it, and the caller reads far less than
     the sub-agent did."""
-    from subagents.backends import BackendConfig, build_llm
+    from subagents.backends import build_llm
+    from subagents.llm import BackendConfig
 
     base, root = loopback
     source = (shared_data / "pages/readability/nytimes-1/source.html").read_bytes()
@@ -468,7 +494,8 @@ async def test_real_smollm2_extracts_a_grounded_span(shared_data: Path, smollm2_
     """ "extract" with the real model on a real MuSiQue paragraph over loopback: the answer is the gold span
     (the free answer names the city he died in), supported, inside a quote from the page; on a paragraph
     that does not hold it, the answer is still the page's own words or "not in the page", never invented."""
-    from subagents.backends import BackendConfig, build_llm
+    from subagents.backends import build_llm
+    from subagents.llm import BackendConfig
 
     base, root = loopback
     rows = json.loads((shared_data / "multihop/hipporag_musique_train.json").read_text(encoding="utf-8"))
@@ -482,11 +509,10 @@ async def test_real_smollm2_extracts_a_grounded_span(shared_data: Path, smollm2_
     fetcher = Fetcher(FetchConfig(allow_private_cidrs=("127.0.0.0/8",)))
     rt = Runtime(llm=llm, fetcher=fetcher, state=None, count_tokens=llm.count_tokens)  # type: ignore[arg-type]
     question = "In what city was Steven Blankaart born?"
+    extract = page_qa.Config(answer_mode="extract")
     try:
         gold, other = [
-            await page_qa.run(
-                page_qa.Request(url=f"{base}/musique-{i}.html", question=question), page_qa.Config(), rt
-            )
+            await page_qa.run(page_qa.Request(url=f"{base}/musique-{i}.html", question=question), extract, rt)
             for i in (12, 0)
         ]
     finally:

@@ -6,13 +6,9 @@ import asyncio
 
 import pytest
 
-from main_agent.policy import (
-    OpenAIPolicy,
-    PolicyError,
-    SamplingConfig,
-    TransformersPolicy,
-    load_model,
-)
+from main_agent.openai_policy import OpenAIPolicy
+from main_agent.policy import PolicyError, SamplingConfig
+from main_agent.transformers_policy import TransformersPolicy, load_model
 from tests.fake_openai_server import serve, unused_port
 from tests.fake_vllm_server import completions_app
 from tests.fakes import ByteChatTokenizer
@@ -113,16 +109,16 @@ def test_auto_samples_with_vllm_when_it_is_installed(monkeypatch: pytest.MonkeyP
     otherwise (a LoRA adapter, or no vllm); an explicit backend is kept as given."""
     import importlib.util
 
-    from main_agent import policy as policy_module
-    from main_agent.policy import chosen_backend
+    from main_agent import backends
+    from main_agent.backends import chosen_backend
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        policy_module.importlib.util, "find_spec", lambda name: None if name == "vllm" else real(name)
+        backends.importlib.util, "find_spec", lambda name: None if name == "vllm" else real(name)
     )
     assert chosen_backend(SamplingConfig()) == "transformers"
     monkeypatch.setattr(
-        policy_module.importlib.util, "find_spec", lambda name: object() if name == "vllm" else real(name)
+        backends.importlib.util, "find_spec", lambda name: object() if name == "vllm" else real(name)
     )
     assert chosen_backend(SamplingConfig()) == "vllm"
     assert chosen_backend(SamplingConfig(), adapter=True) == "transformers"
@@ -135,14 +131,14 @@ def test_a_shared_prompt_is_computed_once_and_changes_no_sample() -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from main_agent import policy as policy_module
+    from main_agent import transformers_policy
     from main_agent.tokens import common_prefix
 
     torch.manual_seed(0)
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=258, num_key_value_heads=2, **shape)).eval()
     tokenizer = ByteChatTokenizer()
-    prefix = list(range(40, 40 + policy_module.MIN_SHARED_PREFIX + 8))
+    prefix = list(range(40, 40 + transformers_policy.MIN_SHARED_PREFIX + 8))
     prompts = [prefix + list(range(100 + 20 * i, 100 + 20 * i + n)) for i, n in enumerate((3, 11, 6))]
     policy = TransformersPolicy(model, tokenizer, cfg=SamplingConfig(temperature=0.0), max_batch=3)
     assert common_prefix(prompts, limit=100) == len(prefix)
@@ -167,7 +163,7 @@ def test_a_saved_adapter_names_its_built_in_base_and_loads_without_a_tokenizer(s
     from peft import PeftModel
 
     from conductor.models import DEFAULT_MODEL, portable_adapter
-    from main_agent.policy import load_model
+    from main_agent.transformers_policy import load_model
 
     model, _ = load_model(smollm2_path, lora_rank=2, device="cpu")
     with torch.no_grad():

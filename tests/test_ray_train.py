@@ -1,4 +1,4 @@
-"""Training on Ray (training/train_ray.py, training/ray_rollout.py) on a local cluster: the same run as in one
+"""Training on Ray (training/loop.py with `on_ray`, training/ray_session.py, training/ray_rollout.py) on a local cluster: the same run as in one
 process, rollout workers that die mid-step, and the `--ray` command line.
 
 The loop tests train the tiny random Llama of tests/test_train.py against the fake sub-agents served over real
@@ -21,18 +21,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from conductor.cli import optional_value
+from app.cli import optional_value
 from conductor.cluster import RayConfig, cluster
 from main_agent.rollout import RolloutConfig
 from tests.test_train import final_weights, parity_score, sampled_task_ids, tiny_config
 from tests.tool_server_fakes import FakeFactory, fake_subagents, make_config, serving
 from tool_server.app import create_app
 from tool_server.embedded import ToolAccess
-from training import train as train_module
+from training import step as step_module
+from training.loop import train
 from training.metrics import read_metrics
 from training.ray_rollout import split
+from training.step import InfraFailure, score_groups
 from training.tasks import Task
-from training.train import InfraFailure, score_groups
 
 ray = pytest.importorskip("ray", reason="Ray is the optional extra `distributed`")
 
@@ -68,14 +69,12 @@ def test_one_worker_each_equals_the_single_process_run(
 ) -> None:
     """1 rollout worker + 1 trainer worker on Ray == `train` in one process, same seed: the same tasks
     sampled, the same losses and rewards, the same final weights, for 2 steps."""
-    from training.train_ray import train_ray
-
-    monkeypatch.setattr(train_module, "score", parity_score)
+    monkeypatch.setattr(step_module, "score", parity_score)
     threads = torch.get_num_threads()  # the same thread count: CPU matmuls sum in the same order
     on_ray = RayConfig(cpus_per_rollout_worker=threads, cpus_per_trainer_worker=threads, tool_replicas=1)
     cfg = tiny_config(tmp_path / "local", tiny_policy, tools=ToolAccess(url=fake_tools[0]), ray=on_ray)
-    local = train_module.train(cfg)
-    remote = train_ray(dataclasses.replace(cfg, run_dir=tmp_path / "ray"))
+    local = train(cfg)
+    remote = train(dataclasses.replace(cfg, run_dir=tmp_path / "ray"), on_ray=True)
     a, b = read_metrics(local / "metrics.jsonl"), read_metrics(remote / "metrics.jsonl")
     assert [r["step"] for r in b] == [1, 2] and [r["policy_version"] for r in b] == [1, 2]
     for key in ("loss/pg", "reward/final", "grad_norm", "update/tokens", "optim/lr"):
@@ -176,20 +175,20 @@ async def test_a_gpu_push_streams_to_linked_workers_and_relinks_one_that_came_ba
     from types import SimpleNamespace
 
     from training.ray_rollout import RolloutGroup
-    from training.train_ray import link_workers, sync_weights
+    from training.ray_session import RayLearner
 
     workers = [FakeWorker(), FakeWorker()]
     rollouts = RolloutGroup(workers, 2, "weights@start", 0, stale=set(), unlinked={0, 1})
     trainers = FakeTrainers()
-    run = SimpleNamespace(cfg=SimpleNamespace(ray=RayConfig(weight_push="ipc")), trainers=trainers)
-    await link_workers(run, rollouts)
+    learner = RayLearner(SimpleNamespace(ray=RayConfig(weight_push="ipc")), trainers, rollouts)
+    await learner.link_workers()
     assert trainers.links == [[0, 1]] and rollouts.unlinked == set()
-    await sync_weights(run, rollouts, 1)
+    await learner.sync()  # version 1
     assert trainers.sends == [([0, 1], 1)] and workers[0].loaded == workers[1].loaded == []
     assert rollouts.version == 1 and rollouts.weights is None
 
     trainers.lose = [1]  # worker 1 dies while the weights stream to it
-    await sync_weights(run, rollouts, 2)
+    await learner.sync()  # version 2
     assert trainers.sends[-1] == ([0, 1], 2) and workers[1].loaded == [("weights@2", 2)]
     assert trainers.links[-1] == [1] and not rollouts.stale and not rollouts.unlinked
 
@@ -197,7 +196,7 @@ async def test_a_gpu_push_streams_to_linked_workers_and_relinks_one_that_came_ba
     lost = await rollouts._collect(0, [Task("t", "video_qa", "q?", ("image_ops",), "a")], step=3)
     assert [e.infra_error for e in lost[0]] == ["rollout worker 0 has not come back"] * 2
     assert workers[0].loaded == []  # no outdated weights: it waits for the push
-    await sync_weights(run, rollouts, 3)
+    await learner.sync()  # version 3
     assert trainers.sends[-1] == ([1], 3) and workers[0].loaded == [("weights@3", 3)]
     assert trainers.links[-1] == [0] and not rollouts.stale and not rollouts.unlinked
 
@@ -262,7 +261,7 @@ def test_a_gpu_push_is_refused_without_vllm_engines_on_gpus(tiny_policy: Path, t
     what it needs; an unknown transport is refused when the settings are read."""
     from conductor.settings import ConfigError
     from main_agent.policy import SamplingConfig
-    from training.train_ray import check_supported
+    from training.ray_session import check_supported
 
     cfg = tiny_config(tmp_path, tiny_policy, ray=RayConfig(weight_push="nccl"))
     with pytest.raises(ConfigError, match="needs sampling.backend = 'vllm' and gpus_per_trainer_worker"):
@@ -282,15 +281,13 @@ def test_the_ray_loop_resumes_on_another_worker_count(
 ) -> None:
     """A run checkpointed by 2 trainer and 2 rollout workers (`--async`) resumes on 1 of each: steps 1-3
     logged once each, versions counting on, the checkpoint's weights trained further."""
-    from training.train_ray import train_ray
-
-    monkeypatch.setattr(train_module, "score", parity_score)
+    monkeypatch.setattr(step_module, "score", parity_score)
     two = RayConfig(rollout_workers=2, trainer_workers=2)
     cfg = tiny_config(tmp_path / "run", tiny_policy, tools=ToolAccess(url=fake_tools[0]), ray=two, steps=2)
-    run_dir = train_ray(cfg, overlap=True)
+    run_dir = train(cfg, on_ray=True, overlap=True)
     first = final_weights(run_dir)
     one = dataclasses.replace(cfg, steps=3, ray=RayConfig())
-    train_ray(one, resume=run_dir)
+    train(one, on_ray=True, resume=run_dir)
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["policy_version"] == 3
     assert rows[1]["episodes/stale_dropped"] == 0  # the async batch was one version behind: kept
@@ -314,13 +311,12 @@ def test_on_a_gpu_the_trainer_and_a_vllm_rollout_worker_share_it(
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("vllm", reason="needs the vllm extra")
     from main_agent.policy import SamplingConfig
-    from training.train_ray import train_ray
 
-    monkeypatch.setattr(train_module, "score", parity_score)
+    monkeypatch.setattr(step_module, "score", parity_score)
     halves = RayConfig(gpus_per_rollout_worker=0.5, gpus_per_trainer_worker=0.5, weight_push=push)
     vllm = SamplingConfig(backend="vllm", gpu_memory_utilization=0.3)
     cfg = tiny_config(tmp_path / "run", tiny_policy, tools=ToolAccess(url=fake_tools[0]), ray=halves)
-    run_dir = train_ray(dataclasses.replace(cfg, sampling=vllm, device="cuda"))
+    run_dir = train(dataclasses.replace(cfg, sampling=vllm, device="cuda"), on_ray=True)
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["policy_version"] for r in rows] == [1, 2] and all(r["update/skipped"] == 0.0 for r in rows)
     folders = sorted(p.name for p in (run_dir / "sampler" / "worker-0").iterdir())

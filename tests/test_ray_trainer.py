@@ -22,7 +22,7 @@ from training.checkpoint import TrainState
 from training.config import TrainConfig
 from training.loss import token_logprobs
 from training.run import config_json, load_learner
-from training.train import DataParallel, accumulate_gradients, update
+from training.update import DataParallel, accumulate_gradients, update
 
 ray = pytest.importorskip("ray")
 

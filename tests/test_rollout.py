@@ -223,7 +223,8 @@ class _FailingModel:
 async def test_a_failing_in_process_policy_marks_the_episode_infra_failed():
     """A generation failure inside `TransformersPolicy` (raised through the shared micro-batcher) ends only its
     episode as infra_failed with the reason, exactly as the vLLM samplers' PolicyError does; the step goes on."""
-    from main_agent.policy import SamplingConfig, TransformersPolicy
+    from main_agent.policy import SamplingConfig
+    from main_agent.transformers_policy import TransformersPolicy
 
     tokenizer = ByteChatTokenizer()
     policy = TransformersPolicy(_FailingModel(), tokenizer, cfg=SamplingConfig(batch_wait_ms=1.0))

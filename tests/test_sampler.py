@@ -11,21 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from main_agent.policy import (
-    OpenAIPolicy,
-    PolicyError,
-    SamplingConfig,
-    TransformersPolicy,
-    load_model,
-)
+from main_agent.openai_policy import OpenAIPolicy
+from main_agent.policy import PolicyError, SamplingConfig
+from main_agent.transformers_policy import TransformersPolicy, load_model
 from tests.fake_openai_server import serve
 from tests.fake_vllm_server import completions_app
 from tests.fakes import ByteChatTokenizer, fake_tool_server
 from tests.test_train import check_run_trained, final_weights, parity_score, tiny_config, tiny_llama
-from training import train as train_module
+from training import step as step_module
 from training.config import ConfigError, TrainConfig, load_train_config
+from training.loop import train
 from training.sampler import dense_parameters, export_weights, merged, sync_weights
-from training.train import train
 
 
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -145,7 +141,7 @@ def test_server_sampler_samples_with_every_version_the_trainer_writes(
     from training import tasks as task_data
 
     monkeypatch.setattr(task_data, "load_family", lambda *a, **k: STUB_TASKS)
-    monkeypatch.setattr(train_module, "score", parity_score)
+    monkeypatch.setattr(step_module, "score", parity_score)
     model, tokenizer = load_model(tiny_policy)
     with torch.no_grad():
         model.model.norm.weight.add_(1.0)  # the server starts on other weights than the run's

@@ -16,10 +16,10 @@ import pydantic
 import pytest
 
 from subagents import documents, page_qa, search
-from subagents.backends import Generation, Message
 from subagents.common import Ref, Runtime, ToolFailure, approx_tokens
 from subagents.fetch import FetchConfig, Fetcher
 from subagents.handles import handle_for
+from subagents.llm import Generation, Message
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "corpus"
 

@@ -14,8 +14,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
+from app.ask import AskError, AskOptions, validate
 from conductor.settings import ConfigError
-from main_agent.ask import AskError, AskOptions, validate
 from subagents import search
 from subagents.common import Runtime
 from subagents.fetch import FetchConfig

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from subagents import SUBAGENTS
-from subagents.backends import BackendConfig
+from subagents.llm import BackendConfig
 from tool_server.config import ConfigError, ServerConfig, ToolLimits, load_config, parse_config
 
 

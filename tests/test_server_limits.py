@@ -19,7 +19,8 @@ import httpx
 import pytest
 import uvicorn
 
-from subagents.backends import BackendConfig, BackendError, build_llm
+from subagents.backends import build_llm
+from subagents.llm import BackendConfig, BackendError
 from tests.tool_server_fakes import FakeFactory, fake_subagents, make_config, running, serving, with_limits
 from tool_server.app import create_app, serve, uvicorn_config
 from tool_server.config import ServerConfig, ToolLimits, ToolsConfig, default_tools

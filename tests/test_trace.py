@@ -1,4 +1,4 @@
-"""HTML trace viewer (main_agent.trace): content coverage, escaping, well-formed tree, JSONL round trip, long
+"""HTML trace viewer (app.trace): content coverage, escaping, well-formed tree, JSONL round trip, long
 episodes (segments, ledger, page size)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from main_agent.trace import load_episodes, render_html, write_html
+from app.trace import load_episodes, render_html, write_html
 from main_agent.types import Episode, ParseError, Record, ToolCall, ToolResult, Turn
 
 XSS = "<script>alert(1)</script>"

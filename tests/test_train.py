@@ -22,23 +22,17 @@ from main_agent.tokens import TrainSequence
 from main_agent.types import Episode
 from tests.fakes import TOOLS, ScriptedPolicy, call_text, fake_tool_server, ok_result
 from tool_server.client import ToolClient
+from training import step as step_module
 from training import tasks as task_data
-from training import train as train_module
 from training.advantages import CreditConfig
 from training.checkpoint import CheckpointError, TrainState
 from training.config import ConfigError, TrainConfig, config_hash, config_to_dict, load_train_config
+from training.loop import train
 from training.metrics import read_metrics, rollout_metrics, step_line
 from training.run import next_tasks
+from training.step import InfraFailure, drop_stale, filter_groups, group_to_sequences, score
 from training.tasks import Task
-from training.train import (
-    InfraFailure,
-    filter_groups,
-    group_to_sequences,
-    score,
-    train,
-    update,
-)
-from training.train_async import drop_stale, train_async
+from training.update import update
 
 # Text-scored tasks with nothing to prepare: video_qa's reward (token F1) with the fake server's tools.
 TASK = Task("t1", "video_qa", "Who wrote the first program?", ("search", "page_qa"), "Ada Lovelace")
@@ -388,7 +382,7 @@ def check_run_trained(run_dir: Path, policy: Path, steps: int) -> list[dict[str,
 def test_two_sync_steps_train(tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch) -> None:
     """Two steps of the sync loop with a KL reference: finite losses, weights moved (so the second step's KL is
     positive), rollouts and a checkpoint written."""
-    monkeypatch.setattr(train_module, "score", parity_score)
+    monkeypatch.setattr(step_module, "score", parity_score)
     run_dir = train(tiny_config(tmp_path / "run", tiny_policy, kl_coef=0.1), transport=fake_tool_server())
     rows = check_run_trained(run_dir, tiny_policy, 2)
     assert [r["policy_version"] for r in rows] == [1, 2]
@@ -401,10 +395,11 @@ def test_two_branch_credit_steps_train(tiny_policy: Path, tmp_path: Path, stub_t
     """credit = "branch": every episode's chosen turn is continued from exact replays (the continuations are
     counted and their sampled tokens logged), the advantages train, the weights move, in the sync and the async
     loop alike."""
-    monkeypatch.setattr(train_module, "score", parity_score)
+    monkeypatch.setattr(step_module, "score", parity_score)
     credit = CreditConfig(mode="branch", branch_k=2, branch_turns=1)
-    for loop, name in ((train, "sync"), (train_async, "async")):
-        run_dir = loop(tiny_config(tmp_path / name, tiny_policy, credit=credit), transport=fake_tool_server())
+    for overlap, name in ((False, "sync"), (True, "async")):
+        cfg = tiny_config(tmp_path / name, tiny_policy, credit=credit)
+        run_dir = train(cfg, overlap=overlap, transport=fake_tool_server())
         rows = check_run_trained(run_dir, tiny_policy, 2)
         assert all(r["branch/continuations"] >= 2 and r["branch/infra_failed"] == 0 for r in rows)
         assert all(r["branch/sampled_tokens"] > 0 and r["tokens/sampled"] > 0 for r in rows)
@@ -431,8 +426,8 @@ def test_branching_plans_states_around_chosen_turns() -> None:
 def test_two_async_steps_train(tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch) -> None:
     """Two steps of the async loop: the prefetched batch (one version behind) trains, losses finite; the
     checkpoint counts the episodes of both steps (the prefetching collection's copy of the counters is stale)."""
-    monkeypatch.setattr(train_module, "score", parity_score)
-    run_dir = train_async(tiny_config(tmp_path / "run", tiny_policy), transport=fake_tool_server())
+    monkeypatch.setattr(step_module, "score", parity_score)
+    run_dir = train(tiny_config(tmp_path / "run", tiny_policy), overlap=True, transport=fake_tool_server())
     rows = check_run_trained(run_dir, tiny_policy, 2)
     assert json.loads((run_dir / "step_2" / "state.json").read_text())["episodes"] == 8
     assert [r["episodes/stale_dropped"] for r in rows] == [0, 0]
@@ -445,9 +440,8 @@ def test_two_async_steps_train(tiny_policy: Path, tmp_path: Path, stub_tasks, mo
 @pytest.mark.slow
 def test_async_drops_stale_episodes(tiny_policy: Path, tmp_path: Path, stub_tasks) -> None:
     """With max_staleness 0 the batch prefetched during step 1 is one version old: all 4 episodes dropped."""
-    run_dir = train_async(
-        tiny_config(tmp_path / "run", tiny_policy, max_staleness=0), transport=fake_tool_server()
-    )
+    cfg = tiny_config(tmp_path / "run", tiny_policy, max_staleness=0)
+    run_dir = train(cfg, overlap=True, transport=fake_tool_server())
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["episodes/stale_dropped"] for r in rows] == [0, 4]
     assert rows[1]["update/skipped"] == 1.0 and math.isnan(rows[1]["reward/final"])
@@ -457,7 +451,7 @@ def test_async_drops_stale_episodes(tiny_policy: Path, tmp_path: Path, stub_task
 def test_resume_continues_exactly(tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch) -> None:
     """4 steps straight == 2 steps, a fresh process-like resume, 2 more: same tasks, losses and final weights.
     A changed group_size is refused on resume unless forced."""
-    monkeypatch.setattr(train_module, "score", parity_score)
+    monkeypatch.setattr(step_module, "score", parity_score)
     cfg = tiny_config(tmp_path / "a", tiny_policy, steps=4, warmup_steps=4)  # the schedule must resume too
     straight = train(cfg, transport=fake_tool_server())
     split = train(dataclasses.replace(cfg, run_dir=tmp_path / "b", steps=2), transport=fake_tool_server())
@@ -485,7 +479,7 @@ def test_resume_takes_a_changed_learning_rate(
 ) -> None:
     """lr is not part of the data order: a resume with a new lr trains at it (the checkpoint's lr used to win
     silently), and every step logs the rate it used."""
-    monkeypatch.setattr(train_module, "score", parity_score)
+    monkeypatch.setattr(step_module, "score", parity_score)
     cfg = tiny_config(tmp_path / "run", tiny_policy, steps=1, lr=1e-3)
     run_dir = train(cfg, transport=fake_tool_server())
     train(dataclasses.replace(cfg, steps=2, lr=5e-4), resume=run_dir, transport=fake_tool_server())
@@ -497,7 +491,7 @@ def test_lora_run_trains_and_resumes_the_adapter(
     tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch
 ) -> None:
     """lora_rank 4: the checkpoint is an adapter whose B matrices moved off their zero start; resuming loads it."""
-    monkeypatch.setattr(train_module, "score", parity_score)
+    monkeypatch.setattr(step_module, "score", parity_score)
     cfg = tiny_config(tmp_path / "run", tiny_policy, steps=1, lora_rank=4)
     run_dir = train(cfg, transport=fake_tool_server())
     adapter = load_file(run_dir / "step_1" / "model" / "adapter_model.safetensors")
@@ -521,8 +515,9 @@ def test_the_trained_weights_load_in_process_whatever_samples(
     import asyncio
     import importlib.util
 
-    from main_agent.policy import SamplingConfig, TransformersPolicy
-    from training.run import start_run
+    from main_agent.policy import SamplingConfig
+    from main_agent.transformers_policy import TransformersPolicy
+    from training.local_session import local_session
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -531,13 +526,12 @@ def test_the_trained_weights_load_in_process_whatever_samples(
     cfg = tiny_config(tmp_path / "run", tiny_policy, sampling=SamplingConfig(backend="transformers"))
 
     async def started():
-        run = await start_run(cfg, resume=None, force=False)
-        await run.policy.aclose()
-        run.log.close()
-        return run
+        session = local_session(cfg, resume=None, force=False, transport=fake_tool_server())
+        async with session as (_, collector, learner):
+            return collector.policy, learner.trainable.model
 
-    run = asyncio.run(started())
-    assert isinstance(run.policy, TransformersPolicy) and run.model is not run.policy.model
+    policy, model = asyncio.run(started())
+    assert isinstance(policy, TransformersPolicy) and model is not policy.model
 
 
 @pytest.mark.parametrize(

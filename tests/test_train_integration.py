@@ -37,14 +37,13 @@ from tests.tool_server_fakes import FakeFactory, make_config, page_server, servi
 from tool_server.app import create_app, host_of
 from tool_server.config import CacheConfig, ServerConfig
 from tool_server.embedded import ToolAccess
+from training import step as step_module
 from training import tasks as task_data
-from training import train as train_module
 from training.checkpoint import find_latest
 from training.config import TrainConfig, load_train_config
+from training.loop import train
 from training.metrics import read_metrics
 from training.tasks import Task
-from training.train import train
-from training.train_async import train_async
 
 REPO = Path(__file__).resolve().parent.parent
 ROW_KEYS = {
@@ -90,7 +89,7 @@ def test_two_sync_and_two_async_steps_against_the_real_tool_server(
 ) -> None:
     """Sync and async loops each train 2 steps on real plate tasks with `tools_url` at the real tool server over
     loopback HTTP: weights move, losses finite, metrics and rollouts written, and the server saw no errors."""
-    monkeypatch.setattr(train_module, "score", parity_score)
+    monkeypatch.setattr(step_module, "score", parity_score)
     photo = task_data.load_family("plate_reading", "train", data_dir=shared_data, limit=1)[0].meta.image_path
     with plate_tool_server(shared_data) as url:
         # The server these runs use can serve the tasks' tool (the random policy itself never calls it).
@@ -98,8 +97,8 @@ def test_two_sync_and_two_async_steps_against_the_real_tool_server(
             f"{url}/v1/tools/image_ops", json={"op": "load", "image": photo}, timeout=60
         ).json()
         assert loaded["ok"], loaded
-        for loop, name in ((train, "sync"), (train_async, "async")):
-            run_dir = loop(plate_config(tmp_path / name, tiny_policy, url, shared_data))
+        for overlap, name in ((False, "sync"), (True, "async")):
+            run_dir = train(plate_config(tmp_path / name, tiny_policy, url, shared_data), overlap=overlap)
             check_metrics_and_rollouts(run_dir, tiny_policy)
         server = httpx.get(f"{url}/metrics", timeout=10).json()["tools"]
     assert server["image_ops"]["calls"] >= 1
@@ -120,7 +119,7 @@ def test_subagents_stay_frozen_across_training(
 ) -> None:
     """With the real SmolLM2 behind page_qa and the cache off, a page_qa call answers identically before and
     after a training step against that server, and the sub-agent's weights are bit-identical and grad-free."""
-    monkeypatch.setattr(train_module, "score", parity_score)
+    monkeypatch.setattr(step_module, "score", parity_score)
     cfg: ServerConfig = make_config(
         port=0,
         cache=CacheConfig(enabled=False),
@@ -151,9 +150,9 @@ def test_subagents_stay_frozen_across_training(
 DRIVER = """
 import sys
 from tests.test_train import parity_score
-from training import train
-train.score = parity_score
-from conductor.cli import main
+from training import step
+step.score = parity_score
+from app.cli import main
 sys.argv = ["conductor", "train", *sys.argv[1:]]
 main()
 """
@@ -207,7 +206,7 @@ def test_kill_nine_mid_run_then_resume_matches_a_straight_run(
 ) -> None:
     """A 4-step CLI run SIGKILLed after its step-2 checkpoint and resumed in a fresh process samples the same
     tasks, logs each step once with the same losses, and ends with weights equal to an uninterrupted run's."""
-    monkeypatch.setattr(train_module, "score", parity_score)
+    monkeypatch.setattr(step_module, "score", parity_score)
     with plate_tool_server(shared_data) as url:
         toml = write_toml(tmp_path / "train.toml", tiny_policy, url, shared_data)
         killed = tmp_path / "killed"

@@ -19,8 +19,9 @@ from PIL import Image, ImageDraw, ImageFont
 
 from subagents import media
 from subagents import video_summary as vs
-from subagents.backends import BackendConfig, BackendError, Generation, Message, build_llm
+from subagents.backends import build_llm
 from subagents.common import Runtime, ToolFailure
+from subagents.llm import BackendConfig, BackendError, Generation, Message
 from subagents.media import Cue
 
 # ---------------------------------------------------------------- doubles and helpers

@@ -20,12 +20,8 @@ import httpx
 import pytest
 import torch
 
-from main_agent.policy import (
-    SERVER_EXTENSION_FLAG,
-    SamplingConfig,
-    TransformersPolicy,
-    load_model,
-)
+from main_agent.policy import SERVER_EXTENSION_FLAG, SamplingConfig
+from main_agent.transformers_policy import TransformersPolicy, load_model
 from tests.fake_openai_server import unused_port
 from tests.fakes import fake_tool_server
 from tests.test_train import (
@@ -36,12 +32,11 @@ from tests.test_train import (
     parity_score,
     tiny_config,
 )
+from training import step as step_module
 from training import tasks as task_data
-from training import train as train_module
+from training.loop import train
 from training.loss import token_logprobs
 from training.sampler import export_weights
-from training.train import train
-from training.train_async import train_async
 
 pytestmark = pytest.mark.vllm
 VLLM = SamplingConfig(backend="vllm")
@@ -131,15 +126,15 @@ async def test_reload_weights_makes_vllm_sample_the_new_weights(tiny_policy: Pat
     assert before == expected_before and after == expected_after and after != before
 
 
-@pytest.mark.parametrize("loop", [train, train_async], ids=["sync", "async"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
 def test_two_steps_sample_through_an_in_process_engine(
-    loop, tiny_policy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    overlap: bool, tiny_policy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """sampler = "vllm": both loops train 2 steps with rollouts from the engine, pushing weights after each."""
     monkeypatch.setattr(task_data, "load_family", lambda *a, **k: STUB_TASKS)
-    monkeypatch.setattr(train_module, "score", parity_score)
+    monkeypatch.setattr(step_module, "score", parity_score)
     cfg = tiny_config(tmp_path / "run", tiny_policy, sampling=VLLM, max_concurrent_episodes=4)
-    run_dir = loop(cfg, transport=fake_tool_server())
+    run_dir = train(cfg, overlap=overlap, transport=fake_tool_server())
     rows = check_run_trained(run_dir, tiny_policy, 2)
     assert [r["policy_version"] for r in rows] == [1, 2]
     assert sorted(p.name for p in (run_dir / "sampler").iterdir()) == ["v2"]
@@ -157,15 +152,14 @@ def test_two_steps_on_ray_sample_through_a_vllm_engine_in_a_rollout_worker(
     from tests.tool_server_fakes import FakeFactory, fake_subagents, make_config, serving
     from tool_server.app import create_app
     from tool_server.embedded import ToolAccess
-    from training.train_ray import train_ray
 
     monkeypatch.setattr(task_data, "load_family", lambda *a, **k: STUB_TASKS)
-    monkeypatch.setattr(train_module, "score", parity_score)
+    monkeypatch.setattr(step_module, "score", parity_score)
     app = create_app(make_config(), subagents=fake_subagents(Counter()), llm_factory=FakeFactory())
     with serving(app) as url:
         on_ray = RayConfig(cpus_per_rollout_worker=2)
         cfg = tiny_config(tmp_path / "run", tiny_policy, sampling=VLLM, max_concurrent_episodes=4)
-        run_dir = train_ray(dataclasses.replace(cfg, tools=ToolAccess(url=url), ray=on_ray))
+        run_dir = train(dataclasses.replace(cfg, tools=ToolAccess(url=url), ray=on_ray), on_ray=True)
     rows = check_run_trained(run_dir, tiny_policy, 2)
     assert [r["policy_version"] for r in rows] == [1, 2]
     assert sorted(p.name for p in (run_dir / "sampler" / "worker-0").iterdir()) == ["v2"]
@@ -177,7 +171,7 @@ def test_the_first_importance_ratio_is_one_with_smollm2(
     """One step of SmolLM2 sampled by vLLM and trained by torch (on the GPU when there is one): the trainer's
     log-probs of the sampled tokens match the engine's, so the ratio starts at 1 and nothing is clipped."""
     monkeypatch.setattr(task_data, "load_family", lambda *a, **k: STUB_TASKS)
-    monkeypatch.setattr(train_module, "score", parity_score)
+    monkeypatch.setattr(step_module, "score", parity_score)
     rollout = dataclasses.replace(TINY_ROLLOUT, max_new_tokens=24)
     cfg = tiny_config(tmp_path / "run", smollm2_path, sampling=VLLM, steps=1, lr=1e-6, rollout=rollout)
     row = check_run_trained(train(cfg, transport=fake_tool_server()), smollm2_path, 1)[0]
@@ -223,7 +217,7 @@ def test_training_pushes_its_weights_into_vllm_serve(
     """sampler = "server" against a real `vllm serve`: 2 steps train, and afterwards the server decodes greedily
     as transformers does with the final checkpoint's weights."""
     monkeypatch.setattr(task_data, "load_family", lambda *a, **k: STUB_TASKS)
-    monkeypatch.setattr(train_module, "score", parity_score)
+    monkeypatch.setattr(step_module, "score", parity_score)
     model, tokenizer = load_model(tiny_policy)
     prompt = chat_prompt(tokenizer, "Where was Ada Lovelace born?")
     with vllm_serve(tiny_policy, tmp_path / "server.log") as url:

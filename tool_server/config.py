@@ -25,9 +25,9 @@ from typing import Any, Generic, TypeVar, get_type_hints
 
 from conductor.settings import ConfigError, build, check_range, coerce
 from subagents import SUBAGENTS
-from subagents.backends import BackendConfig
 from subagents.common import Files
 from subagents.fetch import FetchConfig
+from subagents.llm import BackendConfig
 
 C = TypeVar("C")
 

@@ -146,7 +146,7 @@ class TrainConfig:
     (`[horizon]`); other families ignore it."""
     ray: RayConfig = field(default_factory=RayConfig)
     """Actors and resources of a run on Ray (`[ray]`; used only with `conductor train --ray`,
-    training/train_ray.py): rollout workers, data-parallel trainer workers, tool-server replicas."""
+    training/ray_session.py): rollout workers, data-parallel trainer workers, tool-server replicas."""
 
     def __post_init__(self) -> None:
         checks = {

@@ -43,7 +43,8 @@ import torch
 
 from conductor.models import DEFAULT_MODEL
 from conductor.settings import load_settings
-from main_agent.policy import Policy, SamplingConfig, load_policy
+from main_agent.backends import load_policy
+from main_agent.policy import Policy, SamplingConfig
 from main_agent.rollout import RolloutConfig
 from main_agent.types import Episode
 from tool_server.client import ToolClient
@@ -257,7 +258,7 @@ async def evaluate_policy(
 async def evaluate(
     tasks: Sequence[Task], *, tools: ToolClient, cfg: EvalConfig, episodes_out: Path | None = None
 ) -> EvalReport:
-    """Load `cfg.policy` (`main_agent.policy.load_policy`) and evaluate it on `tasks`; the episodes go to
+    """Load `cfg.policy` (`main_agent.backends.load_policy`) and evaluate it on `tasks`; the episodes go to
     `episodes_out` as JSON lines when given (`conductor trace` renders them)."""
     context = cfg.rollout.max_context_tokens + cfg.rollout.max_new_tokens
     policy, tokenizer = load_policy(

@@ -6,7 +6,7 @@
 
 A step's tasks are split into contiguous shares, one per worker; a group (the G episodes of one task) stays on
 one worker, so its turns batch in one sampler and it is sampled by one policy version. Worker r seeds torch from
-(seed, step, r) before it plays (`training.run.seed_step`): worker 0 draws exactly what the single-process loop
+(seed, step, r) before it plays (`training.run.seed_step`): worker 0 draws exactly what the run in this process
 draws, which is why 1 worker reproduces `conductor train` without Ray.
 
 The sampler follows `sampling.backend` as in the single-process run (training/sampler.py): "transformers" keeps
@@ -18,7 +18,7 @@ Weights arrive through Ray's object store: rank 0 of the trainer puts them once 
 worker reads the same object. With `[ray] weight_push = "nccl"` or `"ipc"` and vLLM engines on GPUs, rank 0
 streams them into each engine over the GPU instead (training/weight_sync.py; the worker forwards vLLM's
 weight-sync calls to its engine). Either way a worker swaps weights only between collections (an asyncio
-lock), so every turn of an episode has one version, as in the async single-process loop.
+lock), so every turn of an episode has one version, as in the run in this process.
 
 Faults: a worker that dies mid-step (its process killed, its node lost) loses its share: those episodes come
 back `infra_failed` with the reason, and the step trains or fails by `max_infra_failure_frac` as any infra
@@ -56,7 +56,7 @@ class RolloutWorker:
     def __init__(self, cfg: TrainConfig, rank: int, tools_url: str) -> None:
         import torch
 
-        from main_agent.policy import chosen_backend
+        from main_agent.backends import chosen_backend
 
         torch.set_num_threads(actor_threads(cfg.ray.cpus_per_rollout_worker))
         self.cfg, self.rank, self.tools_url = cfg, rank, tools_url
@@ -162,34 +162,30 @@ class RolloutWorker:
             )
 
     async def _sampler(self, version: int):
-        """The sampler for the weights just loaded into `self.model`."""
-        from main_agent.policy import TransformersPolicy
+        """The sampler for the weights just loaded into `self.model` (built by main_agent/backends.py): the
+        model itself, or a vLLM engine on the folder this worker exports them to (reloaded in place once
+        started)."""
+        from main_agent.backends import build_policy
+        from training.sampler import engine_dtype, export_weights, max_model_len
 
         cfg = self.cfg
-        if self.backend == "transformers":
-            return TransformersPolicy(
-                self.model, self.tokenizer, cfg=cfg.sampling, max_batch=cfg.max_concurrent_episodes,
-                version=version,
-            )  # fmt: skip
-        from training.sampler import export_weights
-
-        folder = export_weights(
-            self.model, self.tokenizer, cfg.run_dir / "sampler" / f"worker-{self.rank}", version
-        )
-        if self.policy is not None:
-            await self.policy.reload_weights(folder)
-            self.policy.version = version
-            return self.policy
-        from main_agent.vllm_policy import VLLMPolicy
-
-        if (
-            cfg.ray.weight_push == "ipc"
-        ):  # the trainer's CUDA IPC handles arrive pickled (training/weight_sync.py)
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # read by this worker's engine processes
-        return VLLMPolicy.start(
-            folder, self.tokenizer, cfg=cfg.sampling, seed=cfg.seed + self.rank, version=version,
-            max_model_len=cfg.rollout.max_context_tokens + cfg.rollout.max_new_tokens,
-            dtype="bfloat16" if cfg.precision == "bf16" else "float32",
+        folder = None
+        if self.backend == "vllm":
+            folder = export_weights(
+                self.model, self.tokenizer, cfg.run_dir / "sampler" / f"worker-{self.rank}", version
+            )
+            if self.policy is not None:
+                await self.policy.reload_weights(folder)
+                self.policy.version = version
+                return self.policy
+            if cfg.ray.weight_push == "ipc":  # the trainer's CUDA IPC handles arrive pickled (weight_sync.py)
+                os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = (
+                    "1"  # read by this worker's engine processes
+                )
+        return build_policy(
+            self.backend, self.tokenizer, cfg.sampling, model=self.model, folder=folder, version=version,
+            max_batch=cfg.max_concurrent_episodes, seed=cfg.seed + self.rank, max_model_len=max_model_len(cfg),
+            dtype=engine_dtype(cfg),
             weight_transfer=None if cfg.ray.weight_push == "object_store" else cfg.ray.weight_push,
         )  # fmt: skip
 
@@ -205,7 +201,8 @@ def load_structure(cfg: TrainConfig):
     structure the pushed weights load into."""
     import torch
 
-    from main_agent.policy import SamplingConfig, load_policy
+    from main_agent.backends import load_policy
+    from main_agent.policy import SamplingConfig
 
     torch.manual_seed(cfg.seed)
     policy, tokenizer = load_policy(

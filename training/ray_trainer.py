@@ -1,7 +1,7 @@
 """Data-parallel trainer workers: Ray actors that each hold a replica of the policy and step it together.
 
     trainers, state = TrainerGroup.start(cfg, cfg.ray, checkpoint=latest)  # state: the checkpoint's, or None
-    stats, lr = trainers.update(scored.sequences)    # one optimizer step on every replica (training.train.update)
+    stats, lr = trainers.update(scored.sequences)    # one optimizer step on every replica (training.update.update)
     weights = trainers.sampler_weights()             # ObjectRef: rank 0's weights, for the rollout workers
     trainers.link({0: worker}, "nccl"); trainers.send([0], version)   # or over the GPU (training/weight_sync.py)
     trainers.save(step, state, config_json, keep_last)    # rank 0 writes run_dir/step_N (training/checkpoint.py)
@@ -51,7 +51,7 @@ from training import checkpoint as ckpt
 from training.checkpoint import TrainState
 from training.config import TrainConfig
 from training.run import load_learner, resume_learner
-from training.train import DataParallel, UpdateStats, accumulate_gradients, update
+from training.update import DataParallel, UpdateStats, accumulate_gradients, update
 
 logger = logging.getLogger(__name__)
 

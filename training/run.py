@@ -1,12 +1,13 @@
-"""A training run's plumbing, shared by the sync and async loops: start or resume, tools, data order, bookkeeping.
+"""A training run's plumbing, whoever collects and learns: start or resume, data order, bookkeeping.
 
-    run = await start_run(cfg, resume=None, force=False)  # model, sampler (training/sampler.py), optimizer, tasks
-    async with tool_session(run) as (tools, tasks):
-        batch, state = next_tasks(tasks, run.state, cfg)   # seeded shuffle per epoch; the cursor is in `state`
-        groups = await collect(run, tools, batch)           # training/play.py
-        ...                                                # score, update, sync (train.py)
-        finish_step(run, step, row, state=state, episodes=..., stepped=...)   # log, rollouts, checkpoint
+    cfg, latest = resume_point(cfg, resume=None, force=False)  # the checkpoint to resume from, if any
+    learner = load_learner(cfg)                               # the trained policy, optimizer, schedule
+    state = resume_learner(learner, latest) if latest else first_state(cfg, tasks)
+    run = Run(cfg, tasks, state, open_log(cfg, state))
+    batch, state = next_tasks(tasks, cursor_for(run, previous), cfg)   # seeded shuffle per epoch; the cursor
+    record_step(run, row, batch=collected, successes=...)     # state moved, row logged, rollouts saved
 
+training/loop.py runs the steps; training/local_session.py and training/ray_session.py start a run with these.
 Run directory: `metrics.jsonl`, `rollouts/step_N.jsonl`, `step_N/` checkpoints (training/checkpoint.py),
 `pages/` (multihop pages served over loopback) and `videos/` (subtitled GRID clips).
 """
@@ -19,27 +20,25 @@ import functools
 import json
 import logging
 import random
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import httpx
 import torch
 from torch import nn
 
 from conductor.models import native_bf16
-from main_agent.policy import Policy, SamplingConfig, TransformersPolicy, load_policy
-from main_agent.types import Episode
-from tool_server.client import ToolClient
+from main_agent.backends import load_policy
+from main_agent.policy import SamplingConfig
+from main_agent.transformers_policy import TransformersPolicy
 from training import checkpoint as ckpt
-from training import play
 from training import tasks as task_data
 from training.checkpoint import CheckpointError, TrainState
 from training.config import RESUME_KEYS, TrainConfig, config_to_dict
 from training.curriculum import Horizon, advance, horizons
 from training.metrics import MetricsLog, save_rollouts, trim_metrics
-from training.sampler import start_sampler
+from training.step import Collected
 from training.tasks import Task
 
 if TYPE_CHECKING:
@@ -75,16 +74,12 @@ def seed_step(cfg: TrainConfig, step: int, *, rank: int = 0) -> None:
 
 @dataclass
 class Run:
-    """Everything a training loop holds. Mutable: `state` advances every step."""
+    """A run's data and bookkeeping, whoever collects and learns (training/loop.py). Mutable: `state` advances
+    every step."""
 
     cfg: TrainConfig
-    model: Model
-    tokenizer: object
-    policy: Policy
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    ref_model: nn.Module | None
     tasks: list[Task]
+    """The tasks, prepared to play (pages and clips under run_dir)."""
     state: TrainState
     log: MetricsLog
     on_step: StepHook | None = None
@@ -103,30 +98,10 @@ def with_precision(cfg: TrainConfig, device: str) -> TrainConfig:
     return dataclasses.replace(cfg, precision=precision)
 
 
-async def start_run(
-    cfg: TrainConfig, *, resume: Path | None, force: bool, on_step: StepHook | None = None
-) -> Run:
-    """Load the policy (and its checkpoint when resuming) on its device, the optimizer, the sampler, the tasks."""
-    cfg, latest = resume_point(cfg, resume=resume, force=force)
-    learner = load_learner(cfg)
-    cfg = learner.cfg
-    tasks = load_tasks(cfg)
-    state = TrainState(seed=cfg.seed, items=cfg.horizon.items if tasks[0].items else 0)
-    if latest is not None:
-        state = resume_learner(learner, latest)
-    model, tokenizer = learner.model, learner.tokenizer
-    policy = await start_sampler(cfg, model, tokenizer, version=state.policy_version)
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    trim_metrics(cfg.run_dir / "metrics.jsonl", after_step=state.step)  # steps redone after a kill
-    log = MetricsLog(cfg.run_dir / "metrics.jsonl")
-    optimizer, scheduler, ref_model = learner.optimizer, learner.scheduler, learner.ref_model
-    return Run(cfg, model, tokenizer, policy, optimizer, scheduler, ref_model, tasks, state, log, on_step)
-
-
 @dataclass
-class Learner:
-    """The trained policy and what steps it, built alike wherever a run trains: in the single-process loops
-    (`start_run`) and in every data-parallel trainer worker on Ray (training/ray_trainer.py)."""
+class Trainable:
+    """The trained policy and what steps it, built alike wherever a run trains: in this process
+    (training/local_session.py) and in every data-parallel trainer worker on Ray (training/ray_trainer.py)."""
 
     cfg: TrainConfig
     """The run's settings with precision made concrete for the model's device (`with_precision`)."""
@@ -138,7 +113,7 @@ class Learner:
     """The frozen starting policy the KL is measured against (kl_coef > 0), else None."""
 
 
-def load_learner(cfg: TrainConfig) -> Learner:
+def load_learner(cfg: TrainConfig) -> Trainable:
     """The policy on its device (LoRA adapters drawn from `cfg.seed`, so every process draws the same ones),
     its frozen reference when kl_coef > 0, AdamW and the linear warm-up schedule."""
     torch.manual_seed(cfg.seed)  # LoRA initialisation draws from it
@@ -154,10 +129,10 @@ def load_learner(cfg: TrainConfig) -> Learner:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / (cfg.warmup_steps + 1))
     )
-    return Learner(cfg, model, tokenizer, optimizer, scheduler, ref_model)
+    return Trainable(cfg, model, tokenizer, optimizer, scheduler, ref_model)
 
 
-def resume_learner(learner: Learner, checkpoint: Path) -> TrainState:
+def resume_learner(learner: Trainable, checkpoint: Path) -> TrainState:
     """Load `checkpoint` into `learner` (weights, optimizer, schedule, RNG) at the configured learning rate;
     returns its TrainState."""
     state = ckpt.load_checkpoint(
@@ -213,105 +188,53 @@ def set_learning_rate(
         group["lr"] = lr * factor(scheduler.last_epoch)
 
 
-def tool_session(run: Run, *, transport: httpx.AsyncBaseTransport | None = None):
-    """The run's tool client and tasks ready to play (training.play.tool_session), pages and clips under run_dir.
-
-    `transport` (tests) replaces the server; else `[tools]`: a server at its url, or one in this process."""
-    cfg = run.cfg
-    return play.tool_session(
-        run.tasks, work_dir=cfg.run_dir, access=cfg.tools, data_dir=cfg.data_dir, transport=transport
-    )
+def first_state(cfg: TrainConfig, tasks: Sequence[Task]) -> TrainState:
+    """A new run's state: step 0, the data cursor at the start, item tasks at the configured horizon."""
+    return TrainState(seed=cfg.seed, items=cfg.horizon.items if tasks[0].items else 0)
 
 
-def collect(run: Run, tools: ToolClient, tasks: Sequence[Task]) -> Awaitable[list[list[Episode]]]:
-    """G episodes of each task, all in flight together (at most `max_concurrent_episodes`): one group per task."""
-    cfg = run.cfg
-    return play.play(
-        tasks,
-        lambda _: run.policy,
-        tools=tools,
-        tokenizer=run.tokenizer,
-        cfg=cfg.rollout,
-        group_size=cfg.group_size,
-        max_concurrent=cfg.max_concurrent_episodes,
-    )
+def open_log(cfg: TrainConfig, state: TrainState) -> MetricsLog:
+    """The run's metrics.jsonl, rows past `state.step` dropped (steps redone after a kill)."""
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    trim_metrics(cfg.run_dir / "metrics.jsonl", after_step=state.step)
+    return MetricsLog(cfg.run_dir / "metrics.jsonl")
 
 
-def finish_step(
-    run: Run,
-    step: int,
-    row: Mapping[str, float],
-    *,
-    state: TrainState,
-    episodes: Sequence[Episode],
-    stepped: bool,
-    successes: Sequence[bool] = (),
-    items: int = 0,
-) -> None:
-    """Step the learning-rate schedule when the optimizer `stepped` (it counts optimizer steps), record the
-    step (`record_step`), checkpoint when due."""
-    cfg = run.cfg
-    row = {**row, "optim/lr": run.optimizer.param_groups[0]["lr"]}
-    if stepped:
-        run.scheduler.step()
-    run.state = record_step(
-        cfg, run.state, step, row, state=state, episodes=episodes, successes=successes, items=items,
-        version=run.policy.version, log=run.log, on_step=run.on_step,
-    )  # fmt: skip
-    if step % cfg.save_every == 0 or step == cfg.steps:
-        ckpt.save_checkpoint(
-            cfg.run_dir,
-            step,
-            model=run.model,
-            optimizer=run.optimizer,
-            scheduler=run.scheduler,
-            state=run.state,
-            config_json=config_json(cfg),
-            keep_last=cfg.keep_last,
-            tokenizer=run.tokenizer,
-        )
+def record_step(run: Run, row: Mapping[str, float], *, batch: Collected, successes: Sequence[bool]) -> None:
+    """Move `run.state` past the step `batch` collected; the row logged, the rollouts saved, the row reported.
 
-
-def record_step(
-    cfg: TrainConfig,
-    now: TrainState,
-    step: int,
-    row: Mapping[str, float],
-    *,
-    state: TrainState,
-    episodes: Sequence[Episode],
-    successes: Sequence[bool],
-    items: int,
-    version: int,
-    log: MetricsLog,
-    on_step: StepHook | None,
-) -> TrainState:
-    """The state after `step` (from `now`); the row logged, the rollouts saved, the row reported (`on_step`).
-
-    `state` carries the data cursor after this step's tasks; `successes` of the step's episodes, played at
-    horizon `items`, move the curriculum when that is still the current one (an async batch may predate a
-    raise); `version` is the sampler's policy version after the step. Shared by the in-process loops
-    (`finish_step`) and the Ray loop (training/train_ray.py).
+    `batch.state` carries the data cursor after this step's tasks; `successes` of the step's episodes, played at
+    the horizon of `batch.tasks`, move the curriculum when that is still the current one (an overlapped batch
+    may predate a raise); `row["policy_version"]` is the sampler's policy version after the step.
     """
+    cfg, now, step = run.cfg, run.state, batch.step
+    episodes = [e for g in batch.groups for e in g]
     row = {**row, "horizon/items": now.items}
-    # Only the cursor comes from `state`: a collection that ran ahead (async) copied the counters before the
-    # steps in between added to them.
-    cursor = dataclasses.replace(now, epoch=state.epoch, position=state.position)
-    after = next_horizon(now, cursor, successes if items == now.items else (), cfg)
-    after = dataclasses.replace(
+    # Only the cursor comes from `batch.state`: a collection that ran ahead (overlap) copied the counters before
+    # the steps in between added to them.
+    cursor = dataclasses.replace(now, epoch=batch.state.epoch, position=batch.state.position)
+    after = next_horizon(now, cursor, successes if len(batch.tasks[0].items) == now.items else (), cfg)
+    run.state = dataclasses.replace(
         after,
         step=step,
-        policy_version=version,
+        policy_version=int(row["policy_version"]),
         episodes=after.episodes + len(episodes),
         invalid_episodes=after.invalid_episodes + sum(e.stop_reason == "infra_failed" for e in episodes),
         elapsed_s=after.elapsed_s + row["time/rollout"] + row["time/train"] + row["time/weight_sync"],
     )
     save_rollouts(cfg.run_dir / "rollouts" / f"step_{step}.jsonl", episodes)
-    log.write(row)
+    run.log.write(row)
     logger.info("step %d done: reward %.3f", step, row.get("reward/final", float("nan")))
-    if on_step is not None:
-        on_step(row)
-    return after
+    if run.on_step is not None:
+        run.on_step(row)
+
+
+def cursor_for(run: Run, previous: TrainState) -> TrainState:
+    """The data cursor the next collection starts from: where `previous` left it, or the start of the new
+    horizon's tasks when the curriculum raised it meanwhile."""
+    if run.state.items != previous.items:
+        return dataclasses.replace(previous, items=run.state.items, recent=(), epoch=0, position=0)
+    return previous
 
 
 def config_json(cfg: TrainConfig) -> str:

@@ -4,8 +4,8 @@
     ...                                       # rollouts, update
     await sync_weights(model, policy, cfg)    # the sampler now holds the trained weights; version + 1
 
-`cfg.sampling.backend` picks one of three, with a plain if/elif ("auto", the default: vllm when installed, else
-transformers):
+`cfg.sampling.backend` picks one of three ("auto", the default: vllm when installed, else transformers), built
+by the one switch in main_agent/backends.py (`build_policy`); what this module adds is where the weights come from:
 - "transformers" (CPU and CI without vLLM): a separate copy of the model in this process, so rollouts never read
   half-updated weights; the push is a `load_state_dict`.
 - "vllm": vLLM's `AsyncLLM` in this process (main_agent/vllm_policy.py; the `vllm` extra, on a GPU, or on a CPU
@@ -27,46 +27,46 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
 
-from main_agent.policy import OpenAIPolicy, Policy, TransformersPolicy, chosen_backend
+from main_agent.backends import build_policy, chosen_backend
+from main_agent.policy import Policy
+from main_agent.transformers_policy import TransformersPolicy
 from training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
 
 async def start_sampler(cfg: TrainConfig, model: nn.Module, tokenizer, *, version: int) -> Policy:
-    """The policy the rollouts sample from (`cfg.sampling.backend`), holding `model`'s current weights at
-    `version`."""
-    sampling = cfg.sampling
-    backend = chosen_backend(sampling)  # the samplers load dense weights (a LoRA policy is exported merged)
+    """The policy the rollouts sample from (`cfg.sampling.backend`, built by main_agent/backends.py), holding
+    `model`'s current weights at `version`: its own copy of the model in this process, or an engine or server
+    on the weights exported to `run_dir/sampler/` (dense: a LoRA policy is exported merged)."""
+    backend = chosen_backend(cfg.sampling)
     if backend == "transformers":
-        sampler = copy.deepcopy(model).eval().requires_grad_(False)
-        return TransformersPolicy(
-            sampler, tokenizer, cfg=sampling, max_batch=cfg.max_concurrent_episodes, version=version
-        )
-    folder = export_weights(model, tokenizer, cfg.run_dir / "sampler", version)
-    if backend == "vllm":
-        from main_agent.vllm_policy import VLLMPolicy
+        model, folder = copy.deepcopy(model).eval().requires_grad_(False), None
+    else:
+        folder = export_weights(model, tokenizer, cfg.run_dir / "sampler", version)
+    policy = build_policy(
+        backend, tokenizer, cfg.sampling, model=model, folder=folder, version=version,
+        max_batch=cfg.max_concurrent_episodes, seed=cfg.seed, max_model_len=max_model_len(cfg),
+        dtype=engine_dtype(cfg),
+    )  # fmt: skip
+    if backend == "server":  # a served engine loads the run's current weights from the folder
+        await policy.reload_weights(folder)  # type: ignore[attr-defined]
+    return policy
 
-        return VLLMPolicy.start(
-            folder,
-            tokenizer,
-            cfg=sampling,
-            seed=cfg.seed,
-            max_model_len=cfg.rollout.max_context_tokens + cfg.rollout.max_new_tokens,
-            version=version,
-            dtype="bfloat16" if cfg.precision == "bf16" else "float32",  # start_run made "auto" concrete
-        )
-    elif backend == "server":
-        assert sampling.url is not None  # SamplingConfig checks it
-        policy = OpenAIPolicy(sampling.url, sampling.model, tokenizer, cfg=sampling, seed=cfg.seed)
-        policy.version = version
-        await policy.reload_weights(folder)
-        return policy
-    raise ValueError(f"unknown sampling backend {backend!r}; expected transformers, vllm or server")
+
+def max_model_len(cfg: TrainConfig) -> int:
+    """The longest sequence a vLLM engine must hold: the context budget and one completion."""
+    return cfg.rollout.max_context_tokens + cfg.rollout.max_new_tokens
+
+
+def engine_dtype(cfg: TrainConfig) -> Literal["float32", "bfloat16"]:
+    """A vLLM engine's dtype: the trainer's precision (made concrete from "auto" when the run started)."""
+    return "bfloat16" if cfg.precision == "bf16" else "float32"
 
 
 async def sync_weights(model: nn.Module, policy: Policy, cfg: TrainConfig) -> float:

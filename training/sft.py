@@ -34,9 +34,11 @@ from torch import nn
 
 from conductor.models import DEFAULT_MODEL, portable_adapter
 from conductor.settings import load_settings
-from main_agent.policy import Sample, SamplingConfig, TransformersPolicy, load_policy
+from main_agent.backends import load_policy
+from main_agent.policy import Sample, SamplingConfig
 from main_agent.rollout import RolloutConfig
 from main_agent.tokens import collate, micro_batches, to_sequences
+from main_agent.transformers_policy import TransformersPolicy
 from main_agent.types import Episode, Turn
 from tool_server.client import ToolClient
 from tool_server.embedded import ToolAccess

@@ -4,7 +4,7 @@ vLLM's weight-transfer engines (`vllm.distributed.weight_transfer`), never throu
     link = Link.open(model, worker, "nccl")   # on trainer rank 0, once per rollout worker (a Ray actor handle)
     link.send(version)                        # after every optimizer step: the worker samples `version` next
 
-`[ray] weight_push` picks the transport (training/train_ray.py decides when each runs):
+`[ray] weight_push` picks the transport (training/ray_session.py decides when each runs):
 - "nccl": a broadcast from the trainer's GPU to the engine's. NCCL refuses two ranks on one device, so the
   engine must be on another GPU than the trainer (checked at `open`, with the fix in the error).
 - "ipc": CUDA IPC handles of the trainer's tensors, read by an engine on the same GPU (one GPU shared by the

@@ -8,10 +8,11 @@ as in `conductor ask` with no attachment. The other questions' pages are the dis
 Reward: SQuAD token F1 against the gold answer; success: normalised exact match (as multihop_pages).
 
 Expert: step by step (one step for a HotpotQA question, one per hop where MuSiQue decomposes it), it searches with
-the step's question (`#k` filled from the answer it observed for hop k), then asks page_qa that question on one
-hit: the first, in the search's order, that is one of the step's supporting pages (the metadata chooses among
-hits the policy saw, whose titles it was shown), else the top hit. It answers from the last page it read, so
-what the policy learns is a rule it can follow: the answer is in what the last read returned. Two turns a step.
+the step's question (`#k` filled from the answer it observed for hop k), then asks page_qa that question on the
+search's top hit, then answers from the last page it read. Both are rules a small policy can follow from what it
+saw: the best match is read, and the answer is in what the last read returned (demonstrations that read a lower
+hit when the metadata knew it was the supporting page taught a 135M policy to read the second hit whatever the
+question). Steps whose top hit holds no answer fail and are not imitated. Two turns a step.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool) -> str
         question = multihop.hop_question(plan[step][0], answers) if task.meta.hops else plan[step][0]
         if len(turns) % 2 == 0:
             return call_text("search", query=question)
-        pages = _pick(task, _hits(turns[-1]), plan[step][1])
+        pages = _top_hit(_hits(turns[-1]))
         if pages:
             return "\n".join(call_text("page_qa", url=page, question=question) for page in pages)
     return answer_text(_from_last_read(task, turns, answers, trust_reference))
@@ -144,14 +145,9 @@ def _hits(turn: Turn) -> list[tuple[str, str]]:
     return [(str(hit.get("id")), str(hit.get("url"))) for hit in hits or []]
 
 
-def _pick(task: Task, hits: list[tuple[str, str]], pages: tuple[int, ...]) -> list[str]:
-    """The handle of the first hit that is one of the step's pages, else the top hit's (all it can know).
-
-    One read a step: with two, the policy saw two answers and no way to tell which to trust, and learned to
-    copy the last whatever its page (the README's question was answered from a distractor's reading)."""
-    wanted = ["/" + task.meta.page_paths[i] for i in pages if i < len(task.meta.page_paths)]
-    chosen = [handle for handle, url in hits if any(url.endswith(w) for w in wanted)]
-    return (chosen or [handle for handle, _ in hits])[:1]
+def _top_hit(hits: list[tuple[str, str]]) -> list[str]:
+    """The top hit's handle: one read a step, of the search's best match (see the module docstring)."""
+    return [handle for handle, _ in hits[:1]]
 
 
 def _from_last_read(task: Task, turns: list[Turn], answers: dict[int, str], trust_reference: bool) -> str:

@@ -19,15 +19,16 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from conductor.models import DEFAULT_MODEL, DEFAULT_POLICY, ModelNotFound
+from main_agent.backends import load_policy
 from main_agent.parse import CALL_CLOSE, CALL_OPEN
-from main_agent.policy import SamplingConfig, load_policy
+from main_agent.policy import SamplingConfig
 from main_agent.rollout import ProgressHook, RolloutConfig, RolloutTask, rollout
 from main_agent.types import Episode
 from subagents import search
-from subagents.backends import BackendError
 from subagents.common import ToolFailure
 from subagents.documents import SUFFIXES, Progress
 from subagents.handles import Attachment, file_key
+from subagents.llm import BackendError
 from tool_server.client import ToolClient, ToolServerError
 from tool_server.embedded import ToolAccess, open_tools
 

@@ -1,17 +1,18 @@
-"""The sub-agents' in-process vLLM backend (`backend = "vllm"`, the `vllm` extra): see backends.py."""
+"""The sub-agents' in-process vLLM backend (`backend = "vllm"`, the `vllm` extra): see llm.py."""
 
 from __future__ import annotations
 
 import itertools
 
-from subagents.backends import (
+from subagents.llm import (
     BackendConfig,
     BackendError,
     Generation,
     Message,
-    _chat_dicts,
-    _context_error,
-    _text_only_error,
+    cannot_score_error,
+    chat_dicts,
+    context_error,
+    text_only_error,
 )
 
 
@@ -42,6 +43,7 @@ class VLLMLLM:
         self.vllm = vllm
         self.model_id = f"vllm:{cfg.model}"
         self.multimodal = False
+        self.scores = False
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.context = AutoConfig.from_pretrained(path, local_files_only=True).max_position_embeddings
         import torch
@@ -58,14 +60,14 @@ class VLLMLLM:
 
     async def generate(self, messages: list[Message], *, max_new_tokens: int) -> Generation:
         if any(m.images for m in messages):
-            raise _text_only_error(self.model_id)
+            raise text_only_error(self.model_id)
         prompt = list(
             self.tokenizer.apply_chat_template(
-                _chat_dicts(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+                chat_dicts(messages), add_generation_prompt=True, tokenize=True, return_dict=False
             )
         )
         if len(prompt) > self.context - max_new_tokens:
-            raise _context_error(len(prompt), max_new_tokens=max_new_tokens, context=self.context)
+            raise context_error(len(prompt), max_new_tokens=max_new_tokens, context=self.context)
         params = self.vllm.SamplingParams(temperature=0, max_tokens=max_new_tokens, seed=self.cfg.seed)
         final = None
         stream = self.engine.generate(
@@ -79,6 +81,9 @@ class VLLMLLM:
         return Generation(
             text=answer.text.strip(), prompt_tokens=len(prompt), completion_tokens=len(answer.token_ids)
         )
+
+    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
+        raise cannot_score_error(self.model_id)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))

@@ -217,7 +217,7 @@ def ask(
         _setup_logging(verbose)
     else:
         _quiet_logging()  # before the imports: some libraries read their settings when imported
-    from main_agent.ask import AskOptions
+    from app.ask import AskOptions
     from main_agent.policy import SamplingConfig
 
     imported = time.perf_counter()
@@ -245,8 +245,8 @@ def ask(
 def _index_corpus(opts) -> None:
     """Index the in-process tools' corpus now, or find its index unchanged, so the tool server loads it from the
     cache; a bar on stderr while a large folder is extracted (display.IndexBar). Errors exit with 2."""
-    from conductor import display
-    from main_agent import ask as assistant
+    from app import ask as assistant
+    from app import display
 
     if opts.tools_url is not None or opts.search_url is not None:
         return  # the corpus is another server's, or search reads the web
@@ -265,8 +265,8 @@ def _run_ask(opts, *, json_out: bool, trace: Path | None, imported: float | None
     Given when the imports were done, one line says where the cold start went (to the first policy turn)."""
     import asyncio
 
-    from conductor import display
-    from main_agent import ask as assistant
+    from app import ask as assistant
+    from app import display
 
     indexed = time.perf_counter()
     view = None if json_out else display.LiveView(opts.question)
@@ -292,7 +292,7 @@ def _run_ask(opts, *, json_out: bool, trace: Path | None, imported: float | None
     else:
         typer.echo(episode.to_json())
     if trace:
-        from main_agent.trace import write_html
+        from app.trace import write_html
 
         write_html([episode], trace)
         typer.echo(f"trace written to {trace}", err=True)
@@ -304,7 +304,7 @@ def trace_cmd(
     out: Annotated[Path, typer.Option("-o", "--out", help="HTML file to write.")] = Path("trace.html"),
 ) -> None:
     """Render episodes as a self-contained HTML trace tree."""
-    from main_agent.trace import load_episodes, write_html
+    from app.trace import load_episodes, write_html
 
     write_html(load_episodes(episodes), out)
     typer.echo(f"wrote {out}")
@@ -342,21 +342,18 @@ def train(
     from tqdm import tqdm
 
     from training.config import config_hash, load_train_config
+    from training.loop import train
     from training.metrics import step_line
 
     _setup_logging(False)
     cfg = _settings(lambda: load_train_config(config, list(set_ or ())))
     if ray is not None:
-        from training.train_ray import check_supported, train_ray
+        from training.ray_session import check_supported
 
         if ray:  # `--ray` alone keeps [ray] address (default: a local cluster)
             cfg = dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, address=ray))
         _settings(lambda: check_supported(cfg))
-        loop = functools.partial(train_ray, overlap=async_)
-    elif async_:
-        from training.train_async import train_async as loop
-    else:
-        from training.train import train as loop
+    loop = functools.partial(train, overlap=async_, on_ray=ray is not None)
     bar = tqdm(total=cfg.steps, unit="step", desc=f"train {config_hash(cfg)}", file=sys.stderr)
 
     def on_step(row) -> None:  # one fixed-shape line per step above the progress bar
@@ -439,7 +436,7 @@ def _user_errors(work: Callable[[], T]) -> T:
     from main_agent.policy import PolicyError
     from tool_server.client import ToolServerError
     from training.checkpoint import CheckpointError
-    from training.train import InfraFailure
+    from training.step import InfraFailure
 
     try:
         return work()

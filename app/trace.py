@@ -11,7 +11,7 @@ the viewer has no tokenizer, so prompt ids are never decoded), the facts give ea
 task's ledger is a collapsed table (item, recorded text, the turn that recorded it last). One-segment episodes
 without a ledger render as before, apart from the summary's "segments" column.
 
-    from main_agent.trace import load_episodes, write_html
+    from app.trace import load_episodes, write_html
     write_html(load_episodes(Path("rollouts.jsonl")), Path("trace.html"))
 """
 

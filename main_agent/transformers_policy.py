@@ -1,0 +1,162 @@
+"""The trainable in-process policy (`[sampling] backend = "transformers"`) and the loading of its weights.
+
+`load_model(path)` reads a dense checkpoint or a LoRA adapter (optionally adding fresh adapters to train);
+`TransformersPolicy` samples it, micro-batching concurrent episodes' turns into one `generate`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conductor.batching import GenerationError, MicroBatcher, left_pad
+from conductor.models import ModelNotFound, default_device, past_key_values_accepted, resolve_model
+from main_agent.policy import PolicyError, Sample, SamplingConfig
+from main_agent.tokens import common_prefix
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def load_model(path: Path, *, lora_rank: int = 0, device: str = "auto"):
+    """The trainable weights in `path` and their tokenizer: a dense checkpoint, or a LoRA adapter on top of the
+    base model its adapter_config names; with `lora_rank` > 0 a dense model gets fresh adapters (alpha = 2 x
+    rank on q, k, v, o). Float32, on `device` ("auto": cuda when a GPU is visible, else cpu)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = adapter_base(path)
+    model = AutoModelForCausalLM.from_pretrained(base or path, local_files_only=True, dtype="float32")
+    if base is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, path, is_trainable=True, local_files_only=True)
+    elif lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=list(LORA_TARGETS))
+        model = get_peft_model(model, lora)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(path), local_files_only=True)
+    return model.to(default_device() if device == "auto" else device), tokenizer
+
+
+def tokenizer_dir(path: Path) -> Path:
+    """Where the tokenizer of the checkpoint in `path` is: its own, else (an adapter without one) its base's."""
+    if (path / "tokenizer_config.json").is_file():
+        return path
+    return adapter_base(path) or path
+
+
+def adapter_base(path: Path) -> Path | None:
+    """The base checkpoint of the LoRA adapter in `path` (None for a dense checkpoint). The adapter names it by
+    path, or by built-in name (a shipped adapter: conductor/policies/), resolved here; an adapter without its
+    own tokenizer uses the base's."""
+    config = path / "adapter_config.json"
+    if not config.is_file():
+        return None
+    base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    if not base:
+        raise ModelNotFound(f"{path}: adapter_config.json names no base model")
+    return resolve_model(str(base))
+
+
+# Prompts sharing fewer leading ids than this are sampled without a shared prefix: the extra one-row forward
+# would cost about what it saves.
+MIN_SHARED_PREFIX = 32
+
+
+class TransformersPolicy:
+    """The trainable in-process policy. `model` is a plain HF causal LM (optionally a peft model); `max_batch`
+    concurrent samples share one generate (bounded by memory, the KV cache, on CPU)."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        cfg: SamplingConfig = SamplingConfig(),
+        max_batch: int = 16,
+        version: int = 0,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.version = version
+        self.eos_token_id = int(tokenizer.eos_token_id)
+        self._batcher = MicroBatcher(self._sample_batch, max_batch=max_batch, wait_ms=cfg.batch_wait_ms)
+
+    async def sample(self, prompt_ids: list[int], *, max_new_tokens: int) -> Sample:
+        """Raises PolicyError when generation fails (as the vLLM samplers do): the episode is infra-failed."""
+        try:
+            ids, logprobs = await self._batcher.submit(list(prompt_ids), max_new_tokens)
+        except GenerationError as exc:
+            raise PolicyError(f"in-process policy generation failed: {exc}") from exc
+        return self._cut(ids, logprobs, max_new_tokens)
+
+    async def aclose(self) -> None:
+        await self._batcher.aclose()
+
+    def _sample_batch(self, prompts: list[list[int]], max_new: int) -> list[tuple[list[int], list[float]]]:
+        """One padded generate for several episodes' prompts (runs in a worker thread): ids and log-probs.
+
+        The ids all prompts share (a group's prompt, at least the system prompt) run once: their keys and values
+        are computed for one row and repeated for all (`shared_prefix`), and the rows' rests are left-padded
+        after them (positions come from the attention mask, so padding in the middle moves nothing). Greedy
+        decoding gives the same tokens as without sharing (tests/test_policy.py).
+        """
+        import torch
+
+        shared = common_prefix(prompts, limit=len(prompts[0])) if len(prompts) > 1 else 0
+        shared = shared if shared >= MIN_SHARED_PREFIX else 0
+        rests, attention = left_pad([p[shared:] for p in prompts], pad_id=self.eos_token_id)
+        head = torch.tensor([prompts[0][:shared]] * len(prompts), dtype=torch.long)
+        input_ids = torch.cat([head, rests], dim=1).to(self.model.device)
+        attention = torch.cat([torch.ones_like(head), attention], dim=1).to(self.model.device)
+        was_training = self.model.training
+        self.model.eval()
+        with torch.inference_mode(), past_key_values_accepted():
+            cache = self._prefix_cache(head[:1], rows=len(prompts)) if shared else None
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                past_key_values=cache,
+                generation_config=self._generation_config(max_new),
+            )
+        self.model.train(was_training)
+        # out.sequences: [B, P + N]; out.logits: N tensors of [B, V] (raw, before temperature)
+        new = out.sequences[:, input_ids.shape[1] :]
+        logits = torch.stack(out.logits, dim=1).float() / max(self.cfg.temperature, 1e-5)  # [B, N, V]
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [B, N]
+        return [(new[i].tolist(), logp[i].tolist()) for i in range(len(prompts))]
+
+    def _prefix_cache(self, prefix, *, rows: int):
+        """The keys and values of `prefix` ([1, P] ids), computed once and repeated for `rows` rows."""
+        from transformers.cache_utils import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        self.model(input_ids=prefix.to(self.model.device), past_key_values=cache, use_cache=True)
+        cache.batch_repeat_interleave(rows)
+        return cache
+
+    def _generation_config(self, max_new: int):
+        """Explicit settings: the checkpoint's own generation_config may ask for other sampling."""
+        from transformers import GenerationConfig
+
+        common = dict(
+            max_new_tokens=max_new,
+            pad_token_id=self.eos_token_id,
+            eos_token_id=self.eos_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        if self.cfg.temperature <= 0:  # greedy (ask, eval)
+            return GenerationConfig(do_sample=False, **common)
+        return GenerationConfig(
+            do_sample=True, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=0, **common
+        )
+
+    def _cut(self, ids: list[int], logprobs: list[float], limit: int) -> Sample:
+        """Keep tokens up to and including the first EOS, at most `limit` of them."""
+        end = ids.index(self.eos_token_id) + 1 if self.eos_token_id in ids else len(ids)
+        end = min(end, limit)
+        ids, logprobs = ids[:end], logprobs[:end]
+        finish = "stop" if ids and ids[-1] == self.eos_token_id else "length"
+        return Sample(ids, logprobs, self.tokenizer.decode(ids, skip_special_tokens=True), finish)

@@ -1,0 +1,257 @@
+"""One training step's parts as plain functions; the loop (training/loop.py) calls them in order.
+
+    collected = Collected(step, tasks, state, groups, rollout_s)    # what a collector played (training/loop.py)
+    fresh, stale = drop_stale(collected.groups, version=..., max_staleness=cfg.max_staleness)
+    scored = score_groups(fresh, collected.tasks, cfg, fresh_branches(collected, fresh))
+    stats = update(model, optimizer, scored.sequences, cfg)        # training/update.py
+    row = step_row(version, collected, scored, stats, seconds=(train_s, sync_s), stale_dropped=stale)
+
+- collect: groups of episodes (training/play.py), then branch credit's continuations (training/branching.py,
+  valued by `rewarded`)
+- score: `filter_groups` drops groups with an infrastructure failure (and fails the step when too many failed);
+  `score` fills the task's final reward and the turn rewards; `group_to_sequences` lays the group's advantages
+  (outcome, turn or branch credit) onto each episode's tokens
+- drop stale: an overlapped collection runs one step behind the weights; groups older than `max_staleness`
+  versions are dropped (`drop_stale`)
+- the metrics row of the step (`step_row`; keys in training/metrics.py)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from main_agent.tokens import TrainSequence, to_sequences
+from main_agent.types import Episode, Turn
+from training import tasks as task_data
+from training.advantages import BranchValues, EpisodeCredit, TurnCredit, branch_advantages, group_advantages
+from training.branching import BranchStats
+from training.checkpoint import TrainState
+from training.config import TrainConfig
+from training.metrics import reward_metrics, rollout_metrics
+from training.rewards import (
+    TurnFacts,
+    TurnRewardParts,
+    TurnRewardWeights,
+    call_key,
+    contains_evidence,
+    turn_reward,
+)
+from training.tasks import Task
+from training.update import UpdateStats
+
+# Parse errors that are not a malformed call: an answer dropped beside valid calls, calls past the per-turn cap.
+# Every other parse error (no action, bad JSON, unknown tool, ...) counts as one malformed call.
+NOT_MALFORMED = frozenset({"answer_ignored", "too_many_calls"})
+
+
+class InfraFailure(RuntimeError):
+    """Too many episodes of a step failed for infrastructure reasons to train on the rest."""
+
+
+# ---------------------------------------------------------------- scoring and credit
+
+
+def score(episode: Episode, task: Task, weights: TurnRewardWeights) -> list[TurnRewardParts]:
+    """Fill `episode.reward` (the task's final reward) and `episode.turn_rewards`; return each turn's parts."""
+    parts = [turn_reward(facts, weights) for facts in turn_facts(episode, task)]
+    episode.reward = task_data.reward_for(task, episode.answer)
+    episode.turn_rewards = [p.total for p in parts]
+    return parts
+
+
+def turn_facts(episode: Episode, task: Task) -> list[TurnFacts]:
+    """Per turn: new valid calls, malformed ones (parse errors, rejected arguments), repeats, first evidence,
+    the score of items recorded for the first time."""
+    seen: set[str] = set()
+    recorded: set[int] = set()
+    found = False
+    facts = []
+    for turn in episode.turns:
+        first = [r for r in turn.records if r.item not in recorded and not recorded.add(r.item)]  # type: ignore[func-returns-value]
+        progress = sum(task_data.item_reward(task, r.item, r.text) for r in first) / max(len(task.items), 1)
+        valid = repeated = 0
+        malformed = sum(e.kind not in NOT_MALFORMED for e in turn.parse_errors)
+        for call, result in zip(turn.calls, turn.results, strict=True):
+            key = call_key(call.name, call.arguments)
+            if result.error_kind == "invalid_args":
+                malformed += 1
+            elif key in seen:
+                repeated += 1
+            else:
+                valid += 1
+            seen.add(key)
+        evidence = not found and any(
+            r.ok and contains_evidence(r.observation, task.reference) for r in turn.results
+        )
+        found = found or evidence
+        facts.append(TurnFacts(valid, malformed, repeated, evidence, progress))
+    return facts
+
+
+def anchor(turn: Turn) -> str | None:
+    """Turn credit's anchor: the key of the turn's first call (turns asking the same thing share a baseline)."""
+    return call_key(turn.calls[0].name, turn.calls[0].arguments) if turn.calls else None
+
+
+def group_to_sequences(
+    episodes: Sequence[Episode], cfg: TrainConfig, branches: Sequence[Sequence[BranchValues]] | None = None
+) -> list[TrainSequence]:
+    """One group's advantages laid onto its episodes' tokens; episodes without turns have nothing to train.
+    Branch credit reads each episode's continuation values (`branches`, training/branching.py)."""
+    credits = []
+    for e in episodes:
+        assert e.reward is not None, f"episode of {e.task_id} is not scored"
+        turns = tuple(TurnCredit(r, anchor(t)) for r, t in zip(e.turn_rewards, e.turns, strict=True))
+        credits.append(EpisodeCredit(e.reward, turns))
+    if cfg.credit.mode == "branch":
+        assert branches is not None, "branch credit needs the continuations' values"
+        advantages = branch_advantages(credits, branches, normalize_std=cfg.credit.normalize_std)
+    else:
+        advantages = group_advantages(credits, cfg.credit)
+    trainable = zip(episodes, advantages, strict=True)
+    return [s for e, a in trainable if e.turns and e.exact for s in to_sequences(e, a)]
+
+
+def filter_groups(groups: Sequence[list[Episode]], cfg: TrainConfig) -> list[list[Episode]]:
+    """Groups without infrastructure failures; raise InfraFailure when the episodes that cannot be trained on
+    (infra-failed, or inexact: a sampler that re-tokenised or lost log-probs) exceed the limit.
+
+    An inexact episode keeps its group: its reward is a real outcome of the policy and serves the baseline, but
+    `group_to_sequences` lays none of its tokens into the loss (its log-probs are stand-ins)."""
+    episodes = [e for g in groups for e in g]
+    failed = [e for e in episodes if e.stop_reason == "infra_failed"]
+    inexact = [e for e in episodes if e.stop_reason != "infra_failed" and not e.exact]
+    if episodes and (len(failed) + len(inexact)) / len(episodes) > cfg.max_infra_failure_frac:
+        reasons = sorted({str(e.infra_error) for e in failed})[:3]
+        if inexact:
+            reasons.append(f"{len(inexact)} inexact (re-tokenised ids or missing log-probs)")
+        raise InfraFailure(
+            f"{len(failed) + len(inexact)} of {len(episodes)} episodes cannot be trained on "
+            f"(limit {cfg.max_infra_failure_frac:.0%}): {'; '.join(reasons)}"
+        )
+    return [list(g) for g in groups if not any(e.stop_reason == "infra_failed" for e in g)]
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A step's valid groups after scoring, and what they train on."""
+
+    groups: list[list[Episode]]
+    sequences: list[TrainSequence]
+    successes: list[bool]
+    turn_parts: list[TurnRewardParts]
+    ledgers: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    """Item tasks, per episode: the share of items recorded, and the share recorded right (`ledger_scores`)."""
+
+
+def ledger_scores(episode: Episode, task: Task) -> tuple[float, float]:
+    """The share of the task's items the episode recorded, and the share it recorded right (item scores)."""
+    entries = [(i, text) for i, text in enumerate(episode.ledger, start=1) if text is not None]
+    right = sum(task_data.item_reward(task, i, text) for i, text in entries)
+    return len(entries) / len(task.items), right / len(task.items)
+
+
+def score_groups(
+    groups: Sequence[list[Episode]],
+    tasks: Sequence[Task],
+    cfg: TrainConfig,
+    branches: Sequence[list[list[BranchValues]]] | None = None,
+) -> Scored:
+    """filter_groups, then score every episode and build the training sequences (`branches[g]`: group g's
+    continuation values under branch credit)."""
+    by_id = {t.task_id: t for t in tasks}
+    kept = filter_groups(groups, cfg)
+    parts: list[TurnRewardParts] = []
+    for e in (e for g in kept for e in g):
+        parts += score(e, by_id[e.task_id], cfg.turn_rewards)
+    successes = [task_data.success(by_id[e.task_id], e.answer) for g in kept for e in g]
+    values = branches if branches is not None else [None] * len(groups)
+    valid = [
+        (g, b)
+        for g, b in zip(groups, values, strict=True)
+        if not any(e.stop_reason == "infra_failed" for e in g)
+    ]
+    sequences = [s for g, b in valid for s in group_to_sequences(g, cfg, b)]
+    ledgers = [ledger_scores(e, by_id[e.task_id]) for g in kept for e in g if by_id[e.task_id].items]
+    return Scored(kept, sequences, successes, parts, ledgers)
+
+
+# ---------------------------------------------------------------- collect
+
+
+@dataclass(frozen=True)
+class Collected:
+    """One step's rollouts as a collector hands them over."""
+
+    step: int
+    tasks: list[Task]
+    state: TrainState
+    """The data cursor after these tasks."""
+    groups: list[list[Episode]]
+    rollout_s: float
+    branches: list[list[list[BranchValues]]] | None = None
+    """Branch credit's continuation values of each group, sampled with the groups (None for other modes)."""
+    branching: BranchStats | None = None
+
+
+def rewarded(weights: TurnRewardWeights) -> Callable[[Task, Episode], float]:
+    """An episode's final reward, scored as the step scores it: what branch credit's continuations are worth
+    (training/branching.py)."""
+
+    def reward_of(task: Task, episode: Episode) -> float:
+        score(episode, task, weights)
+        assert episode.reward is not None
+        return episode.reward
+
+    return reward_of
+
+
+# ---------------------------------------------------------------- drop stale, record
+
+
+def drop_stale(
+    groups: Sequence[list[Episode]], *, version: int, max_staleness: int
+) -> tuple[list[list[Episode]], int]:
+    """Groups whose every episode was sampled by version >= `version - max_staleness`, and how many episodes the
+    dropped groups held. (A group is collected under one version, so this drops exactly the stale episodes.)"""
+    fresh = [g for g in groups if all(e.policy_version >= version - max_staleness for e in g)]
+    return fresh, sum(map(len, groups)) - sum(map(len, fresh))
+
+
+def fresh_branches(batch: Collected, fresh: Sequence[list[Episode]]) -> list[list[list[BranchValues]]] | None:
+    """The branch values of the groups `drop_stale` kept, in their order."""
+    if batch.branches is None:
+        return None
+    kept = {id(g) for g in fresh}
+    return [b for g, b in zip(batch.groups, batch.branches, strict=True) if id(g) in kept]
+
+
+def step_row(
+    version: int,
+    batch: Collected,
+    scored: Scored,
+    stats: UpdateStats,
+    *,
+    seconds: tuple[float, float],
+    stale_dropped: int = 0,
+) -> dict[str, float]:
+    """The metrics row of step `batch.step` (keys listed in training/metrics.py): `version` is the sampler's
+    policy version after the step, `seconds` the update's and the weight push's."""
+    return {
+        "step": batch.step,
+        "policy_version": version,
+        **reward_metrics(
+            [e for g in scored.groups for e in g],
+            successes=scored.successes,
+            turn_parts=scored.turn_parts,
+            ledgers=scored.ledgers,
+        ),
+        **rollout_metrics([e for g in batch.groups for e in g], seconds=batch.rollout_s),
+        **stats.metrics(),
+        "episodes/stale_dropped": stale_dropped,
+        "time/train": seconds[0],
+        "time/weight_sync": seconds[1],
+        **(batch.branching.metrics() if batch.branching is not None else {}),
+    }

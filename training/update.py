@@ -1,0 +1,195 @@
+"""The optimizer step: the clipped token-level policy-gradient loss over a step's sequences, accumulated over
+micro-batches, on one process or split over data-parallel ranks (training/ray_trainer.py).
+
+    stats = update(model, optimizer, sequences, cfg, ref_model=None, dp=None)   # UpdateStats; skipped says why
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from main_agent.tokens import Batch, TrainSequence, collate, micro_batches
+from training.config import TrainConfig
+from training.loss import LossOutput, batch_logprobs, policy_loss
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """What one optimizer step did; `skipped` says why it did nothing (None when it stepped)."""
+
+    pg_loss: float = math.nan
+    kl: float = math.nan
+    clip_frac: float = math.nan
+    ratio_mean: float = math.nan
+    grad_norm: float = math.nan
+    n_tokens: int = 0
+    skipped: str | None = None
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "loss/pg": self.pg_loss,
+            "loss/kl": self.kl,
+            "clip_frac": self.clip_frac,
+            "ratio_mean": self.ratio_mean,
+            "grad_norm": self.grad_norm,
+            "update/tokens": self.n_tokens,
+            "update/skipped": float(self.skipped is not None),
+        }
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place in a data-parallel update (training/ray_trainer.py builds it): every rank gets the
+    whole step and runs micro-batches rank, rank + world, ...; the gradients are summed across ranks once."""
+
+    rank: int
+    world: int
+    group: ProcessGroup | None = None
+    """The torch.distributed process group of the ranks; None: the default one."""
+
+
+def update(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sequences: Sequence[TrainSequence],
+    cfg: TrainConfig,
+    *,
+    ref_model: nn.Module | None = None,
+    dp: DataParallel | None = None,
+) -> UpdateStats:
+    """One optimizer step on all sequences; gradients accumulate over micro-batches of `micro_batch_tokens`.
+
+    The loss is normalised by the step's total masked-in tokens, so the sum over micro-batches is the step's token
+    mean. Any non-finite advantage, loss or gradient skips the whole step (logged, weights untouched).
+    With `dp` every rank passes the same `sequences` and steps on the same summed gradients, so the replicas stay
+    identical; a skip (decided from the sequences, or from a flag all ranks share) happens on every rank together.
+    """
+    n_tokens = masked_tokens(sequences)
+    if n_tokens == 0:
+        return _skip("no sampled tokens to train on")
+    if not all(math.isfinite(a) for s in sequences for a in s.advantages):
+        return _skip("non-finite advantage")
+    sums = accumulate_gradients(model, sequences, cfg, ref_model=ref_model, dp=dp)
+    if sums is None:
+        optimizer.zero_grad(set_to_none=True)
+        return _skip("non-finite loss")
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return _skip("non-finite gradient")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return UpdateStats(sums["pg"], sums["kl"], sums["clip"], sums["ratio"], grad_norm, n_tokens)
+
+
+def masked_tokens(sequences: Sequence[TrainSequence]) -> int:
+    """The step's trained (masked-in) tokens: the loss's normaliser."""
+    return sum(sum(s.loss_mask) for s in sequences)
+
+
+def accumulate_gradients(
+    model: nn.Module,
+    sequences: Sequence[TrainSequence],
+    cfg: TrainConfig,
+    *,
+    ref_model: nn.Module | None = None,
+    dp: DataParallel | None = None,
+) -> dict[str, float] | None:
+    """Backward over the step's micro-batches (with `dp`: this rank's share, then the gradients summed over the
+    ranks), leaving the gradient of the step's loss in each trainable parameter's `.grad`. Returns the logged
+    sums (pg, kl, clip, ratio), or None when a loss was not finite (on any rank): its gradients are partial.
+
+    Every rank normalises by the whole step's token count, so the ranks' losses add up to the step's loss and a
+    SUM of their gradients is its gradient (not DDP's mean)."""
+    n_tokens = masked_tokens(sequences)
+    assert n_tokens > 0, f"no trained tokens in {len(sequences)} sequences"
+    model.train()
+    sums = {"pg": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0}
+    device = str(next(model.parameters()).device)
+    chunks = micro_batches(sequences, max_tokens=cfg.micro_batch_tokens, share_prefix=cfg.share_prefix)
+    finite = True
+    for chunk in chunks if dp is None else chunks[dp.rank :: dp.world]:
+        batch = collate(chunk, pad_id=0, device=device, share_prefix=cfg.share_prefix)
+        out = micro_batch_loss(model, batch, cfg, n_tokens=n_tokens, ref_model=ref_model)
+        if not math.isfinite(out.loss.item()):
+            finite = False
+            break  # with dp the rank still joins the all-reduces below, which tell every rank to skip
+        out.loss.backward()
+        share = out.n_tokens / n_tokens
+        sums["pg"] += out.pg_loss.item()
+        sums["kl"] += out.kl.item()
+        sums["clip"] += out.clip_frac.item() * share
+        sums["ratio"] += out.ratio_mean.item() * share
+    if dp is not None:
+        finite = all_reduce_sums(sums, finite=finite, dp=dp, device=device)
+        if finite:
+            all_reduce_gradients(model, dp)
+    return sums if finite else None
+
+
+def all_reduce_sums(sums: dict[str, float], *, finite: bool, dp: DataParallel, device: str) -> bool:
+    """Sum the logged sums over the ranks (in place) and whether every rank's losses were finite."""
+    import torch.distributed as dist
+
+    values = torch.tensor([*sums.values(), float(not finite)], dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.SUM, group=dp.group)
+    for key, value in zip(list(sums), values[:-1].tolist(), strict=True):
+        sums[key] = value
+    return values[-1].item() == 0.0
+
+
+def all_reduce_gradients(model: nn.Module, dp: DataParallel) -> None:
+    """Sum the trainable parameters' gradients over the ranks in one flat bucket; each `.grad` becomes a view of
+    it. A parameter no micro-batch of a rank reached counts as zero there (and ends with a zero gradient rather
+    than none when no rank reached it: AdamW then still decays its moments, as under DDP)."""
+    import torch.distributed as dist
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    bucket = torch.cat([g.reshape(-1) for g in grads])  # [sum of numel]: one collective, not one per tensor
+    dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=dp.group)
+    for p, flat in zip(params, bucket.split([p.numel() for p in params]), strict=True):
+        p.grad = flat.view_as(p)
+
+
+def micro_batch_loss(
+    model: nn.Module, batch: Batch, cfg: TrainConfig, *, n_tokens: int, ref_model: nn.Module | None
+) -> LossOutput:
+    """The loss of one micro-batch ([B, T] tensors after its shared prefix) as its share of the step's token mean
+    (`n_tokens`)."""
+    device = next(model.parameters()).device.type
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+        logprobs = batch_logprobs(model, batch)  # [B, T], float32 whatever the matmuls ran in
+        ref = None
+        if ref_model is not None and cfg.kl_coef > 0:
+            with torch.no_grad():
+                ref = batch_logprobs(ref_model, batch)
+    return policy_loss(
+        logprobs,
+        batch.old_logprobs,
+        batch.advantages,
+        batch.loss_mask,
+        clip_eps_low=cfg.clip_eps_low,
+        clip_eps_high=cfg.clip_eps_high,
+        ref_logprobs=ref,
+        kl_coef=cfg.kl_coef,
+        normalizer=n_tokens,
+    )
+
+
+def _skip(reason: str) -> UpdateStats:
+    logger.warning("optimizer step skipped: %s", reason)
+    return UpdateStats(skipped=reason)
