@@ -9,6 +9,8 @@ A sub-agent module defines exactly these names, and the tool server learns every
     Config             frozen dataclass: limits and knobs, read from the server's `[NAME]` section
     start              `start(cfg, roots) -> State`: what the tool keeps while the server runs (an image store, a
                        search index; None for most), built once at start-up in a worker thread
+    check_model        `check_model(cfg, llm)`: ConfigError when `cfg` cannot run on the model built for the tool
+                       (page_qa's "extract" on a model that cannot score), at start-up and before a hot swap
     run                `async def run(request, cfg, rt: Runtime[State]) -> Response`
 
 `run` never raises for a problem with the request or the outside world: it returns `fail(...)` with a

@@ -53,6 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from subagents import ocr
 from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, local_file
 from subagents.handles import content_key, load_derivation
+from subagents.llm import LLM
 
 NAME = "image_ops"
 # Not cached: a call writes into the caller's per-session image store (a load creates an image id, a zoom a new
@@ -162,6 +163,10 @@ class Config:
 def start(cfg: Config, roots: tuple[str, ...]) -> ImageStore:
     """The server's image store: every session's images, bounded as `cfg` says."""
     return ImageStore(cfg)
+
+
+def check_model(cfg: Config, llm: LLM) -> None:
+    """Any model serves: image_ops asks none (OCR reads the text)."""
 
 
 async def run(request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Response:

@@ -1,6 +1,7 @@
 """The frozen sub-agents' text models: the contract every backend keeps, and the helpers they share.
 
     LLM.generate(messages, max_new_tokens=...) -> Generation
+    LLM.score(messages, replies) -> list[float]     only where `LLM.scores` (the transformers backend)
 
 A backend is picked by `BackendConfig.backend` (`[<subagent>.model]` in the server's TOML) and built by
 `subagents.backends.build_llm`; each lives in its own file: transformers_llm.py (in-process, micro-batched),
@@ -91,12 +92,21 @@ BACKEND_BOUNDS: dict[str, tuple[float, float]] = {
 
 
 class LLM(Protocol):
-    """A frozen text model. `model_id` names it in cache keys; `multimodal` says whether images are accepted."""
+    """A frozen text model. `model_id` names it in cache keys; `multimodal` says whether images are accepted;
+    `scores` whether `score` works (the transformers backend: an OpenAI-compatible endpoint does not return
+    the log-probs of a reply it is given everywhere, and the vLLM backend does not ask its engine for them).
+    Where it does not, `score` raises `cannot_score_error`; sub-agents that need it say so at start-up
+    (page_qa's `check_model`)."""
 
     model_id: str
     multimodal: bool
+    scores: bool
 
     async def generate(self, messages: list[Message], *, max_new_tokens: int) -> Generation: ...
+
+    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
+        """Log-probability of each reply as the model's whole answer to `messages` (its tokens, then EOS)."""
+        ...
 
     def count_tokens(self, text: str) -> int: ...
 
@@ -113,6 +123,12 @@ def context_error(prompt_tokens: int, *, max_new_tokens: int, context: int) -> B
 
 def text_only_error(model_id: str) -> BackendError:
     return BackendError(f"{model_id} is text-only; images need a multimodal backend", retryable=False)
+
+
+def cannot_score_error(model_id: str) -> BackendError:
+    return BackendError(
+        f"{model_id} cannot score replies; only the transformers backend can", retryable=False
+    )
 
 
 def chat_dicts(messages: list[Message]) -> list[dict[str, str]]:

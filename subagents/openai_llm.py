@@ -10,7 +10,14 @@ import re
 from typing import TYPE_CHECKING
 
 from subagents.common import approx_tokens
-from subagents.llm import BackendConfig, BackendError, Generation, Message, text_only_error
+from subagents.llm import (
+    BackendConfig,
+    BackendError,
+    Generation,
+    Message,
+    cannot_score_error,
+    text_only_error,
+)
 
 if TYPE_CHECKING:  # imported where used: `import openai` alone takes ~0.6 s of every `conductor ask` start
     import openai
@@ -85,6 +92,7 @@ class OpenAILLM:
         self.cfg = cfg
         self.model_id = f"openai:{cfg.model}"
         self.multimodal = cfg.multimodal
+        self.scores = False
         self.client = openai.AsyncOpenAI(
             base_url=cfg.base_url,
             api_key=api_key,
@@ -124,6 +132,9 @@ class OpenAILLM:
         return Generation(
             text=text, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens
         )
+
+    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
+        raise cannot_score_error(self.model_id)
 
     def count_tokens(self, text: str) -> int:
         return approx_tokens(text)

@@ -2,10 +2,18 @@
 
     fetch (rt.fetcher, SSRF-safe) -> main text (trafilatura; pypdf for PDFs) -> paragraph-aware chunks
     -> BM25 over the chunks (bm25s, one tiny index per page) -> the frozen model answers from the top chunks
-    -> the quote: the sentence of those chunks sharing most words with answer and question, cut from the page
+    -> the quote, chosen here and never by the model (a 135M model paraphrases and invents): the sentence of
+       those chunks holding the answer (or sharing most words with it), from the page
 
-The quote is chosen here, never by the model: a 135M model paraphrases and invents, and a quote is only worth
-something to the caller if it can be found on the page word for word.
+How the answer is made (`Config.answer_mode`; spans.py has the span rules):
+- "free" (the default): the model's own words (first line, cleaned), unjudged, as the shipped policy knows them.
+- "align": the model answers freely, then the answer snaps to the page span with the best token F1 with it;
+  below `align_min_f1` the reply is "not in the page".
+- "extract": candidate spans of the top chunks (names, numbers and dates, short phrases near the question's
+  words) and "not in the page" are scored by the model's log-probability of each as its whole reply; the best
+  wins. Needs a model that scores (`LLM.scores`, the transformers backend): `check_model` refuses others.
+`supported` (align, extract): the answer is on the page in a sentence sharing a content word with the question;
+false for more of the wrong pages than of the right. The policy reads "(unsupported)" after such an answer.
 
 Limits: no JavaScript (pages rendered client-side extract as empty), text in images or iframes is not seen,
 text beyond `max_page_chars` is dropped, and the answer is only as good as the small model behind it.
@@ -18,6 +26,7 @@ import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import trafilatura
@@ -25,9 +34,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from pypdf.errors import PyPdfError
 from trafilatura.settings import Document as Extracted
 
+from conductor.settings import ConfigError
+from subagents import spans
 from subagents.common import Runtime, ToolFailure, ToolResponse, bm25_terms, guarded, truncate
 from subagents.documents import pdf_text
-from subagents.llm import BackendError, Message
+from subagents.llm import LLM, BackendError, Message
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +57,11 @@ SYSTEM_PROMPT = (
 )
 # Whitespace after . ! ? possibly followed by a closing quote or bracket, or a citation mark such as [12].
 _SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')\]”’])|(?<=[.!?]\[\d\])|(?<=[.!?]\[\d\d\]))\s+")
+NOT_FOUND = "not in the page"  # the reply when the page does not say (the prompt asks for these words)
+_SAYS_NOT_FOUND = re.compile(
+    r"not (in|on) the (page|text)|(does|do) not (say|mention|state)|not mentioned|no (answer|information)",
+    re.IGNORECASE,
+)
 _ANSWER_PREFIX = re.compile(r"^((the\s+)?(short\s+)?answer(\s+is)?\s*:\s*)+", re.IGNORECASE)
 
 
@@ -63,6 +79,7 @@ class Request(BaseModel):
 class Response(ToolResponse):
     answer: str = ""
     quote: str = ""
+    supported: bool | None = None  # on the page in a sentence sharing a question word; None: "free", unjudged
     url: str = ""
     title: str = ""
     chunks: list[str] = Field(
@@ -72,7 +89,13 @@ class Response(ToolResponse):
     def summary(self) -> str:
         """Answer, quote and the page's title: never its URL, which for a file is a path on the server (the
         policy knows which page it asked; `url` stays in the payload for traces and citations)."""
-        return f'answer: {self.answer} | quote: "{self.quote}" | source: {self.title or "untitled page"}'
+        source = self.title or "untitled page"
+        if self.supported is None:  # "free": the shape the shipped default policy was trained on
+            return f'answer: {self.answer} | quote: "{self.quote}" | source: {source}'
+        if self.answer == NOT_FOUND:
+            return f"answer: {NOT_FOUND} | source: {source}"
+        flag = "" if self.supported else " (unsupported)"
+        return f'answer: {self.answer}{flag} | quote: "{self.quote}" | source: {source}'
 
 
 @dataclass(frozen=True)
@@ -90,6 +113,17 @@ class Config:
     """Answers are cut (with a visible marker) past this: the policy's context is the scarce resource."""
     max_quote_chars: int = 300
     """Longer supporting sentences are cut at a word boundary; the cut quote is still verbatim."""
+    # "free" while the shipped default policy (conductor/policies/default) is the one trained on free-text
+    # observations: it should read what it was trained on. "extract" measured best on benchmarks/bench_reader.py
+    # (EM 0.320 vs free's 0.007 on 150 single-hop questions): switch when the default policy is retrained on it.
+    answer_mode: Literal["free", "align", "extract"] = "free"
+    """How the answer is made: "free", "align" or "extract" (module docstring; benchmarks/bench_reader.py)."""
+    max_candidates: int = 48
+    """Spans "extract" scores (plus "not in the page"), from the sentences closest to the question first."""
+    null_bias: float = 0.0
+    """"extract": added to the log-prob of "not in the page" (higher: says not found more often)."""
+    align_min_f1: float = 0.5
+    """"align": the least token F1 between the model's answer and a page span for the span to be the answer."""
 
 
 @dataclass(frozen=True)
@@ -118,23 +152,82 @@ async def run(request: Request, cfg: Config, rt: Runtime[None]) -> Response:
     return await guarded(Response, lambda: _answer(request, cfg, rt))
 
 
+def check_model(cfg: Config, llm: LLM) -> None:
+    """ConfigError where `cfg` cannot run on `llm`: the tool server asks at start-up and before a hot swap."""
+    if cfg.answer_mode == "extract" and not llm.scores:
+        raise ConfigError(
+            f'[page_qa] answer_mode = "extract" scores page spans with the model, which {llm.model_id} cannot '
+            'do (only backend = "transformers" scores): use answer_mode "align" or "free", or that backend'
+        )
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What an answer mode made: the answer, its quote ("" for "not in the page"), whether the page supports
+    it (None: not judged, "free") and the tokens the model read (its prompt; "extract": also what it scored)."""
+
+    answer: str
+    quote: str
+    supported: bool | None
+    prompt_tokens: int
+
+
 async def _answer(request: Request, cfg: Config, rt: Runtime[None]) -> Response:
     page = await rt.fetcher.fetch(request.url)
     # Extraction and ranking are CPU-bound (tens of ms on a large page): keep them off the event loop.
     prep = await asyncio.to_thread(prepare, page.body, page.content_type, question=request.question, cfg=cfg)
     chunks = ["\n".join(chunk) for chunk in prep.top]
     try:
-        generation = await rt.llm.generate(
-            build_prompt(chunks, request.question), max_new_tokens=cfg.max_new_tokens
-        )
+        reply = await _reply(prep, request.question, cfg=cfg, rt=rt)
     except BackendError as exc:
         raise ToolFailure("backend_error", str(exc), retryable=exc.retryable) from exc
-    answer = clean_answer(generation.text, cfg.max_answer_chars)
-    quote = pick_quote(prep.top, answer, question=request.question, max_chars=cfg.max_quote_chars)
-    response = Response(answer=answer, quote=quote, url=page.final_url, title=prep.title, chunks=chunks)
-    response.tokens_read = rt.count_tokens(prep.text) + generation.prompt_tokens
+    response = Response(
+        answer=reply.answer,
+        quote=reply.quote,
+        supported=reply.supported,
+        url=page.final_url,
+        title=prep.title,
+        chunks=chunks,
+    )
+    response.tokens_read = rt.count_tokens(prep.text) + reply.prompt_tokens
     response.tokens_returned = rt.count_tokens(response.summary())
     return response
+
+
+async def _reply(prep: Prepared, question: str, *, cfg: Config, rt: Runtime[None]) -> Reply:
+    """The answer in `cfg.answer_mode` (module docstring)."""
+    messages = build_prompt(["\n".join(chunk) for chunk in prep.top], question)
+    sentences = page_sentences(prep.top)
+    if cfg.answer_mode == "extract":
+        found = spans.candidates(sentences, question, limit=cfg.max_candidates)
+        replies = [span.text for span in found] + [NOT_FOUND]
+        scores = await rt.llm.score(messages, replies)
+        scores[-1] += cfg.null_bias
+        best = scores.index(max(scores))  # the first of equals: the candidate nearer the question
+        read = sum(rt.count_tokens(text) for text in [m.content for m in messages] + replies)  # all it fed
+        if best == len(found):
+            return Reply(NOT_FOUND, "", False, read)
+        return _on_page(found[best], question, cfg=cfg, prompt_tokens=read)
+    generation = await rt.llm.generate(messages, max_new_tokens=cfg.max_new_tokens)
+    said, read = clean_answer(generation.text, cfg.max_answer_chars), generation.prompt_tokens
+    if cfg.answer_mode == "free":
+        quote = pick_quote(prep.top, said, question=question, max_chars=cfg.max_quote_chars)
+        return Reply(said, quote, None, read)
+    span, score = (None, 0.0) if _SAYS_NOT_FOUND.search(said) else spans.align(sentences, said, question)
+    if span is None or score < cfg.align_min_f1:
+        return Reply(NOT_FOUND, "", False, read)
+    return _on_page(span, question, cfg=cfg, prompt_tokens=read)
+
+
+def _on_page(span: spans.Span, question: str, *, cfg: Config, prompt_tokens: int) -> Reply:
+    """A span of the page as the answer, supported when its sentence shares a content word with the question."""
+    quote = spans.quote_around(span, cfg.max_quote_chars)
+    return Reply(span.text, quote, spans.mentions(span.sentence, question), prompt_tokens)
+
+
+def page_sentences(chunks: list[list[str]]) -> list[str]:
+    """The sentences of the chunks shown to the model, best chunk first; each a substring of the page text."""
+    return [s for chunk in chunks for piece in chunk for s in sentences(piece)]
 
 
 def prepare(body: bytes, content_type: str, *, question: str, cfg: Config) -> Prepared:
@@ -294,7 +387,7 @@ def pick_quote(chunks: list[list[str]], answer: str, *, question: str, max_chars
     Ties go to the earlier sentence of the better-ranked chunk. The result is a substring of the page text
     (pieces are verbatim, sentences are substrings of pieces, the cut keeps a prefix); "" when `chunks` is empty.
     """
-    candidates = [s for chunk in chunks for piece in chunk for s in sentences(piece)]
+    candidates = page_sentences(chunks)
     if not candidates:
         return ""
     answer_terms = set(bm25_terms([answer])[0])

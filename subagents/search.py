@@ -42,6 +42,7 @@ from conductor.models import conductor_home
 from subagents.common import Ref, Runtime, ToolFailure, ToolResponse, bm25_terms, guarded
 from subagents.documents import Document, Progress, document_paths, read_folder
 from subagents.handles import handle_for
+from subagents.llm import LLM
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +221,10 @@ def start(cfg: Config, roots: tuple[str, ...]) -> Corpus | None:
     return Corpus.build(
         folder, max_docs=cfg.max_docs, base_url=cfg.base_url, cache_dir=cache_dir, roots=roots
     )
+
+
+def check_model(cfg: Config, llm: LLM) -> None:
+    """Any model serves: search asks none."""
 
 
 async def run(request: Request, cfg: Config, rt: Runtime[Corpus | None]) -> Response:

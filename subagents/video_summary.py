@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from subagents import media, ocr
 from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, local_file, truncate
-from subagents.llm import BackendError, Message
+from subagents.llm import LLM, BackendError, Message
 from subagents.media import Cue
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,10 @@ class Config:
 def start(cfg: Config, roots: tuple[str, ...]) -> None:
     """Nothing to keep between calls: every call probes and reads its own file."""
     return None
+
+
+def check_model(cfg: Config, llm: LLM) -> None:
+    """Any model serves: a text-only one reads OCR text of the frames, a multimodal one the frames."""
 
 
 async def run(request: Request, cfg: Config, rt: Runtime[None]) -> Response:

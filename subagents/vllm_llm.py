@@ -9,6 +9,7 @@ from subagents.llm import (
     BackendError,
     Generation,
     Message,
+    cannot_score_error,
     chat_dicts,
     context_error,
     text_only_error,
@@ -42,6 +43,7 @@ class VLLMLLM:
         self.vllm = vllm
         self.model_id = f"vllm:{cfg.model}"
         self.multimodal = False
+        self.scores = False
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.context = AutoConfig.from_pretrained(path, local_files_only=True).max_position_embeddings
         import torch
@@ -79,6 +81,9 @@ class VLLMLLM:
         return Generation(
             text=answer.text.strip(), prompt_tokens=len(prompt), completion_tokens=len(answer.token_ids)
         )
+
+    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
+        raise cannot_score_error(self.model_id)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))

@@ -8,18 +8,22 @@ fake factory, so no weights are needed.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from conductor.settings import ConfigError
+from subagents import SUBAGENTS
 from subagents.backends import build_llm
 from subagents.llm import LLM, BackendConfig
 from tests.fake_openai_server import create_openai_app, serve, unused_port
 from tests.tool_server_fakes import PAGE, FakeFactory, FakeLLM, page_server, serving
 from tool_server.app import create_app
 from tool_server.config import load_config
+from tool_server.host import ToolHost
 
 ENDPOINT_ANSWER = "10 December 1815"
 QUESTION = "When was Ada Lovelace born?"
@@ -158,3 +162,41 @@ def test_refused_endpoint_is_a_backend_error_result(tmp_path: Path, page_url: st
     assert "cannot reach endpoint" in error["message"]
     assert second["ok"] is False and second["cached"] is False
     assert page_qa["errors_by_kind"] == {"backend_error": 2} and page_qa["cache"]["hits"] == 0
+
+
+class ScoringWhereTransformers(FakeFactory):
+    """FakeLLMs that score where the config names the transformers backend, as the real backends do."""
+
+    def __call__(self, cfg: BackendConfig) -> FakeLLM:
+        llm = super().__call__(cfg)
+        llm.scores = cfg.backend == "transformers"
+        return llm
+
+
+def test_extract_on_a_model_that_cannot_score_fails_start_up_and_swap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`[page_qa] answer_mode = "extract"` needs a model that scores: with an endpoint behind page_qa the server
+    does not start (a ConfigError naming the setting; every model built is closed again), and a hot swap to
+    an endpoint is refused with 422 `invalid_config` while the old model keeps answering."""
+    extract = '[page_qa]\nanswer_mode = "extract"'
+    dead = f"http://127.0.0.1:{unused_port()}/v1"
+    factory = ScoringWhereTransformers()
+    (tmp_path / "endpoint").mkdir()
+    cfg = load_config(write_config(tmp_path / "endpoint", openai_section(dead), extra=extract))
+    with pytest.raises(ConfigError, match='answer_mode = "extract".*fake:served-model cannot do'):
+        asyncio.run(ToolHost.start(cfg, subagents=SUBAGENTS, llm_factory=factory))
+    assert len(factory.built) == 2 and all(llm.closed for llm in factory.built)
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    (tmp_path / "local").mkdir()
+    cfg = load_config(write_config(tmp_path / "local", 'model = "A"', extra=extract))
+    swap_body = {"backend": "openai", "base_url": dead, "model": "served-model"}
+    with (
+        serving(create_app(cfg, llm_factory=factory)) as url,
+        httpx.Client(base_url=url, timeout=30, headers={"Authorization": f"Bearer {TOKEN}"}) as client,
+    ):
+        swap = client.post("/admin/backends/page_qa", json=swap_body)
+        models = client.get("/health").json()["models"]
+    assert swap.status_code == 422 and swap.json()["error"]["kind"] == "invalid_config", swap.text
+    assert models["page_qa"] == "fake:A"
+    assert factory.built[-1].model_id == "fake:served-model" and factory.built[-1].closed

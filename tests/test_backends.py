@@ -206,6 +206,17 @@ async def test_openai_text_only_refuses_images(endpoint: tuple[str, list[dict[st
     assert not caught.value.retryable and requests == []
 
 
+async def test_openai_cannot_score(endpoint: tuple[str, list[dict[str, object]]]) -> None:
+    """An endpoint says it does not score (page_qa refuses "extract" on it at start-up), and a call to `score`
+    anyway fails fast, not retryable, without a request on the wire."""
+    base_url, requests = endpoint
+    llm = OpenAILLM(openai_cfg(base_url))
+    with pytest.raises(BackendError, match="cannot score") as caught:
+        await llm.score(USER, ["Paris"])
+    await llm.aclose()
+    assert not llm.scores and not caught.value.retryable and requests == []
+
+
 @pytest.mark.parametrize(
     ("mode", "retryable", "attempts", "wording"),
     [
@@ -377,3 +388,27 @@ async def test_vllm_backend_answers_like_transformers() -> None:
     answer = await llm.generate([Message("user", PROMPTS[0])], max_new_tokens=16)
     await llm.aclose()
     assert "Paris" in answer.text and 0 < answer.completion_tokens <= 16
+
+
+async def test_scored_replies_equal_their_full_forward_log_probs(tiny_policy: Path) -> None:
+    """`score` (the prompt once, then the replies batched over its KV cache, right-padded) gives each reply the
+    summed log-prob of its tokens and EOS that one forward of prompt + reply gives: page_qa's "extract" mode
+    ranks answer spans by it, so padding or cache reuse must not change a reply's score."""
+    import torch
+
+    llm = TransformersLLM(BackendConfig(model=str(tiny_policy)))
+    assert llm.scores
+    messages = [Message("system", "Answer briefly."), Message("user", "Where is the tower? Paris, France.")]
+    replies = ["Paris", "Paris, France", "not in the page"]
+    scores = await llm.score(messages, replies)
+    prompt = llm.render(messages)
+    eos = llm.tokenizer.eos_token_id
+    for reply, score in zip(replies, scores, strict=True):
+        ids = llm.tokenizer.encode(reply, add_special_tokens=False) + [eos]
+        with torch.inference_mode():
+            logits = llm.model(input_ids=torch.tensor([prompt + ids])).logits[0].float()  # [P + R, vocab]
+        logp = torch.log_softmax(logits, -1)
+        expected = sum(logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(ids))
+        assert score == pytest.approx(expected, abs=1e-3), (reply, score, expected)
+    assert await llm.score(messages, []) == []
+    await llm.aclose()

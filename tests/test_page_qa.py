@@ -21,10 +21,12 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from conductor.settings import ConfigError
 from subagents import page_qa
 from subagents.common import Runtime, ToolFailure, approx_tokens
 from subagents.fetch import FetchConfig, FetchedPage, Fetcher
-from subagents.llm import BackendError, Generation, Message
+from subagents.llm import BackendError, Generation, Message, cannot_score_error
+from training.tasks import multihop
 
 FILLER = [
     "The museum opens at nine in the morning and closes at six in the evening.",
@@ -45,6 +47,7 @@ class ScriptedLLM:
 
     model_id = "scripted"
     multimodal = False
+    scores = False  # like an endpoint: page_qa's "extract" needs ScoringLLM
 
     def __init__(self, reply: str | BackendError) -> None:
         self.reply = reply
@@ -58,6 +61,9 @@ class ScriptedLLM:
         return Generation(
             text=self.reply, prompt_tokens=prompt_tokens, completion_tokens=approx_tokens(self.reply)
         )
+
+    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
+        raise cannot_score_error(self.model_id)
 
     def count_tokens(self, text: str) -> int:
         return approx_tokens(text)
@@ -269,6 +275,106 @@ def test_request_limits() -> None:
         page_qa.Request.model_validate({"url": "http://a.test", "question": "why?", "extra": 1})
 
 
+class ScoringLLM(ScriptedLLM):
+    """A ScriptedLLM that also scores replies ("extract" mode): listed replies get their score, others -100."""
+
+    scores = True
+
+    def __init__(self, table: dict[str, float]) -> None:
+        super().__init__("unused")
+        self.table = table
+        self.scored: list[list[str]] = []
+
+    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
+        self.calls.append(messages)
+        self.scored.append(replies)
+        return [self.table.get(reply, -100.0) for reply in replies]
+
+
+async def ask_in(mode: str, llm: ScriptedLLM, body: str = HTML) -> page_qa.Response:
+    request = page_qa.Request(url="http://a.test/p", question="How tall is the Eiffel Tower?")
+    cfg = page_qa.Config(answer_mode=mode)  # type: ignore[arg-type]
+    return await page_qa.run(request, cfg, runtime(llm, {"http://a.test/p": page(body)}))
+
+
+async def test_extract_answers_with_the_best_scored_span_of_the_page() -> None:
+    """ "extract" scores page spans and "not in the page" with the model; the best span is the answer, found on
+    the page, inside its quote, flagged supported, and the summary keeps its short shape."""
+    llm = ScoringLLM({"330 metres": -2.0, "330": -3.0, page_qa.NOT_FOUND: -5.0})
+    response = await ask_in("extract", llm)
+    assert response.answer == "330 metres" and response.supported
+    assert "330 metres" in llm.scored[0] and llm.scored[0][-1] == page_qa.NOT_FOUND
+    text = page_qa.extract_page(HTML.encode(), "text/html").text
+    assert response.answer in response.quote and response.quote in text
+    assert response.summary() == f'answer: 330 metres | quote: "{ANSWER_PARAGRAPH}" | source: Visiting Paris'
+
+
+async def test_extract_says_not_found_when_that_scores_best() -> None:
+    """When "not in the page" outscores every span the reply says so, unsupported and without a quote."""
+    response = await ask_in("extract", ScoringLLM({page_qa.NOT_FOUND: -1.0}))
+    assert (response.answer, response.quote, response.supported) == (page_qa.NOT_FOUND, "", False)
+    assert response.summary() == "answer: not in the page | source: Visiting Paris"
+
+
+def test_extract_on_a_model_that_cannot_score_is_a_config_error() -> None:
+    """`check_model` (asked by the tool server at start-up and before a hot swap) refuses "extract" on a model
+    that cannot score, naming the setting and the way out; "free" and "align" run on any model."""
+    with pytest.raises(ConfigError, match='answer_mode = "extract".*scripted cannot do.*"align" or "free"'):
+        page_qa.check_model(page_qa.Config(answer_mode="extract"), ScriptedLLM("x"))
+    page_qa.check_model(page_qa.Config(answer_mode="extract"), ScoringLLM({}))
+    for mode in ("free", "align"):
+        page_qa.check_model(page_qa.Config(answer_mode=mode), ScriptedLLM("x"))  # type: ignore[arg-type]
+
+
+async def test_extract_never_falls_back_to_free() -> None:
+    """Run anyway (page_qa.run alone, no server to check), "extract" on a model that cannot score is a
+    `backend_error` saying so, never the model's own words in its place."""
+    response = await ask_in("extract", ScriptedLLM("The Eiffel Tower is 330 metres high."))
+    assert not response.ok and response.error is not None and response.error.kind == "backend_error"
+    assert "cannot score" in response.error.message and not response.error.retryable
+
+
+async def test_align_snaps_a_sentence_to_the_page_span() -> None:
+    """ "align" turns the model's sentence into the page's span that best matches it, supported."""
+    aligned = await ask_in("align", ScriptedLLM("The Eiffel Tower is 330 metres high."))
+    assert (aligned.answer, aligned.supported) == ("330 metres", True)
+
+
+@pytest.mark.parametrize(
+    ("reply", "answer"),
+    [("Not in the page.", page_qa.NOT_FOUND), ("It is made of cheese.", page_qa.NOT_FOUND)],
+)
+async def test_align_says_not_found_for_refusals_and_words_not_on_the_page(reply: str, answer: str) -> None:
+    """ "align" turns the model's refusal, and an answer whose words the page does not hold, into the explicit
+    "not in the page" rather than passing on invented text."""
+    response = await ask_in("align", ScriptedLLM(reply))
+    assert (response.answer, response.supported) == (answer, False)
+
+
+async def test_free_is_the_default_and_reads_as_before() -> None:
+    """ "free", the default (the shipped policy was trained on its observations), gives the model's own words,
+    refusals and inventions included, unjudged, with the sentence sharing most words as the quote: the
+    observation is the one page_qa gave before answer modes existed."""
+    assert page_qa.Config().answer_mode == "free"
+    on_page = await ask_in("free", ScriptedLLM("330 Metres"))
+    assert (on_page.answer, on_page.supported) == ("330 Metres", None)
+    assert on_page.summary() == f'answer: 330 Metres | quote: "{ANSWER_PARAGRAPH}" | source: Visiting Paris'
+    for said in ("About 1000 feet", "Not in the page."):
+        response = await ask_in("free", ScriptedLLM(said))
+        assert (response.answer, response.supported) == (said, None)
+        assert response.summary().startswith(f'answer: {said} | quote: "') and response.quote
+
+
+async def test_a_span_from_a_sentence_off_the_question_is_unsupported() -> None:
+    """An answer from a sentence sharing no content word with the question is kept but flagged unsupported:
+    the page does not tie it to what was asked (most answers the model picks on a wrong page are like this)."""
+    response = await ask_in("extract", ScoringLLM({"small cafe": -1.0}))
+    assert response.answer == "small cafe" and response.quote == FILLER[4]
+    assert not response.supported and response.summary().startswith(
+        "answer: small cafe (unsupported) | quote:"
+    )
+
+
 # ---------------------------------------------------------------- integration: real pages over loopback
 
 # Deterministic picks: real English articles of different sites and layouts.
@@ -381,3 +487,38 @@ async def test_real_smollm2_answers_from_a_real_page(shared_data: Path, smollm2_
     assert response.quote in page_qa.extract_page(source, "text/html").text
     assert "Sudan" in response.quote and response.title == "United States to Lift Sudan Sanctions"
     assert response.tokens_read > 10 * response.tokens_returned
+
+
+@pytest.mark.slow
+async def test_real_smollm2_extracts_a_grounded_span(shared_data: Path, smollm2_path: Path, loopback) -> None:
+    """ "extract" with the real model on a real MuSiQue paragraph over loopback: the answer is the gold span
+    (the free answer names the city he died in), supported, inside a quote from the page; on a paragraph
+    that does not hold it, the answer is still the page's own words or "not in the page", never invented."""
+    from subagents.backends import build_llm
+    from subagents.llm import BackendConfig
+
+    base, root = loopback
+    rows = json.loads((shared_data / "multihop/hipporag_musique_train.json").read_text(encoding="utf-8"))
+    paragraphs = next(r for r in rows if r["id"] == "3hop1__144142_643936_36283")["paragraphs"]
+    texts = {}
+    for idx in (12, 0):  # the hop's supporting paragraph, and one about another subject
+        html = multihop.page_html((paragraphs[idx]["title"], [paragraphs[idx]["paragraph_text"]]))
+        (root / f"musique-{idx}.html").write_text(html, encoding="utf-8")
+        texts[idx] = page_qa.extract_page(html.encode(), "text/html").text  # the page as page_qa reads it
+    llm = build_llm(BackendConfig())
+    fetcher = Fetcher(FetchConfig(allow_private_cidrs=("127.0.0.0/8",)))
+    rt = Runtime(llm=llm, fetcher=fetcher, state=None, count_tokens=llm.count_tokens)  # type: ignore[arg-type]
+    question = "In what city was Steven Blankaart born?"
+    extract = page_qa.Config(answer_mode="extract")
+    try:
+        gold, other = [
+            await page_qa.run(page_qa.Request(url=f"{base}/musique-{i}.html", question=question), extract, rt)
+            for i in (12, 0)
+        ]
+    finally:
+        await fetcher.aclose()
+        await llm.aclose()
+    assert gold.ok and other.ok, (gold.observation(), other.observation())
+    assert (gold.answer, gold.supported) == ("Middelburg", True), gold.answer
+    assert gold.answer in gold.quote and gold.quote in texts[12]
+    assert other.answer == page_qa.NOT_FOUND or (other.supported and other.answer in texts[0]), other.answer

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from subagents import SUBAGENTS
 from subagents.common import Runtime, ToolResponse, fail
-from subagents.llm import BackendConfig, Generation, Message
+from subagents.llm import BackendConfig, Generation, Message, cannot_score_error
 from tool_server.config import ServerConfig, ToolLimits, ToolsConfig, default_tools
 
 BASE_URL = "http://127.0.0.1:8700"
@@ -72,6 +72,7 @@ def fake_subagents(calls: Counter[str]) -> dict[str, Any]:
             DESCRIPTION=f"Fake {name}.",
             CACHEABLE=name != "image_ops",  # as the real ones
             start=lambda cfg, roots: None,
+            check_model=lambda cfg, llm: None,
             Request=FakeRequest,
             Response=FakeResponse,
             Config=FakeConfig,
@@ -104,6 +105,7 @@ class FakeLLM:
     def __init__(self, model_id: str, *, answer: str = "fake answer") -> None:
         self.model_id = model_id
         self.multimodal = False
+        self.scores = False
         self.closed = False
         self.answer = answer
         self.prompts: list[list[Message]] = []
@@ -113,6 +115,9 @@ class FakeLLM:
         return Generation(
             text=self.answer, prompt_tokens=sum(len(m.content) for m in messages), completion_tokens=2
         )
+
+    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
+        raise cannot_score_error(self.model_id)
 
     def count_tokens(self, text: str) -> int:
         return len(text.split())

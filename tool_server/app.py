@@ -48,7 +48,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from conductor.settings import build
+from conductor.settings import ConfigError, build
 from subagents import SUBAGENTS, image_ops
 from subagents.backends import build_llm
 from subagents.common import ToolResponse, fail
@@ -344,6 +344,8 @@ async def swap_backend(tool: str, request: Request) -> Response:
         model_id = await host.swap_backend(tool, backend_cfg)
     except (BackendError, OSError) as exc:  # what building a model raises for a bad name, path or device
         return JSONResponse({"error": {"kind": "backend_error", "message": str(exc)}}, status_code=422)
+    except ConfigError as exc:  # the tool's settings cannot run on that model (page_qa: "extract")
+        return JSONResponse({"error": {"kind": "invalid_config", "message": str(exc)}}, status_code=422)
     return JSONResponse({"tool": tool, "model_id": model_id})
 
 

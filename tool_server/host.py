@@ -11,8 +11,9 @@ Tools whose BackendConfigs are equal share one backend at start-up (one SmolLM2 
 for all four sub-agents).
 
 Everything tool-specific comes from the sub-agent modules (subagents/common.py): their settings sections, whether
-their results are cached (`CACHEABLE`) and what they keep while the server runs (`start`: the image store, the
-search index). Nothing here names a tool.
+their results are cached (`CACHEABLE`), what they keep while the server runs (`start`: the image store, the
+search index) and whether their settings can run on the model built for them (`check_model`, at start-up and
+before a hot swap: page_qa's "extract" needs a model that scores). Nothing here names a tool.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ValidationError
 
+from conductor.settings import ConfigError
 from subagents.common import HandleKind, Handles, Ref, Runtime, ToolFailure, ToolResponse, fail
 from subagents.fetch import Fetcher
 from subagents.handles import handle_for, looks_like_handle
@@ -54,6 +56,8 @@ class SubAgent(Protocol):
     Config: type
 
     def start(self, cfg: Any, roots: tuple[str, ...]) -> Any: ...
+
+    def check_model(self, cfg: Any, llm: LLM) -> None: ...
 
     def run(self, request: Any, cfg: Any, rt: Runtime[Any]) -> Awaitable[ToolResponse]: ...
 
@@ -172,15 +176,23 @@ class BackendSlot:
 
 
 async def build_backends(
-    cfg: ServerConfig, names: list[str], llm_factory: Callable[[BackendConfig], LLM]
+    cfg: ServerConfig, subagents: Mapping[str, SubAgent], llm_factory: Callable[[BackendConfig], LLM]
 ) -> dict[str, BackendSlot]:
-    """One slot per tool; equal BackendConfigs share one LLM. Models load in a thread (seconds each)."""
+    """One slot per tool; equal BackendConfigs share one LLM. Models load in a thread (seconds each). A tool
+    whose settings cannot run on its model (`check_model`) is a ConfigError, every model closed again."""
     shared: dict[BackendConfig, Backend] = {}
-    for name in names:
+    for name in subagents:
         model = cfg.tools[name].model
         if model not in shared:
             shared[model] = Backend(await asyncio.to_thread(llm_factory, model))
-    return {name: BackendSlot(shared[cfg.tools[name].model]) for name in names}
+    try:
+        for name, module in subagents.items():
+            module.check_model(cfg.tools[name].config, shared[cfg.tools[name].model].llm)
+    except ConfigError:
+        for backend in shared.values():
+            await backend.llm.aclose()
+        raise
+    return {name: BackendSlot(shared[cfg.tools[name].model]) for name in subagents}
 
 
 @dataclass
@@ -221,7 +233,7 @@ class ToolHost:
             fetcher=Fetcher(cfg.fetch, roots=roots),
             states=states,
             cache=ResultCache(cfg.cache),
-            slots=await build_backends(cfg, names, llm_factory),
+            slots=await build_backends(cfg, subagents, llm_factory),
             gates={name: ToolGate(name, cfg.tools[name].limits) for name in names},
             metrics={name: ToolMetrics() for name in names},
             handles=Handles(),
@@ -314,8 +326,15 @@ class ToolHost:
                 return fail(module.Response, "timeout", f"{module.NAME} gave no result within {deadline:g} s")
 
     async def swap_backend(self, name: str, model: BackendConfig) -> str:
-        """Build `model` in a thread and make it answer `name`'s new calls; returns its model id."""
-        backend = Backend(await asyncio.to_thread(self.llm_factory, model))
+        """Build `model` in a thread and make it answer `name`'s new calls; returns its model id. ConfigError
+        (the model built and closed again, the old one still answering) when the tool's settings cannot run on it."""
+        llm = await asyncio.to_thread(self.llm_factory, model)
+        try:
+            self.subagents[name].check_model(self.cfg.tools[name].config, llm)
+        except ConfigError:
+            await llm.aclose()
+            raise
+        backend = Backend(llm)
         await self.slots[name].swap(backend)
         logger.info("%s now answered by %s", name, backend.llm.model_id)
         return backend.llm.model_id

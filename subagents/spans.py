@@ -1,0 +1,243 @@
+"""Answer spans of a page: candidates to score, alignment of a free answer, and the quote around a span.
+
+page_qa's grounded modes answer with a span of the page's own text, never with words the model made up:
+
+- `candidates(sentences, question)`: the spans a short answer usually is (names, numbers and dates, short
+  phrases near the question's words), for the model to score as the answer ("extract" mode).
+- `align(sentences, answer, question)`: the span of the page that best matches a generated answer by token F1
+  ("align" mode: generate, then snap to the page).
+- `quote_around(span, max_chars)`: the sentence holding the span, cut to a window that keeps the span.
+
+Every `Span` is a substring of its sentence at `sentence[start:end]`, and sentences are substrings of the page,
+so an answer built here can always be found on the page word for word. Words are whitespace-separated tokens
+with their edge punctuation dropped. Limits: the candidate rules are English-centred heuristics (capitalised
+runs, month names), so a lower-case answer longer than `max_phrase_words` far from the question's words is
+never a candidate; imports nothing else of the project.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import string
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+_EDGE = "\"'()[]{},.;:!?“”‘’«»*"
+_WORD = re.compile(r"\S+")
+_ARTICLES = frozenset({"a", "an", "the"})
+_PUNCTUATION = frozenset(string.punctuation) | frozenset("“”‘’«»–—")
+# Words that may join the capitalised words of one name: "University of Copenhagen", "Charles de Gaulle".
+_CONNECTORS = frozenset({"of", "for", "the", "de", "del", "der", "da", "di", "du", "von", "van", "la", "le"})
+# Words a short answer neither starts nor ends with (SQuAD-style answers are noun phrases, numbers, names).
+STOPWORDS = frozenset(
+    "a an the and or but of in on at to for from by with as is was are were be been being it its this that these "
+    "those he she they his her their them him we you i which who whom whose what when where why how not no than "
+    "then also has have had do does did will would can could may might into over under about after before "
+    "during since until while there here such so very more most".split()
+)
+_MONTHS = (
+    "January|February|March|April|May|June|July|August|September|October|November|December|"
+    "Jan\\.?|Feb\\.?|Mar\\.?|Apr\\.?|Jun\\.?|Jul\\.?|Aug\\.?|Sept?\\.?|Oct\\.?|Nov\\.?|Dec\\.?"
+)
+# Dates ("8 July 1967", "July 8, 1967", "July 1967") and numbers with an optional unit word ("330 metres").
+_NUMERIC = re.compile(
+    rf"\b(?:\d{{1,2}}\s+(?:{_MONTHS})(?:\s+\d{{3,4}})?|(?:{_MONTHS})\s+\d{{1,2}},?\s+\d{{3,4}}|(?:{_MONTHS})\s+\d{{4}}"
+    rf"|\d[\d,.]*\d(?:s\b)?|\d)(?:\s*%|\s+[a-z]+)?"
+)
+
+
+@dataclass(frozen=True)
+class Span:
+    """`sentence[start:end]`: a piece of one sentence of the page, as the answer."""
+
+    sentence: str
+    start: int
+    end: int
+
+    @property
+    def text(self) -> str:
+        return self.sentence[self.start : self.end]
+
+
+def normal_words(text: str) -> list[str]:
+    """SQuAD-normalised words: lower case, ASCII and typographic punctuation dropped, no articles."""
+    clean = "".join(" " if ch in _PUNCTUATION else ch for ch in text.lower())
+    return [w for w in clean.split() if w not in _ARTICLES]
+
+
+def f1(pred: Sequence[str], gold: Sequence[str]) -> float:
+    """Token F1 of two normalised word lists (0.0 when either is empty)."""
+    same = sum((Counter(pred) & Counter(gold)).values())
+    if not same:
+        return 0.0
+    precision, recall = same / len(pred), same / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+def words(sentence: str) -> list[tuple[int, int]]:
+    """(start, end) of each word of `sentence` without its edge punctuation; punctuation-only tokens dropped."""
+    spans = []
+    for match in _WORD.finditer(sentence):
+        token = match.group()
+        left = len(token) - len(token.lstrip(_EDGE))
+        right = len(token.rstrip(_EDGE))
+        if right > left:
+            spans.append((match.start() + left, match.start() + right))
+    return spans
+
+
+def ngrams(sentence: str, max_words: int) -> Iterator[Span]:
+    """Every run of 1..`max_words` consecutive words of `sentence`, in sentence order."""
+    bounds = words(sentence)
+    for i in range(len(bounds)):
+        for j in range(i, min(i + max_words, len(bounds))):
+            yield Span(sentence, bounds[i][0], bounds[j][1])
+
+
+def _is_name_word(word: str) -> bool:
+    return word[:1].isupper() or word[:1].isdigit()
+
+
+def names(sentence: str) -> Iterator[Span]:
+    """Maximal runs of capitalised words (joined by up to two connectors: "Society for the Exploration"),
+    without a leading stopword, never past a comma, full stop or bracket; a run with connectors is followed by
+    its part before the first one."""
+    bounds = words(sentence)
+    i = 0
+    while i < len(bounds):
+        if not _is_name_word(sentence[slice(*bounds[i])]):
+            i += 1
+            continue
+        j = i
+        while (nxt := _next_name_word(sentence, bounds, j)) is not None:
+            j = nxt
+        first = i
+        while first < j and sentence[slice(*bounds[first])].lower() in STOPWORDS:  # "The", "On" at the start
+            first += 1
+        yield Span(sentence, bounds[first][0], bounds[j][1])
+        inner = [k for k in range(first + 1, j) if sentence[slice(*bounds[k])].lower() in _CONNECTORS]
+        if inner:  # "Winnie Kiiza of the Forum for Democratic Change": "Winnie Kiiza" too
+            yield Span(sentence, bounds[first][0], bounds[inner[0] - 1][1])
+        i = j + 1
+
+
+def _next_name_word(sentence: str, bounds: list[tuple[int, int]], j: int) -> int | None:
+    """The index of the capitalised word continuing the name that ends at word `j` (None: the name ends)."""
+    for k in range(j + 1, min(j + 4, len(bounds))):
+        if sentence[bounds[k - 1][1] : bounds[k][0]].strip():  # punctuation between the words
+            return None
+        word = sentence[slice(*bounds[k])]
+        if _is_name_word(word):
+            return k
+        if word.lower() not in _CONNECTORS:
+            return None
+    return None
+
+
+def numbers(sentence: str) -> Iterator[Span]:
+    """Dates and numbers, each with and without the word after it ("330 metres" and "330")."""
+    for match in _NUMERIC.finditer(sentence):
+        text = match.group()
+        if len(text.split()) > 1 and text.split()[-1] in STOPWORDS:  # "1991 and": no unit after the number
+            text = text.rsplit(maxsplit=1)[0]
+        yield Span(sentence, match.start(), match.start() + len(text))
+        bare = text.split()[0].rstrip(_EDGE) if text[:1].isdigit() else ""
+        if bare and bare != text:
+            yield Span(sentence, match.start(), match.start() + len(bare))
+
+
+def _phrase(span: Span) -> bool:
+    """A plausible short answer: neither starts nor ends with a stopword, no punctuation between its words."""
+    raw = span.text.lower().split()
+    inner_punctuation = any(ch in span.text for ch in ",;:()[]")
+    return (
+        not inner_punctuation
+        and raw[0].strip(_EDGE) not in STOPWORDS
+        and raw[-1].strip(_EDGE) not in STOPWORDS
+    )
+
+
+def candidates(
+    sentences: Sequence[str], question: str, *, limit: int, max_phrase_words: int = 3
+) -> list[Span]:
+    """Up to `limit` distinct answer candidates, from the sentences sharing most words with the question first.
+
+    First the names, numbers and dates of every sentence, then short phrases (1..`max_phrase_words` words, no
+    stopword at either end, not all capitalised: a part of a name, "Organisation" of "Rank Organisation", is no
+    answer): the phrases of one long sentence would otherwise crowd out the names of the next.
+    A span whose words all occur in the question is left out (an answer rarely repeats the question), and so is
+    one normalising to the same words as an earlier candidate.
+    """
+    asked = set(normal_words(question))
+    order = sorted(range(len(sentences)), key=lambda i: -len(asked.intersection(normal_words(sentences[i]))))
+    seen: set[tuple[str, ...]] = set()
+    found: list[Span] = []
+    entities = (span for i in order for span in (*names(sentences[i]), *numbers(sentences[i])))
+    phrases = (
+        span
+        for i in order
+        for span in ngrams(sentences[i], max_phrase_words)
+        if _phrase(span) and not all(_is_name_word(w) for w in span.text.split())
+    )
+    for span in itertools.chain(entities, phrases):
+        if len(found) >= limit:
+            break
+        key = tuple(normal_words(span.text))
+        if not key or key in seen or set(key) <= asked | STOPWORDS:
+            continue
+        seen.add(key)
+        found.append(span)
+    return found
+
+
+def align(
+    sentences: Sequence[str], answer: str, question: str, *, extra_words: int = 2
+) -> tuple[Span | None, float]:
+    """The span of `sentences` with the highest token F1 against `answer`, and that F1 (None, 0.0 if no overlap).
+
+    F1 is over content words (no stopwords), and the answer's words that also occur in the question are ignored
+    when any others remain: a small model often restates the question ("the continent of Don is a region in
+    Europe") and the new words are the answer. Spans neither start nor end with a stopword and are up to
+    `extra_words` longer than the answer; ties go to the shorter span, then the earlier one.
+    """
+    asked = set(normal_words(question))
+    said = [w for w in normal_words(answer) if w not in STOPWORDS]
+    target = [w for w in said if w not in asked] or said
+    if not target:
+        return None, 0.0
+    best: tuple[float, int, Span] | None = None
+    for sentence in sentences:
+        for span in ngrams(sentence, len(target) + extra_words):
+            if not _phrase(span):
+                continue
+            score = f1([w for w in normal_words(span.text) if w not in STOPWORDS], target)
+            if score > 0 and (best is None or (score, -len(span.text)) > (best[0], best[1])):
+                best = (score, -len(span.text), span)
+    return (best[2], best[0]) if best else (None, 0.0)
+
+
+def mentions(sentence: str, question: str) -> bool:
+    """`sentence` shares a content word (not a stopword) with `question`."""
+    asked = set(normal_words(question)) - STOPWORDS
+    return not asked.isdisjoint(normal_words(sentence))
+
+
+def quote_around(span: Span, max_chars: int) -> str:
+    """The span's sentence, or a window of it of at most `max_chars` cut at spaces, holding the span
+    (the span alone, cut, if it is longer than `max_chars`)."""
+    sentence = span.sentence
+    if len(sentence) <= max_chars:
+        return sentence
+    if span.end - span.start >= max_chars:
+        return span.text[:max_chars]
+    room = max_chars - (span.end - span.start)
+    left = max(0, span.start - room // 2)
+    right = min(len(sentence), left + max_chars)
+    left = max(0, right - max_chars)
+    if left > 0 and (cut := sentence.find(" ", left, span.start)) >= 0:
+        left = cut + 1
+    if right < len(sentence) and (cut := sentence.rfind(" ", span.end, right)) >= 0:
+        right = cut
+    return sentence[left:right].strip()
