@@ -262,8 +262,12 @@ async def test_local_paths_must_be_regular_files_under_an_allowed_root(tmp_path:
     for source, kind in cases.items():
         response = await call(runtime(roots=rooted), cfg, op="load", image=source)
         assert response.error is not None and response.error.kind == kind, (source, response.error)
-        rest = response.error.message.replace(source[:80], "")  # messages quote at most 80 characters of a path
-        assert str(root) not in rest and str(outside) not in rest, rest  # neither the roots nor a link's target
+        rest = response.error.message.replace(
+            source[:80], ""
+        )  # messages quote at most 80 characters of a path
+        assert str(root) not in rest and str(outside) not in rest, (
+            rest
+        )  # neither the roots nor a link's target
     assert (await call(runtime(roots=rooted), cfg, op="load", image="ok.png")).ok
     assert (await call(runtime(roots=rooted), cfg, op="load", image=str(root / "ok.png"))).ok
     no_roots = await call(runtime(), Config(), op="load", image=str(root / "ok.png"))
