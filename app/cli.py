@@ -413,7 +413,7 @@ def eval_cmd(
     """Evaluate a policy with greedy decoding on fixed task instances; prints a table, writes JSON."""
     from training.evaluate import load_eval_config, run_eval
 
-    flags = {"policy": policy, "task": task, "split": split, "n": n}
+    flags = {"policy": policy, "task": task, "split": split, "limit": n}
     given = [f"{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
     _setup_logging(False)
     cfg = _settings(lambda: load_eval_config(config, [*given, *(set_ or ())]))
