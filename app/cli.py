@@ -1,7 +1,7 @@
 """The `conductor` command line: one entry point, subcommands that call into the packages.
 
     conductor models prepare | list      the built-in model, converted once to a dense checkpoint
-    conductor serve --config FILE        the tool server with the frozen sub-agents
+    conductor serve --config FILE [--set k=v]  the tool server with the frozen sub-agents
     conductor ask "QUESTION" [...]       the research assistant: one episode, shown live
     conductor trace EPISODES.jsonl       render episodes as a self-contained HTML trace
     conductor train [CONFIG] [--set k=v]  multi-turn RL of the main policy (sync, or --async; --ray [ADDRESS])
@@ -107,6 +107,10 @@ def serve(
         str | None, typer.Option(help="Bind address (default 127.0.0.1 from the config).")
     ] = None,
     port: Annotated[int | None, typer.Option(help="Port (default 8700 from the config).")] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override one setting: key=value, e.g. page_qa.limits.max_concurrency=2."),
+    ] = None,
     replicas: Annotated[
         int | None,
         typer.Option(
@@ -125,14 +129,11 @@ def serve(
     import dataclasses
 
     from tool_server.app import serve as run_server
-    from tool_server.config import ConfigError, load_config
+    from tool_server.config import load_config
     from tool_server.limits import UnsafeBind
 
     _setup_logging(verbose)
-    try:
-        cfg = load_config(config)
-    except (ConfigError, FileNotFoundError) as exc:
-        raise typer.BadParameter(str(exc), param_hint="--config") from exc
+    cfg = _settings(lambda: load_config(config, list(set_ or ())), where="--config / --set")
     cfg = dataclasses.replace(cfg, host=host or cfg.host, port=port if port is not None else cfg.port)
     if replicas is not None or ray is not None:
         _serve_replicas(cfg, replicas or 1, ray or None)
@@ -412,21 +413,21 @@ def eval_cmd(
     """Evaluate a policy with greedy decoding on fixed task instances; prints a table, writes JSON."""
     from training.evaluate import load_eval_config, run_eval
 
-    flags = {"policy": policy, "task": task, "split": split, "n": n}
+    flags = {"policy": policy, "task": task, "split": split, "limit": n}
     given = [f"{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
     _setup_logging(False)
     cfg = _settings(lambda: load_eval_config(config, [*given, *(set_ or ())]))
     typer.echo(_user_errors(lambda: run_eval(cfg, out)).table())
 
 
-def _settings(load: Callable[[], T]) -> T:
+def _settings(load: Callable[[], T], *, where: str = "CONFIG / --set") -> T:
     """Settings from a file and --set overrides; a mistake in them is one line and exit code 2."""
     from conductor.settings import ConfigError
 
     try:
         return load()
     except (ConfigError, FileNotFoundError) as exc:
-        raise typer.BadParameter(str(exc), param_hint="CONFIG / --set") from exc
+        raise typer.BadParameter(str(exc), param_hint=where) from exc
 
 
 def _user_errors(work: Callable[[], T]) -> T:

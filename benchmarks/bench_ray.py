@@ -61,7 +61,7 @@ def base_config(args: argparse.Namespace, run_dir: Path):
 def photos(cfg, n: int, offset: int):
     from training import tasks as task_data
 
-    tasks = task_data.load_family(cfg.task, cfg.split, data_dir=cfg.data_dir, limit=offset + n)
+    tasks = task_data.load_family(cfg.task, cfg.run.split, data_dir=cfg.run.data_dir, limit=offset + n)
     return tasks[offset : offset + n]
 
 
@@ -88,7 +88,7 @@ async def collect_local(cfg, warm, timed) -> dict[str, float]:
     from training.run import seed_step
 
     sampling = dataclasses.replace(cfg.sampling, backend="transformers")  # what a rollout worker samples with
-    policy, tokenizer = load_policy(cfg.policy, sampling, max_batch=cfg.max_concurrent_episodes)
+    policy, tokenizer = load_policy(cfg.run.policy, sampling, max_batch=cfg.max_concurrent_episodes)
     ready_all = [*warm, *timed]
     async with play.tool_session(ready_all, work_dir=cfg.run_dir, access=cfg.tools) as (tools, ready):
         kw = dict(tools=tools, tokenizer=tokenizer, cfg=cfg.rollout, group_size=GROUP, max_concurrent=8)

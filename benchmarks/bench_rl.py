@@ -156,7 +156,7 @@ async def _play_expert(family: str, n: int):
     tokenizer = AutoTokenizer.from_pretrained(
         tokenizer_dir(resolve_model(DEFAULT_MODEL)), local_files_only=True
     )
-    cfg = EvalConfig(task=family, n=n)
+    cfg = EvalConfig(task=family)
     tasks = task_data.load_family(family, "dev", limit=n)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-expert-") as work:

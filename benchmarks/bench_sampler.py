@@ -65,7 +65,7 @@ def run(sampler: str, steps: int) -> SamplerResult:
             CONFIG,
             sampling=dataclasses.replace(CONFIG.sampling, backend=sampler),
             steps=steps,
-            limit=CONFIG.batch_tasks * steps,
+            run=dataclasses.replace(CONFIG.run, limit=CONFIG.batch_tasks * steps),
             run_dir=Path(tmp) / "run",
             save_every=steps,
         )

@@ -49,7 +49,7 @@ import psutil
 import torch
 
 from main_agent.rollout import RolloutConfig
-from training.config import TrainConfig, config_to_dict
+from training.config import RunSettings, TrainConfig, config_to_dict
 from training.tasks import load_family
 
 REPO = Path(__file__).resolve().parent.parent
@@ -122,7 +122,7 @@ def stub_tools(latency_s: float) -> httpx.MockTransport:
 # Part 1's runs: B = 2 tasks x G = 2 episodes per step, 2 turns of at most 48 new tokens (a short call or answer),
 # each episode opening with FIRST_CALL already written (the prefix is prompt, not trained).
 LOOP = TrainConfig(
-    policy=POLICY,
+    run=RunSettings(policy=POLICY),
     task="plate_reading",
     batch_tasks=2,
     group_size=2,
@@ -161,7 +161,8 @@ def run_loop(mode: str, bench: BenchConfig) -> LoopResult:
 
     with tempfile.TemporaryDirectory() as tmp:
         n, run_dir = bench.steps, Path(tmp) / "run"  # limit: B x n tasks, so each step gets new ones
-        cfg = dataclasses.replace(LOOP, limit=LOOP.batch_tasks * n, steps=n, run_dir=run_dir, save_every=n)
+        run = dataclasses.replace(LOOP.run, limit=LOOP.batch_tasks * n)
+        cfg = dataclasses.replace(LOOP, run=run, steps=n, run_dir=run_dir, save_every=n)
         clock = RowClock(cfg.run_dir / "metrics.jsonl")
         clock.start()
         start = time.monotonic()

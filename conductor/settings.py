@@ -3,7 +3,10 @@
     cfg = load_settings(TrainConfig, Path("train.toml"), ["group_size=8", "rollout.max_turns=6"], moved=MOVED)
 
 A dataclass field whose type is itself a dataclass is a table (`[rollout]`, `[credit.turn_rewards]`); every other
-field is a key of its table. Rules, the same for every settings class of the project:
+field is a key of its table. A field declared with `shared(...)` holds settings several configs share (the policy,
+the tasks, the seed: `training.config.RunSettings`): declared once, each config with its own defaults, and their
+keys sit in the config's own table, as if declared there (`split = "dev"`, read as `cfg.run.split`). Rules, the
+same for every settings class of the project:
 - Unknown keys are errors naming the key and the valid ones: a typo must never fall back to a default.
 - A key that moved (an old flat key, say) is an error naming its new place, from the `moved` map the loader is
   given (`{"max_turns": "rollout.max_turns"}`).
@@ -23,7 +26,7 @@ import dataclasses
 import math
 import tomllib
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -38,6 +41,12 @@ def load_settings(
     cls: type[D], path: Path | None, overrides: Sequence[str] = (), *, moved: Mapping[str, str] | None = None
 ) -> D:
     """Defaults, then the TOML file at `path` (if any), then `key=value` overrides; ConfigError on any problem."""
+    return build(cls, read_settings(path, overrides), "the settings", moved=moved or {})
+
+
+def read_settings(path: Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The TOML file at `path` (none: an empty table) with `key=value` overrides written into it, unchecked: for a
+    file whose tables are laid out unlike its dataclasses (the tool server's), which builds them itself."""
     data: dict[str, Any] = {}
     if path is not None:
         with path.open("rb") as file:
@@ -51,7 +60,7 @@ def load_settings(
             if not isinstance(target, dict):
                 raise ConfigError(f"override {text!r}: {table} is not a table")
         target[name] = value
-    return build(cls, data, "the settings", moved=moved or {})
+    return data
 
 
 def parse_override(text: str) -> tuple[str, object]:
@@ -81,23 +90,62 @@ def build(
     `moved` maps dotted old keys to their new dotted place; `section` names the table in errors."""
     moved = moved or {}
     hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    check_keys(table, keys_of(cls), section, moved=moved)
     values: dict[str, Any] = {}
-    for key, value in table.items():
-        where = f"{section} {key}" if section != "the settings" else key
-        if key not in fields:
-            raise ConfigError(_unknown(key, list(fields), section, moved))
-        if _is_settings(hints[key]):
-            if not isinstance(value, Mapping):
-                raise ConfigError(_not_table(key, value, section, moved))
-            start = getattr(base, key) if base is not None else _default(fields[key])
-            values[key] = build(hints[key], value, _sub(section, key), moved=_nested(moved, key), base=start)
+    for spec in dataclasses.fields(cls):  # type: ignore[arg-type]
+        key, hint = spec.name, hints[spec.name]
+        start = getattr(base, key) if base is not None else _default(spec)
+        if _is_shared(spec):  # its keys sit in this table
+            own = {k: v for k, v in table.items() if k in keys_of(hint)}
+            values[key] = build(hint, own, section, base=start)
+        elif key not in table:
+            continue
+        elif _is_settings(hint):
+            sub = sub_table(table, key, section, moved=moved)
+            values[key] = build(hint, sub, _sub(section, key), moved=_nested(moved, key), base=start)
         else:
-            values[key] = coerce(value, hints[key], where)
+            values[key] = coerce(table[key], hint, f"{section} {key}" if section != "the settings" else key)
     try:
         return dataclasses.replace(base, **values) if base is not None else cls(**values)  # type: ignore[type-var]
     except (TypeError, ValueError) as exc:  # a dataclass's own checks (__post_init__) on the values given
         raise ConfigError(f"{section}: {exc}") from exc
+
+
+def shared(factory: Callable[[], D]) -> D:
+    """A field of settings several configs share, with this config's defaults (`shared(lambda:
+    RunSettings(split="dev"))`): its keys sit in the config's own table, as if declared there."""
+    return dataclasses.field(default_factory=factory, metadata={"shared": True})
+
+
+def keys_of(cls: type) -> list[str]:
+    """The keys a table of `cls` may hold: its fields, with a shared field's keys in place of its name."""
+    hints = get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    return [k for f in fields for k in (keys_of(hints[f.name]) if _is_shared(f) else [f.name])]
+
+
+def check_keys(
+    table: Mapping[str, Any], valid: Sequence[str], section: str, *, moved: Mapping[str, str] | None = None
+) -> None:
+    """ConfigError for the first key of `table` not in `valid`, naming it and the valid ones (or, if it moved,
+    its new place)."""
+    for key in table:
+        if key not in valid:
+            raise ConfigError(_unknown(key, list(valid), section, moved or {}))
+
+
+def sub_table(
+    table: Mapping[str, Any], key: str, section: str, *, moved: Mapping[str, str] | None = None
+) -> Mapping[str, Any]:
+    """`table[key]`, which must be a table; an empty one when it is left out."""
+    value = table.get(key, {})
+    if not isinstance(value, Mapping):
+        raise ConfigError(_not_table(key, value, section, moved or {}))
+    return value
+
+
+def _is_shared(spec: dataclasses.Field) -> bool:
+    return bool(spec.metadata.get("shared"))
 
 
 def _default(spec: dataclasses.Field) -> Any:
@@ -184,8 +232,16 @@ def check_range(name: str, value: float, low: float, high: float) -> None:
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """JSON-ready settings (paths as strings, tuples as lists, tables as dicts); `build` reads them back."""
-    return {f.name: _plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    """JSON-ready settings (paths as strings, tuples as lists, tables as dicts, a shared field's keys in its
+    config's own table); `build` reads them back."""
+    out: dict[str, Any] = {}
+    for spec in dataclasses.fields(cfg):
+        value = _plain(getattr(cfg, spec.name))
+        if _is_shared(spec):
+            out.update(value)
+        else:
+            out[spec.name] = value
+    return out
 
 
 def _plain(value: Any) -> Any:

@@ -19,7 +19,7 @@ import torch
 from conductor.cluster import RayConfig, cluster
 from main_agent.tokens import TrainSequence, micro_batches
 from training.checkpoint import TrainState
-from training.config import TrainConfig
+from training.config import RunSettings, TrainConfig
 from training.loss import token_logprobs
 from training.run import config_json, load_learner
 from training.update import DataParallel, accumulate_gradients, update
@@ -39,7 +39,7 @@ def ray_cluster() -> Iterator[None]:
 def config(tiny_policy: Path, tmp_path_factory: pytest.TempPathFactory) -> TrainConfig:
     run_dir = tmp_path_factory.mktemp("ray-trainer") / "run"
     return TrainConfig(
-        policy=str(tiny_policy),
+        run=RunSettings(policy=str(tiny_policy)),
         run_dir=run_dir,
         lr=1e-4,
         precision="fp32",
@@ -181,7 +181,7 @@ def test_a_checkpoint_written_by_two_workers_resumes_on_one_with_the_same_state(
     """LoRA on 2 workers, one step, rank 0 saves; 1 worker resumes it: the TrainState, the adapter weights,
     the optimizer and schedule states (saved again from the resumed worker) are those saved."""
     cfg = dataclasses.replace(config, lora_rank=4, run_dir=tmp_path / "two", warmup_steps=3)
-    saved_state = TrainState(step=1, policy_version=1, seed=cfg.seed)
+    saved_state = TrainState(step=1, policy_version=1, seed=cfg.run.seed)
     two, _ = start(cfg, 2)
     try:
         two.update(sequences)

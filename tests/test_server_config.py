@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 
+from conductor.settings import ConfigError
 from subagents import SUBAGENTS
 from subagents.llm import BackendConfig
-from tool_server.config import ConfigError, ServerConfig, ToolLimits, load_config, parse_config
+from tool_server.config import ServerConfig, ToolLimits, load_config, parse_config
 
 
 def test_no_file_means_defaults() -> None:
@@ -47,7 +48,7 @@ def test_toml_sections_fill_typed_fields(tmp_path: Path) -> None:
         ({"server": {"prot": 1}}, "'prot' in [server]; valid keys: host, port"),
         ({"page_qa": {"model": {"modle": "x"}}}, "'modle' in [page_qa.model]"),
         ({"page_qa": {"limits": {"max_conc": 1}}}, "'max_conc' in [page_qa.limits]"),
-        ({"pageqa": {}}, "'pageqa' in the top level; valid sections: server, files, fetch, cache, page_qa"),
+        ({"pageqa": {}}, "'pageqa' in the settings; valid keys: server, files, fetch, cache, page_qa"),
         ({"search": {"top_k": 3}}, "'top_k' in [search]"),
     ],
 )
@@ -132,3 +133,18 @@ def test_numbers_out_of_range_or_not_finite_are_config_errors(data: dict[str, An
     as in a hot swap: no setting may leave the server unable to answer."""
     with pytest.raises(ConfigError, match=named):
         parse_config(data)
+
+
+def test_overrides_reach_every_table_and_are_checked_like_the_file(tmp_path: Path) -> None:
+    """`--set` works on the server's file as on every config: dotted keys reach [server], a tool's own table and
+    its [<tool>.limits], and a typo in one is the same error as in the file."""
+    path = tmp_path / "server.toml"
+    path.write_text("[server]\nport = 9000\n")
+    cfg = load_config(path, ["server.port=9001", "page_qa.top_k=3", "page_qa.limits.max_concurrency=2"])
+    assert (cfg.port, cfg.tools["page_qa"].config.top_k, cfg.tools["page_qa"].limits.max_concurrency) == (
+        9001,
+        3,
+        2,
+    )
+    with pytest.raises(ConfigError, match="unknown key 'prot' in \\[server\\]; valid keys: host, port"):
+        load_config(path, ["server.prot=1"])

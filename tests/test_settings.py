@@ -8,7 +8,7 @@ from typing import Literal
 
 import pytest
 
-from conductor.settings import ConfigError, build, load_settings, parse_override, to_dict
+from conductor.settings import ConfigError, build, load_settings, parse_override, shared, to_dict
 
 
 @dataclass(frozen=True)
@@ -110,3 +110,49 @@ def test_a_table_starts_from_its_fields_default_not_its_class_default() -> None:
     assert build(Deep, {"inner": {"mode": "b"}}, "the settings") == Deep(Inner(7, "b"))
     cfg = load_eval_config(None, ["sampling.backend=transformers"])
     assert cfg.sampling.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Run:
+    split: str = "train"
+    limit: int | None = None
+
+
+@dataclass(frozen=True)
+class WithShared:
+    run: Run = shared(lambda: Run(split="dev"))
+    name: str = "x"
+    inner: Inner = field(default_factory=Inner)
+
+
+def test_a_shared_fields_keys_sit_in_its_configs_own_table() -> None:
+    """Settings several configs share are declared once, yet written where users always wrote them: `limit = 3`
+    at the top, not under [run]; each config keeps its own defaults; errors list the keys as written; `to_dict`
+    writes them back flat."""
+    cfg = build(WithShared, {"limit": 3, "name": "y", "inner": {"depth": 2}}, "the settings")
+    assert cfg == WithShared(Run("dev", 3), "y", Inner(2))
+    with pytest.raises(
+        ConfigError, match="unknown key 'run' in the settings; valid keys: split, limit, name, inner"
+    ):
+        build(WithShared, {"run": {"limit": 3}}, "the settings")
+    with pytest.raises(ConfigError, match="limit: expected int"):
+        build(WithShared, {"limit": "3"}, "the settings")
+    assert to_dict(cfg) == {"split": "dev", "limit": 3, "name": "y", "inner": {"depth": 2, "mode": "a"}}
+    assert build(WithShared, to_dict(cfg), "the settings") == cfg
+
+
+def test_train_eval_and_sft_share_one_declaration_of_the_run_settings() -> None:
+    """policy, split, limit, data_dir and seed are one dataclass (RunSettings) in all three configs, set by the
+    same keys as before; evaluation and SFT keep their own defaults; eval's old `n` names `limit`."""
+    from training.config import RunSettings, load_train_config
+    from training.evaluate import load_eval_config
+    from training.sft import load_sft_config
+
+    keys = ["policy=p", "split=test", "limit=5", "data_dir=d", "seed=7"]
+    expected = RunSettings("p", "test", 5, Path("d"), 7)
+    assert load_train_config(None, keys).run == load_eval_config(None, keys).run == expected
+    assert load_sft_config(keys).run == expected
+    assert (load_eval_config(None).run.split, load_eval_config(None).run.limit) == ("dev", 100)
+    assert load_sft_config([]).run.limit == 16 and load_train_config(None).run == RunSettings()
+    with pytest.raises(ConfigError, match="'n' in the settings has moved: set limit instead"):
+        load_eval_config(None, ["n=5"])

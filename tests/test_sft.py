@@ -306,7 +306,7 @@ async def test_oracle_reply_is_cut_by_the_token_budget_like_any_policy():
 def test_sft_settings_read_overrides_as_toml():
     """`tasks=[...]` becomes a tuple and numbers keep their types; an unknown key is refused."""
     cfg = load_sft_config(['tasks=["video_qa"]', "limit=3", "lr=0.001", "rollout.max_turns=4"])
-    assert (cfg.tasks, cfg.limit, cfg.lr, cfg.rollout.max_turns) == (("video_qa",), 3, 0.001, 4)
+    assert (cfg.tasks, cfg.run.limit, cfg.lr, cfg.rollout.max_turns) == (("video_qa",), 3, 0.001, 4)
     with pytest.raises(ValueError, match="unknown key"):
         load_sft_config(["epoch=2"])
     with pytest.raises(ValueError, match="set rollout.max_new_tokens instead"):

@@ -26,7 +26,14 @@ from training import step as step_module
 from training import tasks as task_data
 from training.advantages import CreditConfig
 from training.checkpoint import CheckpointError, TrainState
-from training.config import ConfigError, TrainConfig, config_hash, config_to_dict, load_train_config
+from training.config import (
+    ConfigError,
+    RunSettings,
+    TrainConfig,
+    config_hash,
+    config_to_dict,
+    load_train_config,
+)
 from training.loop import train
 from training.metrics import read_metrics, rollout_metrics, step_line
 from training.run import next_tasks
@@ -343,7 +350,7 @@ TINY_ROLLOUT = RolloutConfig(max_turns=2, max_new_tokens=8, max_context_tokens=1
 
 def tiny_config(run_dir: Path, policy: Path, **changes) -> TrainConfig:
     cfg = TrainConfig(
-        policy=str(policy),
+        run=RunSettings(policy=str(policy)),
         task="video_qa",
         steps=2,
         batch_tasks=2,
@@ -413,7 +420,7 @@ def test_branching_plans_states_around_chosen_turns() -> None:
     episodes = [fake_episode("t1"), fake_episode("t1")]
     for e in episodes:
         e.turns = [_turn(), _turn(), _turn()]
-    cfg = TrainConfig(seed=3, credit=CreditConfig(mode="branch", branch_turns=0))
+    cfg = TrainConfig(run=RunSettings(seed=3), credit=CreditConfig(mode="branch", branch_turns=0))
     chosen = plan([episodes], [TASK], cfg, step=1)
     assert chosen == {(0, 0): [0, 1, 2], (0, 1): [0, 1, 2]}
     assert states([episodes], chosen) == [(0, i, s) for i in (0, 1) for s in (1, 2)]

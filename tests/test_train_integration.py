@@ -66,9 +66,8 @@ def plate_tool_server(shared_data: Path) -> Iterator[str]:
 
 
 def plate_config(run_dir: Path, policy: Path, tools_url: str, shared_data: Path) -> TrainConfig:
-    return tiny_config(
-        run_dir, policy, task="plate_reading", limit=4, data_dir=shared_data, tools=ToolAccess(url=tools_url)
-    )
+    cfg = tiny_config(run_dir, policy, task="plate_reading", tools=ToolAccess(url=tools_url))
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, limit=4, data_dir=shared_data))
 
 
 def check_metrics_and_rollouts(run_dir: Path, policy: Path) -> None:

@@ -249,7 +249,8 @@ async def test_evaluation_through_vllm_matches_transformers(smollm2_path: Path) 
     for backend in ("transformers", "vllm"):
         async with ToolClient("http://tools", transport=fake_tool_server(), deadline_s=30.0) as tools:
             sampling = SamplingConfig(backend=backend, temperature=0.0)  # type: ignore[arg-type]
-            cfg = EvalConfig(policy=str(smollm2_path), sampling=sampling, max_concurrent_episodes=4)
+            run = dataclasses.replace(EvalConfig().run, policy=str(smollm2_path))
+            cfg = EvalConfig(run=run, sampling=sampling, max_concurrent_episodes=4)
             reports.append(await evaluate(STUB_TASKS[:4], tools=tools, cfg=cfg))
     a, b = (dataclasses.replace(r, wall_s=0.0) for r in reports)
     assert a == b, (a, b)

@@ -1,6 +1,6 @@
 """The HTTP tool server: hosts the frozen sub-agents behind /v1/tools, /v1/batch and an MCP endpoint.
 
-config.py      ServerConfig and load_config(path): the TOML file, typed, unknown keys refused
+config.py      ServerConfig and load_config(path, overrides): the TOML file read by conductor.settings
 cache.py       ResultCache: frozen results keyed by (tool, model id, exact request), single-flight
 limits.py      Host/Origin guard, bearer-token auth, body-size cap, request deadline, per-tool gate, metrics
 host.py        ToolHost: what the running server holds and how one call goes through it; tool_schema

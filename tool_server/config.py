@@ -9,21 +9,21 @@
     [<tool>.limits]     ToolLimits: concurrency cap, queue deadline, call deadline
 
 Every section is optional; a missing file means all defaults (the built-in SmolLM2-135M-Instruct for every
-sub-agent, bound to 127.0.0.1, no local files). Keys are checked by conductor.settings: unknown keys are errors
-that name the key and the valid ones, and keys that moved name their new place. The tool sections come from
+sub-agent, bound to 127.0.0.1, no local files). The file and `--set` overrides (`server.port=0`) are read and
+checked by conductor.settings like every config of the project: unknown keys are errors that name the key and the
+valid ones, and keys that moved name their new place. The tool sections come from
 `SUBAGENTS`: a new sub-agent brings its own. Paths are used as written, i.e. relative to the working directory.
 See examples/server.toml for a documented file.
 """
 
 from __future__ import annotations
 
-import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Generic, TypeVar, get_type_hints
+from typing import Any, Generic, TypeVar
 
-from conductor.settings import ConfigError, build, check_range, coerce
+from conductor.settings import build, check_keys, check_range, read_settings, sub_table
 from subagents import SUBAGENTS
 from subagents.common import Files
 from subagents.fetch import FetchConfig
@@ -168,58 +168,37 @@ def check_server(cfg: ServerConfig) -> None:
         raise ValueError("max_connections_per_peer must not exceed max_connections")
 
 
-def load_config(path: Path | None) -> ServerConfig:
-    """Read `path` (TOML); None means all defaults. Raises ConfigError naming any unknown key."""
-    if path is None:
-        return ServerConfig()
-    with path.open("rb") as file:
-        return parse_config(tomllib.load(file))
+TABLES = ("files", "fetch", "cache")
+"""ServerConfig's fields that are tables of their own in the file; its other fields but `tools` sit in [server]."""
+
+
+def load_config(path: Path | None, overrides: Sequence[str] = ()) -> ServerConfig:
+    """Defaults, then the TOML file at `path` (if any), then `key=value` overrides (`server.port=0`,
+    `page_qa.limits.max_concurrency=2`), read by conductor.settings; ConfigError naming any unknown key."""
+    return parse_config(read_settings(path, overrides))
 
 
 def parse_config(data: Mapping[str, Any]) -> ServerConfig:
-    """Build a ServerConfig from parsed TOML (see the module docstring for the layout)."""
-    sections = ("server", "files", "fetch", "cache", *SUBAGENTS)
-    for key in data:
-        if key not in sections:
-            raise ConfigError(f"unknown key {key!r} in the top level; valid sections: {', '.join(sections)}")
-    server = _server_keys(_table(data, "server", "[server]"))
-    nested = {
-        "files": build(Files, _table(data, "files", "[files]"), "[files]"),
-        "fetch": build(FetchConfig, _table(data, "fetch", "[fetch]"), "[fetch]", moved=_moved("fetch")),
-        "cache": build(CacheConfig, _table(data, "cache", "[cache]"), "[cache]"),
-        "tools": {name: _tool(module.Config, data, name) for name, module in SUBAGENTS.items()},
-    }
-    try:
-        return ServerConfig(**server, **nested)
-    except ValueError as exc:  # ServerConfig's own range checks
-        raise ConfigError(f"[server] {exc}") from None
-
-
-def _server_keys(table: Mapping[str, Any]) -> dict[str, Any]:
-    """The scalar settings of `[server]`, checked like any table (the nested ones have their own sections)."""
-    names = [f.name for f in fields(ServerConfig) if f.name not in ("files", "fetch", "cache", "tools")]
-    for key in table:
-        if key not in names:
-            raise ConfigError(f"unknown key {key!r} in [server]; valid keys: {', '.join(names)}")
-    hints = get_type_hints(ServerConfig)
-    return {key: coerce(value, hints[key], f"[server] {key}") for key, value in table.items()}
+    """A ServerConfig from the file's tables (see the module docstring for the layout), each checked and built by
+    conductor.settings: [server] holds ServerConfig's own keys, [files], [fetch] and [cache] its tables, and
+    each sub-agent's [<tool>] its entry of `tools`."""
+    check_keys(data, ("server", *TABLES, *SUBAGENTS), "the settings", moved=MOVED)
+    server = sub_table(data, "server", "the settings")
+    check_keys(server, [f.name for f in fields(ServerConfig) if f.name not in (*TABLES, "tools")], "[server]")
+    tools = {name: _tool(module.Config, data, name) for name, module in SUBAGENTS.items()}
+    own = build(ServerConfig, server, "[server]", base=ServerConfig(tools=tools))
+    tables = {key: data[key] for key in TABLES if key in data}
+    return build(ServerConfig, tables, "the settings", moved=MOVED, base=own)
 
 
 def _tool(config_type: type[C], data: Mapping[str, Any], name: str) -> ToolSettings[C]:
-    table = _table(data, name, f"[{name}]")
+    """One sub-agent's settings: its own keys in [<tool>], its model and limits in [<tool>.model] and
+    [<tool>.limits]."""
+    table = sub_table(data, name, "the settings")
     own = {key: value for key, value in table.items() if key not in ("model", "limits")}
-    return ToolSettings(
-        config=build(config_type, own, f"[{name}]", moved=_moved(name)),
-        model=build(BackendConfig, _table(table, "model", f"[{name}.model]"), f"[{name}.model]"),
-        limits=build(ToolLimits, _table(table, "limits", f"[{name}.limits]"), f"[{name}.limits]"),
-    )
-
-
-def _table(data: Mapping[str, Any], key: str, section: str) -> Mapping[str, Any]:
-    value = data.get(key, {})
-    if not isinstance(value, dict):
-        raise ConfigError(f"{section} must be a table, got {type(value).__name__}")
-    return value
+    config = build(config_type, own, f"[{name}]", moved=_moved(name))
+    nested = {key: value for key, value in table.items() if key in ("model", "limits")}
+    return build(ToolSettings, nested, f"[{name}]", base=ToolSettings(config))
 
 
 def _moved(section: str) -> dict[str, str]:

@@ -79,7 +79,7 @@ def plan(
     for g, (task, group) in enumerate(zip(tasks, groups, strict=True)):
         for i, episode in enumerate(group):
             if trainable(episode):
-                rng = random.Random(f"{cfg.seed}/{step}/{task.task_id}/{i}")
+                rng = random.Random(f"{cfg.run.seed}/{step}/{task.task_id}/{i}")
                 chosen[(g, i)] = chosen_turns(len(episode.turns), cfg.credit.branch_turns, rng)
     return chosen
 

@@ -1,4 +1,6 @@
-"""The trainer's settings: one frozen dataclass composed of the tables every run shares.
+"""The trainer's settings: one frozen dataclass composed of the tables every run shares; and `RunSettings`, what
+training, evaluation and SFT all set (the policy, the split and how many of its tasks, the data folder, the seed),
+declared once here.
 
     policy = "runs/sft/model"        # top level: the run itself (data, batch shape, optimizer, checkpoints)
     task = "plate_reading"
@@ -29,7 +31,7 @@ from typing import Any, Literal
 
 from conductor.cluster import RayConfig
 from conductor.models import DEFAULT_MODEL
-from conductor.settings import ConfigError, load_settings, to_dict
+from conductor.settings import ConfigError, load_settings, shared, to_dict
 from main_agent.policy import SamplingConfig
 from main_agent.rollout import RolloutConfig
 from tool_server.embedded import ToolAccess
@@ -60,28 +62,40 @@ MOVED = {
 
 
 @dataclass(frozen=True)
+class RunSettings:
+    """What every run of the policy on tasks sets: training, evaluation and SFT each hold one, with defaults of
+    their own (`shared(...)`), and its keys sit in their own table (`policy = ...`, `split = "dev"`)."""
+
+    policy: str = DEFAULT_MODEL
+    """Built-in model name, or a local checkpoint or LoRA adapter dir: the policy to start from, or to evaluate."""
+    split: str = "train"
+    """Split of the task family (train, dev or test)."""
+    limit: int | None = None
+    """Only the first `limit` tasks of the split, in the loader's fixed order (None: all): the same tasks for every
+    policy and every run."""
+    data_dir: Path | None = None
+    """The shared data folder; None: $CONDUCTOR_DATA, else ../shared/data beside the repository."""
+    seed: int = 0
+    """Seeds what the run draws: training's task order and torch's sampler (reseeded from (seed, step) every step,
+    so resume is exact), SFT's micro-batch order, LoRA initialisation, the vLLM samplers. Greedy evaluation draws
+    nothing, but a sampling policy would."""
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """One RL run of the main policy against the tool server."""
 
-    policy: str = DEFAULT_MODEL
-    """Built-in model name or a local checkpoint dir (dense or LoRA adapter) to start from."""
+    run: RunSettings = shared(RunSettings)
+    """The policy to start from, the split of `task` trained on (all of it by default), data folder and seed: keys
+    of this table (`policy = ...`, `limit = 64`)."""
     task: str = "multihop_pages"
     """Task family (a key of `training.tasks.FAMILIES`)."""
-    split: str = "train"
-    """Split of the task family to train on."""
-    limit: int | None = None
-    """Use only the first `limit` tasks of the split (None: all)."""
-    data_dir: Path | None = None
-    """The shared data folder; None: $CONDUCTOR_DATA, else ../shared/data beside the repository."""
     steps: int = 20
     """Optimizer steps. Each step samples `batch_tasks` tasks and `group_size` episodes of each."""
     batch_tasks: int = 2
     """Tasks per step (B). B x G episodes are played per step; 8 keep a 2-core CPU busy for minutes."""
     group_size: int = 4
     """Episodes per task (G); their rewards are each other's baseline, so at least 2."""
-    seed: int = 0
-    """Seeds the task order and torch's sampler (reseeded from (seed, step) every step, so resume is exact), and
-    the vLLM samplers."""
     lr: float | None = None
     """AdamW learning rate; None: 1e-5 for full fine-tuning, 1e-4 with LoRA (adapters need larger steps)."""
     warmup_steps: int = 0

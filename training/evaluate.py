@@ -2,8 +2,8 @@
 
     conductor eval --policy CKPT --task plate_reading --split dev --n 100 [--out report.json] [--set key=value]
 
-Every policy sees the same task instances: the first `n` tasks of the split in the loader's fixed order, played
-with temperature 0 (greedy decoding) and torch seeded from `EvalConfig.seed`, so two checkpoints are compared on
+Every policy sees the same task instances: the first `limit` tasks of the split in the loader's fixed order (`--n`),
+played with temperature 0 (greedy decoding) and torch seeded from `seed`, so two checkpoints are compared on
 identical questions. Greedy decoding is deterministic given the weights; batched generation may still differ in
 the last bits when episodes are batched differently (padding changes the matmul shapes).
 
@@ -41,8 +41,7 @@ from pathlib import Path
 
 import torch
 
-from conductor.models import DEFAULT_MODEL
-from conductor.settings import load_settings
+from conductor.settings import load_settings, shared
 from main_agent.backends import load_policy
 from main_agent.policy import Policy, SamplingConfig
 from main_agent.rollout import RolloutConfig
@@ -50,6 +49,7 @@ from main_agent.types import Episode
 from tool_server.client import ToolClient
 from tool_server.embedded import ToolAccess
 from training import tasks as task_data
+from training.config import RunSettings
 from training.metrics import mean, save_rollouts
 from training.play import play, tool_session
 from training.tasks import Task
@@ -64,22 +64,15 @@ def greedy() -> SamplingConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """One evaluation: a policy, greedy, on the first `n` tasks of a split (`conductor eval`)."""
+    """One evaluation: a policy, greedy, on the first `limit` tasks of a split (`conductor eval`)."""
 
-    policy: str = DEFAULT_MODEL
-    """Built-in model name, checkpoint or LoRA adapter dir."""
+    run: RunSettings = shared(lambda: RunSettings(split="dev", limit=100))
+    """The policy evaluated, on the first `limit` tasks of the dev split by default (`conductor eval --n`), data
+    folder and seed: keys of this table."""
     task: str = "plate_reading"
     """Task family (a key of `training.tasks.FAMILIES`)."""
-    split: str = "dev"
-    """train, dev or test."""
-    n: int = 100
-    """The first `n` tasks of the split, the same for every policy."""
     items: int | None = None
     """Item families (plate_audit, multihop_batch): items per task; None: the family's default (4)."""
-    data_dir: Path | None = None
-    """The shared data folder; None: $CONDUCTOR_DATA, else ../shared/data beside the repository."""
-    seed: int = 0
-    """Seeds torch before the episodes (greedy decoding needs no randomness, but a sampling policy would)."""
     max_concurrent_episodes: int = 8
     """Episodes in flight at once; the in-process policy batches their turns into one generate."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -241,7 +234,7 @@ async def evaluate_policy(
     policy: Policy, tokenizer, tasks: Sequence[Task], *, tools: ToolClient, cfg: EvalConfig, label: str
 ) -> tuple[EvalReport, list[Episode]]:
     """Play every task once with `policy` (already set to greedy decoding) and summarise."""
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.run.seed)
     start = time.monotonic()
     groups = await play(
         tasks,
@@ -258,15 +251,19 @@ async def evaluate_policy(
 async def evaluate(
     tasks: Sequence[Task], *, tools: ToolClient, cfg: EvalConfig, episodes_out: Path | None = None
 ) -> EvalReport:
-    """Load `cfg.policy` (`main_agent.backends.load_policy`) and evaluate it on `tasks`; the episodes go to
+    """Load `cfg.run.policy` (`main_agent.backends.load_policy`) and evaluate it on `tasks`; the episodes go to
     `episodes_out` as JSON lines when given (`conductor trace` renders them)."""
     context = cfg.rollout.max_context_tokens + cfg.rollout.max_new_tokens
     policy, tokenizer = load_policy(
-        cfg.policy, cfg.sampling, max_batch=cfg.max_concurrent_episodes, seed=cfg.seed, max_model_len=context
+        cfg.run.policy,
+        cfg.sampling,
+        max_batch=cfg.max_concurrent_episodes,
+        seed=cfg.run.seed,
+        max_model_len=context,
     )
     try:
         report, episodes = await evaluate_policy(
-            policy, tokenizer, tasks, tools=tools, cfg=cfg, label=cfg.policy
+            policy, tokenizer, tasks, tools=tools, cfg=cfg, label=cfg.run.policy
         )
     finally:
         await policy.aclose()
@@ -277,17 +274,19 @@ async def evaluate(
 
 async def _run_eval(tasks: list[Task], *, cfg: EvalConfig, episodes_out: Path | None) -> EvalReport:
     with tempfile.TemporaryDirectory(prefix="conductor-eval-") as work:
-        session = tool_session(tasks, work_dir=Path(work), access=cfg.tools, data_dir=cfg.data_dir)
+        session = tool_session(tasks, work_dir=Path(work), access=cfg.tools, data_dir=cfg.run.data_dir)
         async with session as (tools, ready):
             return await evaluate(ready, tools=tools, cfg=cfg, episodes_out=episodes_out)
 
 
 def run_eval(cfg: EvalConfig, out_json: Path | None = None) -> EvalReport:
-    """The `conductor eval` entry point: the first `n` tasks of `task`/`split`; with `out_json` the report
+    """The `conductor eval` entry point: the first `limit` tasks of `task`/`split`; with `out_json` the report
     there and the episodes beside it (`<name>.episodes.jsonl`)."""
-    tasks = task_data.load_family(cfg.task, cfg.split, data_dir=cfg.data_dir, limit=cfg.n, items=cfg.items)
+    tasks = task_data.load_family(
+        cfg.task, cfg.run.split, data_dir=cfg.run.data_dir, limit=cfg.run.limit, items=cfg.items
+    )
     if not tasks:
-        raise ValueError(f"no tasks in {cfg.task}/{cfg.split}")
+        raise ValueError(f"no tasks in {cfg.task}/{cfg.run.split}")
     episodes_out = out_json.with_suffix(".episodes.jsonl") if out_json is not None else None
     report = asyncio.run(_run_eval(tasks, cfg=cfg, episodes_out=episodes_out))
     if out_json is not None:
@@ -296,6 +295,10 @@ def run_eval(cfg: EvalConfig, out_json: Path | None = None) -> EvalReport:
     return report
 
 
+MOVED = {"sampler": "sampling.backend", "n": "limit"}
+"""The keys of earlier versions and where each went (`conductor eval --n` still sets `limit`)."""
+
+
 def load_eval_config(path: Path | None, overrides: Sequence[str] = ()) -> EvalConfig:
     """Defaults, then the TOML file at `path` (if any), then `key=value` overrides (`rollout.max_turns=6`)."""
-    return load_settings(EvalConfig, path, overrides, moved={"sampler": "sampling.backend"})
+    return load_settings(EvalConfig, path, overrides, moved=MOVED)

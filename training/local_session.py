@@ -135,7 +135,7 @@ async def local_session(
         log = open_log(cfg, state)
         with log:
             session = play.tool_session(
-                tasks, work_dir=cfg.run_dir, access=cfg.tools, data_dir=cfg.data_dir, transport=transport
+                tasks, work_dir=cfg.run_dir, access=cfg.tools, data_dir=cfg.run.data_dir, transport=transport
             )
             async with session as (tools, ready):
                 run = Run(cfg, ready, state, log, on_step)

@@ -184,7 +184,7 @@ class RolloutWorker:
                 )
         return build_policy(
             self.backend, self.tokenizer, cfg.sampling, model=self.model, folder=folder, version=version,
-            max_batch=cfg.max_concurrent_episodes, seed=cfg.seed + self.rank, max_model_len=max_model_len(cfg),
+            max_batch=cfg.max_concurrent_episodes, seed=cfg.run.seed + self.rank, max_model_len=max_model_len(cfg),
             dtype=engine_dtype(cfg),
             weight_transfer=None if cfg.ray.weight_push == "object_store" else cfg.ray.weight_push,
         )  # fmt: skip
@@ -204,9 +204,9 @@ def load_structure(cfg: TrainConfig):
     from main_agent.backends import load_policy
     from main_agent.policy import SamplingConfig
 
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.run.seed)
     policy, tokenizer = load_policy(
-        cfg.policy, SamplingConfig(backend="transformers"), lora_rank=cfg.lora_rank, device="cpu"
+        cfg.run.policy, SamplingConfig(backend="transformers"), lora_rank=cfg.lora_rank, device="cpu"
     )
     return policy.model.eval().requires_grad_(False), tokenizer  # type: ignore[attr-defined]
 

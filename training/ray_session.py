@@ -176,7 +176,7 @@ async def ray_session(
 async def serve_tools(cfg: TrainConfig, tasks: Sequence[Task]) -> AsyncIterator[tuple[str, list[Task]]]:
     """The tool server's URL and the tasks ready to play (prepared under run_dir): `[tools] url`, or the tool
     server on Ray Serve with what the tasks need (folders, loopback pages, corpus: training.play.server_needs)."""
-    with task_data.prepared(tasks, cfg.run_dir, data_dir=cfg.data_dir) as ready:
+    with task_data.prepared(tasks, cfg.run_dir, data_dir=cfg.run.data_dir) as ready:
         if cfg.tools.url is not None:
             async with ToolClient(cfg.tools.url) as probe:
                 await probe.health()  # fail here, with the URL, rather than in every worker's first episode

@@ -56,7 +56,7 @@ def next_tasks(tasks: Sequence[Task], state: TrainState, cfg: TrainConfig) -> tu
     epoch, position = state.epoch, state.position
     while len(picked) < cfg.batch_tasks:
         order = list(range(len(tasks)))
-        random.Random(cfg.seed * 1_000_003 + epoch).shuffle(order)
+        random.Random(cfg.run.seed * 1_000_003 + epoch).shuffle(order)
         take = order[position : position + cfg.batch_tasks - len(picked)]
         picked += [tasks[i] for i in take]
         position += len(take)
@@ -69,7 +69,7 @@ def seed_step(cfg: TrainConfig, step: int, *, rank: int = 0) -> None:
     """Sampling draws from torch's global RNG; reseeding per step makes each step's draws a function of
     (seed, step) alone, so a resumed run repeats them without saving RNG state. Rollout worker `rank` of a run
     on Ray (training/ray_rollout.py) adds its rank, worker 0 drawing what this process would."""
-    torch.manual_seed(cfg.seed * 1_000_003 + step + rank * 1_000_000_007)
+    torch.manual_seed(cfg.run.seed * 1_000_003 + step + rank * 1_000_000_007)
 
 
 @dataclass
@@ -114,11 +114,11 @@ class Trainable:
 
 
 def load_learner(cfg: TrainConfig) -> Trainable:
-    """The policy on its device (LoRA adapters drawn from `cfg.seed`, so every process draws the same ones),
+    """The policy on its device (LoRA adapters drawn from `cfg.run.seed`, so every process draws the same ones),
     its frozen reference when kl_coef > 0, AdamW and the linear warm-up schedule."""
-    torch.manual_seed(cfg.seed)  # LoRA initialisation draws from it
+    torch.manual_seed(cfg.run.seed)  # LoRA initialisation draws from it
     in_process = SamplingConfig(backend="transformers")  # the trained weights live here; cfg.sampling samples
-    learner, tokenizer = load_policy(cfg.policy, in_process, lora_rank=cfg.lora_rank, device=cfg.device)
+    learner, tokenizer = load_policy(cfg.run.policy, in_process, lora_rank=cfg.lora_rank, device=cfg.device)
     assert isinstance(learner, TransformersPolicy), learner
     model = learner.model
     cfg = with_precision(cfg, next(model.parameters()).device.type)
@@ -164,14 +164,14 @@ def load_tasks(cfg: TrainConfig) -> list[Task]:
     """The split's tasks; for an item family, its tasks at every horizon the curriculum can reach (prepared
     together, drawn by the current one)."""
     if not hasattr(task_data.FAMILIES.get(cfg.task), "item_reward"):
-        tasks = task_data.load_family(cfg.task, cfg.split, data_dir=cfg.data_dir, limit=cfg.limit)
+        tasks = task_data.load_family(cfg.task, cfg.run.split, data_dir=cfg.run.data_dir, limit=cfg.run.limit)
     else:
         load = functools.partial(
-            task_data.load_family, cfg.task, cfg.split, data_dir=cfg.data_dir, limit=cfg.limit
+            task_data.load_family, cfg.task, cfg.run.split, data_dir=cfg.run.data_dir, limit=cfg.run.limit
         )
         tasks = [t for n in horizons(cfg.horizon) for t in load(items=n)]
     if not tasks:
-        raise ValueError(f"no tasks in {cfg.task}/{cfg.split}")
+        raise ValueError(f"no tasks in {cfg.task}/{cfg.run.split}")
     return tasks
 
 
@@ -190,7 +190,7 @@ def set_learning_rate(
 
 def first_state(cfg: TrainConfig, tasks: Sequence[Task]) -> TrainState:
     """A new run's state: step 0, the data cursor at the start, item tasks at the configured horizon."""
-    return TrainState(seed=cfg.seed, items=cfg.horizon.items if tasks[0].items else 0)
+    return TrainState(seed=cfg.run.seed, items=cfg.horizon.items if tasks[0].items else 0)
 
 
 def open_log(cfg: TrainConfig, state: TrainState) -> MetricsLog:

@@ -51,7 +51,7 @@ async def start_sampler(cfg: TrainConfig, model: nn.Module, tokenizer, *, versio
         folder = export_weights(model, tokenizer, cfg.run_dir / "sampler", version)
     policy = build_policy(
         backend, tokenizer, cfg.sampling, model=model, folder=folder, version=version,
-        max_batch=cfg.max_concurrent_episodes, seed=cfg.seed, max_model_len=max_model_len(cfg),
+        max_batch=cfg.max_concurrent_episodes, seed=cfg.run.seed, max_model_len=max_model_len(cfg),
         dtype=engine_dtype(cfg),
     )  # fmt: skip
     if backend == "server":  # a served engine loads the run's current weights from the folder

@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from conductor.models import DEFAULT_MODEL, portable_adapter
-from conductor.settings import load_settings
+from conductor.models import portable_adapter
+from conductor.settings import load_settings, shared
 from main_agent.backends import load_policy
 from main_agent.policy import Sample, SamplingConfig
 from main_agent.rollout import RolloutConfig
@@ -43,6 +43,7 @@ from main_agent.types import Episode, Turn
 from tool_server.client import ToolClient
 from tool_server.embedded import ToolAccess
 from training import tasks as task_data
+from training.config import RunSettings
 from training.evaluate import EvalConfig, EvalReport, evaluate_policy
 from training.loss import all_finite, token_logprobs
 from training.metrics import save_rollouts
@@ -192,17 +193,15 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch, params: lis
 class SFTConfig:
     """One supervised warm-start of the main policy on expert episodes (`conductor sft`)."""
 
-    policy: str = DEFAULT_MODEL
-    """Built-in model name or local checkpoint dir to start from."""
+    run: RunSettings = shared(lambda: RunSettings(limit=16))
+    """The policy to start from, the split demonstrated and the first `limit` tasks of each family (on 2 CPU cores
+    each expert episode costs 10-60 s), data folder, and the seed of the micro-batch order and the evaluations:
+    keys of this table."""
     tasks: tuple[str, ...] = ("multihop_pages", "plate_reading")
     """Task families to demonstrate (keys of `training.tasks.FAMILIES`)."""
     items: tuple[int, ...] = (1, 2, 4)
     """Item families (plate_audit, multihop_batch): one set of `limit` tasks per value, a mix of horizons, so the
     policy has recorded and folded before RL grows N."""
-    split: str = "train"
-    """Split the demonstrations are played on."""
-    limit: int | None = 16
-    """First `limit` tasks of each family (None: all); on 2 CPU cores each expert episode costs 10-60 s."""
     epochs: int = 3
     """Passes over the kept expert episodes."""
     lr: float = 1e-5
@@ -214,10 +213,6 @@ class SFTConfig:
     """Padded tokens per optimizer step; the [tokens, vocab] logits dominate memory (400 MB at 2048 x 49152)."""
     out_dir: Path = Path("runs/sft")
     """Where the model (`model/`), the expert episodes, the report and the task pages and videos go."""
-    data_dir: Path | None = None
-    """The shared data folder; None: $CONDUCTOR_DATA, else ../shared/data beside the repository."""
-    seed: int = 0
-    """Seeds the micro-batch order and evaluation."""
     max_concurrent_episodes: int = 4
     """Episodes in flight at once, expert and evaluation alike."""
     eval_split: str = "dev"
@@ -245,7 +240,7 @@ def load_sft_config(overrides: Sequence[str], path: Path | None = None) -> SFTCo
 
 def _tasks(cfg: SFTConfig, split: str, limit: int | None) -> list[Task]:
     """`limit` tasks of each family (of each horizon in `items`, for item families)."""
-    load = functools.partial(task_data.load_family, split=split, data_dir=cfg.data_dir, limit=limit)
+    load = functools.partial(task_data.load_family, split=split, data_dir=cfg.run.data_dir, limit=limit)
     return [
         t
         for family in cfg.tasks
@@ -272,14 +267,15 @@ class SFTReport:
 async def _demonstrate_and_learn(cfg: SFTConfig, policy: TransformersPolicy, tokenizer) -> SFTReport:
     """Evaluate on dev, play the oracle on train, fine-tune `policy.model`, evaluate again (all in one tool
     session)."""
-    train = _tasks(cfg, cfg.split, cfg.limit)
+    train = _tasks(cfg, cfg.run.split, cfg.run.limit)
     dev = _tasks(cfg, cfg.eval_split, cfg.eval_n) if cfg.eval_n else []
+    # the run's seed; the policy and the tasks are handed to evaluate_policy below
     eval_cfg = EvalConfig(
-        seed=cfg.seed, max_concurrent_episodes=cfg.max_concurrent_episodes, rollout=cfg.rollout
+        run=cfg.run, max_concurrent_episodes=cfg.max_concurrent_episodes, rollout=cfg.rollout
     )
     reports: list[EvalReport] = []
     session = tool_session(
-        [*train, *dev], work_dir=cfg.out_dir / "work", access=cfg.tools, data_dir=cfg.data_dir
+        [*train, *dev], work_dir=cfg.out_dir / "work", access=cfg.tools, data_dir=cfg.run.data_dir
     )
     async with session as (tools, ready):
         train, dev = ready[: len(train)], ready[len(train) :]
@@ -297,7 +293,7 @@ async def _demonstrate_and_learn(cfg: SFTConfig, policy: TransformersPolicy, tok
         learn = functools.partial(
             sft, epochs=cfg.epochs, lr=cfg.lr, micro_batch_tokens=cfg.micro_batch_tokens
         )
-        losses = await asyncio.to_thread(learn, policy.model, tokenizer, episodes, seed=cfg.seed)
+        losses = await asyncio.to_thread(learn, policy.model, tokenizer, episodes, seed=cfg.run.seed)
         await check("after sft")
     await policy.aclose()
     before, after = (reports[0], reports[1]) if reports else (None, None)
@@ -307,11 +303,15 @@ async def _demonstrate_and_learn(cfg: SFTConfig, policy: TransformersPolicy, tok
 def run_sft(cfg: SFTConfig) -> SFTReport:
     """The `conductor sft` entry point: the fine-tuned checkpoint goes to `<out_dir>/model`, the report beside
     it (`sft_report.json`)."""
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.run.seed)
     # In process: SFT trains these weights; the before/after evaluations decode them greedily.
     sampling = SamplingConfig(backend="transformers", temperature=0.0)
     policy, tokenizer = load_policy(
-        cfg.policy, sampling, lora_rank=cfg.lora_rank, max_batch=cfg.max_concurrent_episodes, seed=cfg.seed
+        cfg.run.policy,
+        sampling,
+        lora_rank=cfg.lora_rank,
+        max_batch=cfg.max_concurrent_episodes,
+        seed=cfg.run.seed,
     )
     assert isinstance(policy, TransformersPolicy), policy
     report = asyncio.run(_demonstrate_and_learn(cfg, policy, tokenizer))
