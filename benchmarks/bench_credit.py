@@ -52,6 +52,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import math
 import statistics
 import sys
 import time
@@ -151,6 +152,7 @@ def report(
         "groups": len(kept),
         "episodes": len(episodes),
         "turns_scored": len(truths),
+        "turns_nonzero": sum(abs(a) > cs.TIE for a, _ in truths),
         "mean_turns": statistics.fmean(len(e.turns) for e in episodes),
         "mean_reward": statistics.fmean(e.reward for e in episodes),
         "truth": {
@@ -175,7 +177,9 @@ def report(
 
 
 def interval(value: list[float]) -> str:
-    return f"{value[0]:+.2f} [{value[1]:+.2f}, {value[2]:+.2f}]"
+    """ "+0.12 [-0.05, +0.30]"; "–" where the metric is undefined (a truth without spread: every state's
+    continuations ended alike)."""
+    return "–" if math.isnan(value[0]) else f"{value[0]:+.2f} [{value[1]:+.2f}, {value[2]:+.2f}]"
 
 
 def table(rows: Sequence[dict]) -> str:
@@ -189,7 +193,8 @@ def table(rows: Sequence[dict]) -> str:
             lines.append(f"{r['n']:>3} | {mode:<10} | {cells} | {m['sampled_tokens_per_episode']:9.0f}")
         t, st = r["truth"], r["stage_s"]
         lines.append(
-            f"    truth: {r['episodes']} episodes, {r['turns_scored']} turns, {r['mean_turns']:.1f} turns/ep, "
+            f"    truth: {r['episodes']} episodes, {r['turns_scored']} turns scored "
+            f"({r['turns_nonzero']} with a truth not 0), {r['mean_turns']:.1f} turns/ep, "
             f"reward {r['mean_reward']:.2f}; |A| {t['mean_abs']:.3f}, se {t['mean_se']:.3f}, noise share "
             f"{t['noise_share']:.2f}, {t['replays_per_state']:.0f} replays/state, "
             f"{t['sampled_tokens_per_episode']:.0f} tokens/ep; stages (min): "
@@ -216,6 +221,10 @@ def plot(rows: Sequence[dict], out: Path) -> Path:
         ax.axhline(0.5 if name != "spearman" else 0.0, color="grey", lw=0.8, ls=":")
         ax.set(
             xscale="log",
+            xlim=(
+                min(ns) / 1.3,
+                max(ns) * 1.3,
+            ),  # set, not autoscaled: a metric undefined at every N plots nothing
             xticks=ns,
             xticklabels=[str(n) for n in ns],
             xlabel="N (items per episode)",
