@@ -228,6 +228,7 @@ def plot(rows: Sequence[dict], out: Path) -> Path:
             xticks=ns,
             xticklabels=[str(n) for n in ns],
             xlabel="N (items per episode)",
+            ylim=(-1.05, 1.05) if name == "spearman" else (-0.05, 1.05),
             title=name,
         )
         ax.grid(alpha=0.3)

@@ -22,7 +22,7 @@ from pathlib import Path
 from main_agent.policy import Policy
 from main_agent.types import Episode
 from tool_server.client import ToolClient
-from training.branching import branch_values, chosen_turns, continue_from, sampled_tokens, trainable
+from training.branching import branch_values, chosen_turns, continue_from, sampled_tokens, states, trainable
 from training.config import TrainConfig
 from training.play import play
 from training.run import seed_step
@@ -95,23 +95,25 @@ async def play_stage(tasks: Sequence[Task], s: Session, records: Records) -> lis
     return [done[g] for g in range(len(tasks))]
 
 
-def branch_config(cfg: TrainConfig, *, every_turn: bool) -> TrainConfig:
-    turns = 0 if every_turn else cfg.credit.branch_turns
-    return dataclasses.replace(cfg, credit=dataclasses.replace(cfg.credit, mode="branch", branch_turns=turns))
-
-
 async def branch_stage(
-    groups: Sequence[list[Episode]], tasks: Sequence[Task], s: Session, records: Records, *, every_turn: bool
+    groups: Sequence[list[Episode]],
+    tasks: Sequence[Task],
+    s: Session,
+    records: Records,
+    *,
+    scored: dict[tuple[int, int], list[int]] | None,
 ) -> None:
-    """Branch credit's values of every usable group (training.branching.branch_values), a group at a time."""
-    cfg = branch_config(s.cfg, every_turn=every_turn)
+    """Branch credit's values of every usable group (training.branching.branch_values), a group at a time:
+    around the turns training would choose (`scored` None), or around the scored turns."""
+    cfg = dataclasses.replace(s.cfg, credit=dataclasses.replace(s.cfg.credit, mode="branch"))
     done = {r["group"] for r in records.read()}
     for g, (task, group) in enumerate(zip(tasks, groups, strict=True)):
         if g in done or not usable(group):
             continue
+        mine = None if scored is None else {(0, i): turns for (h, i), turns in scored.items() if h == g}
         values, stats = await branch_values(
             [group], [task], policy=s.policy, tools=s.tools, tokenizer=s.tokenizer, cfg=cfg, step=g,
-            reward_of=rewarded(cfg.turn_rewards),
+            reward_of=rewarded(cfg.turn_rewards), chosen=mine,
         )  # fmt: skip
         episodes = [[dataclasses.asdict(v) for v in per_episode] for per_episode in values[0]]
         records.append({"group": g, "values": episodes, "stats": dataclasses.asdict(stats)})
@@ -174,14 +176,36 @@ async def truth_stage(
 async def run_stages(
     tasks: Sequence[Task], s: Session, folder: Path, *, replays: int, truth_turns: int
 ) -> None:
-    """The three stages of one N into `folder`, each resumed from its records; torch reseeded per stage."""
+    """The stages of one N into `folder`, each resumed from its records; torch reseeded per stage."""
     seed_step(s.cfg, 0)
     groups = await play_stage(tasks, s, Records(folder / "episodes.jsonl"))
-    for k, mode in enumerate(("branch", "branch_all"), start=1):
+    scored = truth_plan(groups, tasks, turns=truth_turns, seed=s.cfg.seed)
+    played = Records(folder / "episodes.jsonl").read()
+    rate = sum(sampled_tokens(e, 0) for g in groups for e in g) / max(
+        sum(r["elapsed_s"] for r in played), 1e-9
+    )
+    truth, branch_all = forecast(groups, scored, replays=replays, k=s.cfg.credit.branch_k)
+    print(
+        f"{folder.name}: the episodes sampled {rate:.1f} tokens/s; truth will sample ~{truth:.0f} tokens "
+        f"(~{truth / rate / 3600:.1f} h at that rate), branch_all ~{branch_all:.0f}",
+        flush=True,
+    )
+    for k, (mode, around) in enumerate((("branch", None), ("branch_all", scored)), start=1):
         seed_step(s.cfg, k)
-        await branch_stage(
-            groups, tasks, s, Records(folder / f"{mode}.jsonl"), every_turn=mode == "branch_all"
-        )
+        await branch_stage(groups, tasks, s, Records(folder / f"{mode}.jsonl"), scored=around)
     seed_step(s.cfg, 3)
-    chosen = truth_plan(groups, tasks, turns=truth_turns, seed=s.cfg.seed)
-    await truth_stage(groups, tasks, chosen, s, Records(folder / "truth.jsonl"), replays=replays)
+    await truth_stage(groups, tasks, scored, s, Records(folder / "truth.jsonl"), replays=replays)
+
+
+def forecast(
+    groups: Sequence[list[Episode]], scored: dict[tuple[int, int], list[int]], *, replays: int, k: int
+) -> tuple[float, float]:
+    """The tokens the truth and branch_all stages will sample, from the episodes' own lengths: a state t turns
+    into an episode continues for its remaining turns at the episode's tokens per turn."""
+
+    def cost(g: int, i: int, replayed: int) -> float:
+        e = groups[g][i]
+        return sum(len(t.completion_ids) for t in e.turns) / max(len(e.turns), 1) * (len(e.turns) - replayed)
+
+    truth = sum(replays * cost(*state) for state in truth_states(groups, scored))
+    return truth, sum(k * cost(*state) for state in states(groups, scored))

@@ -3,6 +3,7 @@ scripted policy whose first call decides the outcome (so the true advantage of e
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from pathlib import Path
@@ -11,7 +12,8 @@ import pytest
 
 from benchmarks import credit_scores as cs
 from benchmarks.bench_credit import MODES, report
-from benchmarks.credit_stages import Records, Session, run_stages, truth_states
+from benchmarks.credit_stages import Records, Session, run_stages, truth_plan, truth_states
+from main_agent.types import Episode
 from tests.fakes import ScriptedPolicy, call_text, fake_tool_server
 from tool_server.client import ToolClient
 from training.advantages import CreditConfig
@@ -134,6 +136,27 @@ async def test_the_study_scores_known_advantages_and_resumes_without_sampling(tm
     spent = {m: v["sampled_tokens_per_episode"] for m, v in modes.items()}
     assert spent["outcome"] == spent["turn"] == spent["anchor"] < spent["branch"] <= spent["branch_all"]
     assert row["truth"]["replays_per_state"] == 6 and row["truth"]["sampled_tokens_per_episode"] > 0
+
+
+async def test_with_a_sample_of_turns_branch_all_branches_around_exactly_the_scored_turns(
+    tmp_path: Path,
+) -> None:
+    """--truth-turns 1: one turn scored per episode, chosen by the truth plan; branch_all's values are around
+    that turn and no other, while branch keeps training's own choice."""
+    policy = ScriptedPolicy(decided_by_the_first_call(random.Random(1)))
+    cfg = TrainConfig(task="video_qa", group_size=2, credit=CreditConfig(branch_k=1, branch_turns=2))
+    async with ToolClient("http://tools", transport=fake_tool_server()) as tools:
+        session = Session(cfg, policy, policy.tokenizer, tools, await tools.tools())
+        await run_stages(TASKS, session, tmp_path, replays=2, truth_turns=1)
+    groups = {r["group"]: r["episodes"] for r in Records(tmp_path / "episodes.jsonl").read()}
+    every = [[Episode.from_json(json.dumps(e)) for e in groups[g]] for g in range(len(TASKS))]
+    scored = truth_plan(every, TASKS, turns=1, seed=cfg.seed)
+    for line in Records(tmp_path / "branch_all.jsonl").read():
+        assert [[v["turn"] for v in vs] for vs in line["values"]] == [
+            scored[(line["group"], i)] for i in (0, 1)
+        ]
+    for line in Records(tmp_path / "branch.jsonl").read():
+        assert [[v["turn"] for v in vs] for vs in line["values"]] == [[0, 1], [0, 1]]
 
 
 def test_truth_states_are_the_start_and_the_states_between_turns() -> None:

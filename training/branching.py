@@ -103,11 +103,14 @@ async def branch_values(
     cfg: TrainConfig,
     step: int,
     reward_of: Callable[[Task, Episode], float],
+    chosen: dict[tuple[int, int], list[int]] | None = None,
 ) -> tuple[list[list[list[BranchValues]]], BranchStats]:
     """Sample the continuations every chosen turn needs and return each episode's BranchValues; `reward_of`
-    scores a continuation (or an episode of the group) exactly as the trainer scores its episodes."""
+    scores a continuation (or an episode of the group) exactly as the trainer scores its episodes. `chosen`
+    (keyed as `plan`'s, trainable episodes only) replaces the run's random choice: benchmarks/bench_credit.py
+    branches around the turns it scores."""
     start = time.monotonic()
-    chosen = plan(groups, tasks, cfg, step)
+    chosen = plan(groups, tasks, cfg, step) if chosen is None else chosen
     continued = states(groups, chosen)
     schemas = await tools.tools()
     slots = asyncio.Semaphore(cfg.max_concurrent_episodes)
