@@ -11,24 +11,25 @@ SFT command in examples/train_audit.toml's comments (29 min on 2 cores); any ref
 (`conductor-default`, `smollm2-135m-instruct`, a checkpoint). It samples as training does: the rollout budgets,
 sampling (temperature 1), turn rewards and credit settings of `--config` (examples/train_audit.toml), the family
 and N from the flags. For every N (`--n-items`: photos per plate_audit episode, or questions per multihop_batch
-episode with `--family multihop_batch`), three stages:
+episode with `--family multihop_batch`), four stages:
 
   1. episodes: `--episodes` episodes in groups of `--group-size` on the first tasks of the split (training.play)
   2. branch: branch credit's continuations exactly as training samples them (training.branching.branch_values) at
-     the k and the turns per episode it trains with (`[credit] branch_k`, `branch_turns`), and again with every
-     turn chosen at the same k ("branch_all": VinePPO's estimate)
-  3. truth: for each scored turn t, the true advantage V(after t) - V(before t), each V the mean final reward of
+     the k and the turns per episode it trains with (`[credit] branch_k`, `branch_turns`)
+  3. branch_all: the same at the same k around every scored turn (VinePPO's estimate; every turn by default)
+  4. truth: for each scored turn t, the true advantage V(after t) - V(before t), each V the mean final reward of
      `--replays` continuations from that state (training.branching.continue_from: the episode's turns replayed
      exactly, then sampled on). Before turn 0 is the task's start, shared by the group; after the last turn
      nothing follows and V is the episode's own reward. The episode is not one of its continuations, so the
      truth shares no sample with any mode's estimate. Its standard error per turn is sqrt(s_a²/n_a + s_b²/n_b);
      the report gives the mean and the noise share, mean(se²) / var(truth): 0 for an exact truth, 1 for pure
      noise (a correlation with the truth is attenuated by about sqrt(1 - noise share)). `--truth-turns m`
-     scores m turns per episode, chosen at random, instead of every turn.
+     scores m turns per episode, chosen at random (seeded per task and episode), instead of every turn.
 
 The credit modes are computed by the functions training calls (training.advantages) on the same scored episodes:
 outcome (GRPO), turn (return-to-go, turn-index baseline), anchor (turn credit, anchor baseline), branch (the
-outcome advantage on turns it did not choose), branch_all. Scores (benchmarks/credit_scores.py): Spearman rank
+outcome advantage on turns it did not choose), branch_all (with `--truth-turns m`: around the m scored turns only,
+and so are its tokens). Scores (benchmarks/credit_scores.py): Spearman rank
 correlation with the truth, sign agreement and pairwise "which of two turns of an episode was better" accuracy,
 each with a 95 % bootstrap interval over episodes; and the tokens each mode samples per episode (outcome and turn:
 the episodes; branch: plus its continuations). The truth's own tokens are reported apart.
@@ -39,10 +40,15 @@ line (their sum is the stage's time, over sessions). A study cut short resumes w
 find the same folder (the digest covers every setting). What a resumed stage samples anew is drawn from the same
 distribution, not the same draws.
 
-Cost (the smoke run on 2 cores shared with a training run, at nice 19): see README, "Credit quality". The truth is
-the bill: a state t turns into an episode of T costs `--replays` continuations of about T - t turns, so scoring
-every turn costs about replays x T²/2 turns per episode, 16 x 18 = 290 turns at N = 1 (T ≈ 6), 16 x 600 ≈ 9,600 at
-N = 8 (T ≈ 35). `--truth-turns 3 --replays 8` at N = 4 and 8 is the sizing that fits two 3-hour sessions.
+Cost, in sampled tokens. Per episode of T turns, in turns sampled: the episode T; branch (k = 2 around 2 turns)
+~4T; branch_all k T²/2 (every turn) or ~k m T (m scored turns); the truth R T²/2 + T/G (every turn) or ~m R T. The
+smoke runs sampled 5-7 tokens/s on 2 cores shared with a training run, at nice 19 (idle 2 cores: ~13 with
+transformers, bench_ray; ~3x that with vLLM, bench_sampler). With the warm start's T ≈ 2 + 4N and ~50 tokens a
+turn (bench_horizon), the full study (24 episodes, N 1 2 4 8, 16 replays, every turn) is ~18M tokens: ~35 days
+at 6 tokens/s, ~16 at 13, ~5 with vLLM: a GPU's study. Two 3-hour sessions hold ~0.28M tokens at 13/s, ~0.85M
+with vLLM: `--n-items 1 2 4 --episodes 12 --truth-turns 2 --set sampling.backend=vllm` (~0.84M; 24 scored turns
+and 12 within-episode pairs per N, intervals of about ±0.3) or, with transformers, `--n-items 1 2 --episodes 8
+--truth-turns 2` (~0.26M). Before its truth stage each N prints the forecast from its own episodes.
 """
 
 from __future__ import annotations
