@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -326,28 +327,27 @@ async def sample(opts: Options, cfg: TrainConfig, tasks: dict[int, list[Task]]) 
         await policy.aclose()
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--policy", default="runs/sft-audit/model", help="the fixed policy (the warm start)")
-    parser.add_argument("--family", default="plate_audit", choices=("plate_audit", "multihop_batch"))
-    parser.add_argument("--n-items", type=int, nargs="+", default=[1, 2, 4, 8], help="items per episode")
-    parser.add_argument(
-        "--episodes", type=int, default=24, help="episodes per N (a multiple of the group size)"
-    )
-    parser.add_argument(
-        "--group-size", type=int, default=None, help="episodes per task; default: the config's"
-    )
-    parser.add_argument("--replays", type=int, default=16, help="continuations per state for the truth")
-    parser.add_argument("--truth-turns", type=int, default=0, help="turns scored per episode; 0: every turn")
-    parser.add_argument("--split", default="train")
-    parser.add_argument("--config", type=Path, default=CONFIG, help="rollout, sampling, credit, turn rewards")
-    parser.add_argument(
-        "--set", dest="sets", action="append", default=[], help="key=value, as conductor train"
-    )
-    parser.add_argument("--draws", type=int, default=1000, help="bootstrap resamples")
-    parser.add_argument("--recorded", action="store_true", help="sample nothing: score what is recorded")
-    parser.add_argument("--tag", default="", help="names the records and results apart")
-    args = parser.parse_args()
+    add = parser.add_argument
+    add("--policy", default="runs/sft-audit/model", help="the fixed policy (the warm start)")
+    add("--family", default="plate_audit", choices=("plate_audit", "multihop_batch"))
+    add("--n-items", type=int, nargs="+", default=[1, 2, 4, 8], help="items per episode")
+    add("--episodes", type=int, default=24, help="episodes per N (a multiple of the group size)")
+    add("--group-size", type=int, default=None, help="episodes per task; default: the config's")
+    add("--replays", type=int, default=16, help="continuations per state for the truth")
+    add("--truth-turns", type=int, default=0, help="turns scored per episode; 0: every turn")
+    add("--split", default="train")
+    add("--config", type=Path, default=CONFIG, help="rollout, sampling, credit, turn rewards")
+    add("--set", dest="sets", action="append", default=[], help="key=value, as conductor train")
+    add("--draws", type=int, default=1000, help="bootstrap resamples")
+    add("--recorded", action="store_true", help="sample nothing: score what is recorded")
+    add("--tag", default="", help="names the records and results apart")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments()
     suffix = f"_{args.tag}" if args.tag else ""
     sets = [
         f"policy={args.policy}",
@@ -359,39 +359,34 @@ def main() -> None:
     cfg = load_train_config(args.config, [*sets, *args.sets])
     if args.episodes % cfg.group_size:
         sys.exit(f"--episodes {args.episodes} is not a multiple of the group size {cfg.group_size}")
+    records = ROOT / "runs" / f"bench_credit{suffix}"
     opts = Options(
-        args.family, args.n_items, args.episodes, args.replays, args.truth_turns, args.draws,
-        ROOT / "runs" / f"bench_credit{suffix}",
-    )  # fmt: skip
-    limit = args.episodes // cfg.group_size
-    tasks = {
-        n: task_data.load_family(args.family, args.split, data_dir=cfg.data_dir, limit=limit, items=n)
-        for n in args.n_items
-    }
+        args.family, args.n_items, args.episodes, args.replays, args.truth_turns, args.draws, records
+    )
+    load = functools.partial(task_data.load_family, args.family, args.split, data_dir=cfg.data_dir)
+    tasks = {n: load(limit=args.episodes // cfg.group_size, items=n) for n in args.n_items}
     start = time.monotonic()
     if not args.recorded:
         asyncio.run(sample(opts, cfg, tasks))
-    rows = [
-        r
+    scored = (
+        report(n, tasks[n], opts.folder(n, cfg)[0], cfg, truth_turns=args.truth_turns, draws=args.draws)
         for n in args.n_items
-        if (
-            r := report(
-                n, tasks[n], opts.folder(n, cfg)[0], cfg, truth_turns=args.truth_turns, draws=args.draws
-            )
-        )
-    ]
+    )
+    rows = [r for r in scored if r is not None]
     if not rows:
-        sys.exit(f"nothing recorded under {opts.records} for these settings")
+        sys.exit(f"nothing recorded under {records} for these settings")
     results = ROOT / "benchmarks" / "results"
     png = plot(rows, results / f"bench_credit{suffix}.png")
     print("\n" + table(rows) + f"\n\nplot: {png}\nwall time now: {(time.monotonic() - start) / 60:.1f} min")
     out = results / f"bench_credit{suffix}.json"
-    report_json = {
-        "rows": rows,
-        "settings": vars(args) | {"config": config_to_dict(cfg)},
-        "plot": str(png.relative_to(ROOT)),
-    }
-    out.write_text(json.dumps(report_json, indent=2, default=str) + "\n", encoding="utf-8")
+    settings = vars(args) | {"config": config_to_dict(cfg)}
+    out.write_text(
+        json.dumps(
+            {"rows": rows, "settings": settings, "plot": str(png.relative_to(ROOT))}, indent=2, default=str
+        )
+        + "\n",
+        encoding="utf-8",
+    )
     print(f"wrote {out}")
 
 
