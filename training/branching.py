@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from main_agent.policy import Policy
-from main_agent.rollout import rollout
+from main_agent.rollout import RolloutConfig, rollout
 from main_agent.types import Episode
 from tool_server.client import ToolClient
 from training.advantages import BranchValues
@@ -103,11 +103,14 @@ async def branch_values(
     cfg: TrainConfig,
     step: int,
     reward_of: Callable[[Task, Episode], float],
+    chosen: dict[tuple[int, int], list[int]] | None = None,
 ) -> tuple[list[list[list[BranchValues]]], BranchStats]:
     """Sample the continuations every chosen turn needs and return each episode's BranchValues; `reward_of`
-    scores a continuation (or an episode of the group) exactly as the trainer scores its episodes."""
+    scores a continuation (or an episode of the group) exactly as the trainer scores its episodes. `chosen`
+    (keyed as `plan`'s, trainable episodes only) replaces the run's random choice: benchmarks/bench_credit.py
+    branches around the turns it scores."""
     start = time.monotonic()
-    chosen = plan(groups, tasks, cfg, step)
+    chosen = plan(groups, tasks, cfg, step) if chosen is None else chosen
     continued = states(groups, chosen)
     schemas = await tools.tools()
     slots = asyncio.Semaphore(cfg.max_concurrent_episodes)
@@ -115,10 +118,10 @@ async def branch_values(
     async def one(state: State) -> Episode:
         g, i, replayed = state
         async with slots:
-            job = rollout_task(tasks[g], schemas)
-            return await rollout(
-                job, policy, tools, tokenizer, cfg.rollout, replay=groups[g][i].turns[:replayed]
-            )
+            return await continue_from(
+                groups[g][i], replayed, tasks[g], schemas, policy=policy, tools=tools, tokenizer=tokenizer,
+                cfg=cfg.rollout,
+            )  # fmt: skip
 
     jobs = [s for s in continued for _ in range(cfg.credit.branch_k)]
     played = await asyncio.gather(*(one(s) for s in jobs))
@@ -128,6 +131,29 @@ async def branch_values(
             rewards[state].append(reward_of(tasks[state[0]], episode))
     values = _values(groups, tasks, chosen, rewards, reward_of)
     return values, _stats(jobs, played, time.monotonic() - start)
+
+
+async def continue_from(
+    episode: Episode,
+    replayed: int,
+    task: Task,
+    schemas: Sequence[dict[str, object]],
+    *,
+    policy: Policy,
+    tools: ToolClient,
+    tokenizer,
+    cfg: RolloutConfig,
+) -> Episode:
+    """One continuation of `episode`'s state after `replayed` turns: those turns replayed exactly (their calls
+    re-run in a fresh session and checked), then sampled on under `cfg`'s budgets. `replayed = 0` is a fresh
+    episode of the task."""
+    job = rollout_task(task, schemas)
+    return await rollout(job, policy, tools, tokenizer, cfg, replay=episode.turns[:replayed])
+
+
+def sampled_tokens(continuation: Episode, replayed: int) -> int:
+    """The tokens a continuation sampled: its turns past the `replayed` ones (replayed ids are not sampled)."""
+    return sum(len(t.completion_ids) for t in continuation.turns[replayed:])
 
 
 def _values(
@@ -150,11 +176,10 @@ def _values(
 
 
 def _stats(jobs: Sequence[State], played: Sequence[Episode], seconds: float) -> BranchStats:
-    new_turns = [t for state, e in zip(jobs, played, strict=True) for t in e.turns[state[2] :]]
     results = [r for e in played for t in e.turns for r in t.results]
     return BranchStats(
         continuations=len(played),
-        sampled_tokens=sum(len(t.completion_ids) for t in new_turns),
+        sampled_tokens=sum(sampled_tokens(e, state[2]) for state, e in zip(jobs, played, strict=True)),
         cache_hit_rate=mean([float(r.cached) for r in results]),
         infra_failed=sum(e.stop_reason == "infra_failed" for e in played),
         seconds=seconds,

@@ -95,16 +95,23 @@ def anchor(turn: Turn) -> str | None:
     return call_key(turn.calls[0].name, turn.calls[0].arguments) if turn.calls else None
 
 
-def group_to_sequences(
-    episodes: Sequence[Episode], cfg: TrainConfig, branches: Sequence[Sequence[BranchValues]] | None = None
-) -> list[TrainSequence]:
-    """One group's advantages laid onto its episodes' tokens; episodes without turns have nothing to train.
-    Branch credit reads each episode's continuation values (`branches`, training/branching.py)."""
+def episode_credits(episodes: Sequence[Episode]) -> list[EpisodeCredit]:
+    """Scored episodes reduced to what credit assignment reads (training/advantages.py): the final reward, each
+    turn's reward and anchor."""
     credits = []
     for e in episodes:
         assert e.reward is not None, f"episode of {e.task_id} is not scored"
         turns = tuple(TurnCredit(r, anchor(t)) for r, t in zip(e.turn_rewards, e.turns, strict=True))
         credits.append(EpisodeCredit(e.reward, turns))
+    return credits
+
+
+def group_to_sequences(
+    episodes: Sequence[Episode], cfg: TrainConfig, branches: Sequence[Sequence[BranchValues]] | None = None
+) -> list[TrainSequence]:
+    """One group's advantages laid onto its episodes' tokens; episodes without turns have nothing to train.
+    Branch credit reads each episode's continuation values (`branches`, training/branching.py)."""
+    credits = episode_credits(episodes)
     if cfg.credit.mode == "branch":
         assert branches is not None, "branch credit needs the continuations' values"
         advantages = branch_advantages(credits, branches, normalize_std=cfg.credit.normalize_std)

@@ -1,0 +1,394 @@
+"""Credit quality against the truth, without gradient steps: every credit mode's per-turn advantages on episodes of
+one fixed policy, scored against Monte Carlo advantages from exact replays (VinePPO's test of an estimator).
+
+    python benchmarks/bench_credit.py                     # runs/sft-audit/model; N 1 2 4 8; 24 episodes; 16 replays
+    python benchmarks/bench_credit.py --recorded          # the table and plot of what is recorded; nothing sampled
+    python benchmarks/bench_credit.py --policy conductor-default --n-items 1 2 --episodes 2 --group-size 2 \\
+        --replays 2 --tag smoke                           # the smoke run (README, "Credit quality")
+
+The policy (`--policy`) stays fixed. Its default is the plate_audit warm start, runs/sft-audit/model, made by the
+SFT command in examples/train_audit.toml's comments (29 min on 2 cores); any reference the project loads works
+(`conductor-default`, `smollm2-135m-instruct`, a checkpoint). It samples as training does: the rollout budgets,
+sampling (temperature 1), turn rewards and credit settings of `--config` (examples/train_audit.toml), the family
+and N from the flags. For every N (`--n-items`: photos per plate_audit episode, or questions per multihop_batch
+episode with `--family multihop_batch`), four stages:
+
+  1. episodes: `--episodes` episodes in groups of `--group-size` on the first tasks of the split (training.play)
+  2. branch: branch credit's continuations exactly as training samples them (training.branching.branch_values) at
+     the k and the turns per episode it trains with (`[credit] branch_k`, `branch_turns`)
+  3. branch_all: the same at the same k around every scored turn (VinePPO's estimate; every turn by default)
+  4. truth: for each scored turn t, the true advantage V(after t) - V(before t), each V the mean final reward of
+     `--replays` continuations from that state (training.branching.continue_from: the episode's turns replayed
+     exactly, then sampled on). Before turn 0 is the task's start, shared by the group; after the last turn
+     nothing follows and V is the episode's own reward. The episode is not one of its continuations, so the
+     truth shares no sample with any mode's estimate. Its standard error per turn is sqrt(s_a²/n_a + s_b²/n_b);
+     the report gives the mean and the noise share, mean(se²) / var(truth): 0 for an exact truth, 1 for pure
+     noise (a correlation with the truth is attenuated by about sqrt(1 - noise share)). `--truth-turns m`
+     scores m turns per episode, chosen at random (seeded per task and episode), instead of every turn.
+
+The credit modes are computed by the functions training calls (training.advantages) on the same scored episodes:
+outcome (GRPO), turn (return-to-go, turn-index baseline), anchor (turn credit, anchor baseline), branch (the
+outcome advantage on turns it did not choose), branch_all (with `--truth-turns m`: around the m scored turns only,
+and so are its tokens). Scores (benchmarks/credit_scores.py): Spearman rank
+correlation with the truth, sign agreement and pairwise "which of two turns of an episode was better" accuracy,
+each with a 95 % bootstrap interval over episodes; and the tokens each mode samples per episode (outcome and turn:
+the episodes; branch: plus its continuations). The truth's own tokens are reported apart.
+
+Records: runs/bench_credit[_tag]/<family>-n<N>-<digest>/ holds settings.json and one JSONL per stage, appended a
+group (episodes, branch) or a state (truth) at a time, each line with the wall seconds since the stage's previous
+line (their sum is the stage's time, over sessions). A study cut short resumes where it stopped: the same flags
+find the same folder (the digest covers every setting). What a resumed stage samples anew is drawn from the same
+distribution, not the same draws.
+
+Cost, in sampled tokens. Per episode of T turns, in turns sampled: the episode T; branch (k = 2 around 2 turns)
+~4T; branch_all k T²/2 (every turn) or ~k m T (m scored turns); the truth R T²/2 + T/G (every turn) or ~m R T. The
+smoke runs sampled 5-7 tokens/s on 2 cores shared with a training run, at nice 19 (idle 2 cores: ~13 with
+transformers, bench_ray; ~3x that with vLLM, bench_sampler). With the warm start's T ≈ 2 + 4N and ~50 tokens a
+turn (bench_horizon), the full study (24 episodes, N 1 2 4 8, 16 replays, every turn) is ~18M tokens: ~35 days
+at 6 tokens/s, ~16 at 13, ~5 with vLLM: a GPU's study. Two 3-hour sessions hold ~0.28M tokens at 13/s, ~0.85M
+with vLLM: `--n-items 1 2 4 --episodes 12 --truth-turns 2 --set sampling.backend=vllm` (~0.84M; 24 scored turns
+and 12 within-episode pairs per N, intervals of about ±0.3) or, with transformers, `--n-items 1 2 --episodes 8
+--truth-turns 2` (~0.26M). Before its truth stage each N prints the forecast from its own episodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import credit_scores as cs  # noqa: E402
+from benchmarks.credit_stages import Records, Session, State, run_stages, truth_plan, usable  # noqa: E402
+from main_agent.types import Episode  # noqa: E402
+from training import tasks as task_data  # noqa: E402
+from training.advantages import BranchValues, branch_advantages, group_advantages  # noqa: E402
+from training.branching import sampled_tokens  # noqa: E402
+from training.config import TrainConfig, config_to_dict, load_train_config  # noqa: E402
+from training.play import tool_session  # noqa: E402
+from training.step import episode_credits, score  # noqa: E402
+from training.tasks import Task  # noqa: E402
+
+CONFIG = ROOT / "examples" / "train_audit.toml"
+MODES = ("outcome", "turn", "anchor", "branch", "branch_all")
+METRICS = {"spearman": cs.spearman, "sign": cs.sign_agreement, "pairwise": cs.pairwise_accuracy}
+
+
+# ---------------------------------------------------------------- scoring
+
+
+def mode_advantages(group: Sequence[Episode], cfg: TrainConfig, branches: dict[str, dict]) -> dict[str, list]:
+    """Every mode's advantages [episode][turn] of one scored group, by the functions training calls."""
+    credits = episode_credits(group)
+    credit = cfg.credit
+    out = {
+        "outcome": group_advantages(credits, dataclasses.replace(credit, mode="outcome")),
+        "turn": group_advantages(credits, dataclasses.replace(credit, mode="turn", baseline="turn_index")),
+        "anchor": group_advantages(credits, dataclasses.replace(credit, mode="turn", baseline="anchor")),
+    }
+    for mode, line in branches.items():
+        values = [
+            [BranchValues(v["turn"], tuple(v["before"]), tuple(v["after"])) for v in vs]
+            for vs in line["values"]
+        ]
+        out[mode] = branch_advantages(credits, values, normalize_std=credit.normalize_std)
+    return out
+
+
+def true_advantage(
+    group: Sequence[Episode], g: int, i: int, t: int, truth: dict[State, list[float]]
+) -> tuple[float, float] | None:
+    """(V(after t) - V(before t), its standard error); None when a state has no continuation recorded."""
+    before = truth.get((g, i, t) if t else (g, 0, 0), [])
+    last = t + 1 == len(group[i].turns)
+    after = [group[i].reward] if last else truth.get((g, i, t + 1), [])
+    if not before or not after:
+        return None
+    return statistics.fmean(after) - statistics.fmean(before), cs.truth_error(after, before, exact_after=last)
+
+
+def report(
+    n: int, tasks: Sequence[Task], folder: Path, cfg: TrainConfig, *, truth_turns: int, draws: int
+) -> dict | None:
+    """One N's scores from its records: the groups recorded in every stage, the turns whose truth is recorded."""
+    lines = {
+        name: Records(folder / f"{name}.jsonl").read()
+        for name in ("episodes", "branch", "branch_all", "truth")
+    }
+    groups = {
+        r["group"]: [Episode.from_json(json.dumps(e)) for e in r["episodes"]] for r in lines["episodes"]
+    }
+    branch = {mode: {r["group"]: r for r in lines[mode]} for mode in ("branch", "branch_all")}
+    truth = {tuple(r["state"]): r["rewards"] for r in lines["truth"]}
+    kept = [g for g in sorted(groups) if usable(groups[g]) and all(g in b for b in branch.values())]
+    if not kept:
+        return None
+    every = [groups.get(g, []) for g in range(len(tasks))]
+    chosen = truth_plan(every, tasks, turns=truth_turns, seed=cfg.seed)
+    pairs: dict[str, list[list[tuple[float, float]]]] = {mode: [] for mode in MODES}
+    truths: list[tuple[float, float]] = []
+    for g in kept:
+        for e in groups[g]:
+            score(e, tasks[g], cfg.turn_rewards)
+        advantages = mode_advantages(groups[g], cfg, {m: branch[m][g] for m in branch})
+        for i in range(len(groups[g])):
+            scored = [
+                (t, a) for t in chosen.get((g, i), []) if (a := true_advantage(groups[g], g, i, t, truth))
+            ]
+            truths += [a for _, a in scored]
+            for mode in MODES:
+                pairs[mode].append([(advantages[mode][i][t], a[0]) for t, a in scored])
+    episodes = [e for g in kept for e in groups[g]]
+    spent = sum(sampled_tokens(e, 0) for e in episodes)
+    extra = {m: sum(branch[m][g]["stats"]["sampled_tokens"] for g in kept) for m in branch}
+    values = [a for a, _ in truths]
+    return {
+        "n": n,
+        "groups": len(kept),
+        "episodes": len(episodes),
+        "turns_scored": len(truths),
+        "turns_nonzero": sum(abs(a) > cs.TIE for a, _ in truths),
+        "mean_turns": statistics.fmean(len(e.turns) for e in episodes),
+        "mean_reward": statistics.fmean(e.reward for e in episodes),
+        "truth": {
+            "mean_abs": statistics.fmean(abs(v) for v in values) if values else float("nan"),
+            "mean_se": statistics.fmean(se for _, se in truths) if truths else float("nan"),
+            "noise_share": cs.noise_share(truths),
+            "replays_per_state": statistics.fmean(len(r) for r in truth.values()) if truth else 0.0,
+            "sampled_tokens_per_episode": sum(r["sampled_tokens"] for r in lines["truth"]) / len(episodes),
+        },
+        "modes": {
+            mode: {
+                **{name: cs.estimate(metric, pairs[mode], draws=draws) for name, metric in METRICS.items()},
+                "sampled_tokens_per_episode": (spent + extra.get(mode, 0)) / len(episodes),
+            }
+            for mode in MODES
+        },
+        "stage_s": {name: sum(r["elapsed_s"] for r in rows) for name, rows in lines.items()},
+    }
+
+
+# ---------------------------------------------------------------- table, plot, command line
+
+
+def interval(value: list[float]) -> str:
+    """ "+0.12 [-0.05, +0.30]"; "–" where the metric is undefined (a truth without spread: every state's
+    continuations ended alike)."""
+    return "–" if math.isnan(value[0]) else f"{value[0]:+.2f} [{value[1]:+.2f}, {value[2]:+.2f}]"
+
+
+def table(rows: Sequence[dict]) -> str:
+    head = (
+        f"{'N':>3} | {'mode':<10} | {'spearman [95% CI]':<20} | {'sign':<20} | {'pairwise':<20} | tokens/ep"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        for mode, m in r["modes"].items():
+            cells = " | ".join(f"{interval(m[k]):<20}" for k in METRICS)
+            lines.append(f"{r['n']:>3} | {mode:<10} | {cells} | {m['sampled_tokens_per_episode']:9.0f}")
+        t, st = r["truth"], r["stage_s"]
+        lines.append(
+            f"    truth: {r['episodes']} episodes, {r['turns_scored']} turns scored "
+            f"({r['turns_nonzero']} with a truth not 0), {r['mean_turns']:.1f} turns/ep, "
+            f"reward {r['mean_reward']:.2f}; |A| {t['mean_abs']:.3f}, se {t['mean_se']:.3f}, noise share "
+            f"{t['noise_share']:.2f}, {t['replays_per_state']:.0f} replays/state, "
+            f"{t['sampled_tokens_per_episode']:.0f} tokens/ep; stages (min): "
+            + ", ".join(f"{k} {v / 60:.1f}" for k, v in st.items())
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[dict], out: Path) -> Path:
+    """Each metric against N, one line per mode with its 95 % interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    from matplotlib import pyplot as plt
+
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(12, 3.6))
+    ns = [r["n"] for r in rows]
+    for ax, name in zip(axes, METRICS, strict=True):
+        for k, mode in enumerate(MODES):
+            v = [r["modes"][mode][name] for r in rows]
+            xs = [n * 1.04 ** (k - 2) for n in ns]  # modes side by side at each N
+            err = [[a[0] - a[1] for a in v], [a[2] - a[0] for a in v]]
+            ax.errorbar(xs, [a[0] for a in v], yerr=err, marker="o", capsize=3, label=mode)
+        ax.axhline(0.5 if name != "spearman" else 0.0, color="grey", lw=0.8, ls=":")
+        ax.set(
+            xscale="log",
+            xlim=(
+                min(ns) / 1.3,
+                max(ns) * 1.3,
+            ),  # set, not autoscaled: a metric undefined at every N plots nothing
+            xticks=ns,
+            xticklabels=[str(n) for n in ns],
+            xlabel="N (items per episode)",
+            ylim=(-1.05, 1.05) if name == "spearman" else (-0.05, 1.05),
+            title=name,
+        )
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize="small")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+@dataclass(frozen=True)
+class Options:
+    """The command line."""
+
+    family: str
+    n_items: list[int]
+    episodes: int
+    replays: int
+    truth_turns: int
+    draws: int
+    records: Path
+
+    def folder(self, n: int, cfg: TrainConfig) -> tuple[Path, dict]:
+        """Where one N's records live, named by a digest of every setting, and those settings."""
+        settings = {
+            "n": n,
+            "episodes": self.episodes,
+            "replays": self.replays,
+            "truth_turns": self.truth_turns,
+        }
+        settings["config"] = config_to_dict(cfg)
+        digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:10]
+        return self.records / f"{self.family}-n{n}-{digest}", settings
+
+
+def weights_sha(policy: str) -> str:
+    """SHA-256 over the policy's weight files in name order: which policy a record was sampled from."""
+    from conductor.models import resolve_model
+
+    digest = hashlib.sha256()
+    for path in sorted(resolve_model(policy).glob("*.safetensors")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def claim(folder: Path, settings: dict, sha: str) -> None:
+    """Write the folder's settings.json, or check that the records there come from the same policy weights."""
+    path = folder / "settings.json"
+    if path.exists():
+        recorded = json.loads(path.read_text(encoding="utf-8"))["policy_sha256"]
+        if recorded != sha:
+            sys.exit(
+                f"{folder} was sampled from weights {recorded[:12]}, {settings['config']['policy']} is {sha[:12]}"
+            )
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        json.dumps({**settings, "policy_sha256": sha}, indent=2, default=str) + "\n", encoding="utf-8"
+    )
+
+
+async def sample(opts: Options, cfg: TrainConfig, tasks: dict[int, list[Task]]) -> None:
+    """Run (or resume) every N's stages with one policy and one tool server."""
+    from main_agent.backends import load_policy
+    from training.sampler import max_model_len
+
+    sha = weights_sha(cfg.policy)
+    policy, tokenizer = load_policy(
+        cfg.policy, cfg.sampling, device=cfg.device, max_batch=cfg.max_concurrent_episodes, seed=cfg.seed,
+        max_model_len=max_model_len(cfg),
+    )  # fmt: skip
+    every = [t for n in opts.n_items for t in tasks[n]]
+    try:
+        session = tool_session(every, work_dir=opts.records / "work", access=cfg.tools, data_dir=cfg.data_dir)
+        async with session as (tools, ready):
+            s = Session(cfg, policy, tokenizer, tools, await tools.tools())
+            for n in opts.n_items:
+                folder, settings = opts.folder(n, cfg)
+                claim(folder, settings, sha)
+                start = time.monotonic()
+                mine = ready[: len(tasks[n])]
+                ready = ready[len(tasks[n]) :]
+                await run_stages(mine, s, folder, replays=opts.replays, truth_turns=opts.truth_turns)
+                print(
+                    f"N={n}: stages done in {(time.monotonic() - start) / 60:.1f} min ({folder})", flush=True
+                )
+    finally:
+        await policy.aclose()
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--policy", default="runs/sft-audit/model", help="the fixed policy (the warm start)")
+    add("--family", default="plate_audit", choices=("plate_audit", "multihop_batch"))
+    add("--n-items", type=int, nargs="+", default=[1, 2, 4, 8], help="items per episode")
+    add("--episodes", type=int, default=24, help="episodes per N (a multiple of the group size)")
+    add("--group-size", type=int, default=None, help="episodes per task; default: the config's")
+    add("--replays", type=int, default=16, help="continuations per state for the truth")
+    add("--truth-turns", type=int, default=0, help="turns scored per episode; 0: every turn")
+    add("--split", default="train")
+    add("--config", type=Path, default=CONFIG, help="rollout, sampling, credit, turn rewards")
+    add("--set", dest="sets", action="append", default=[], help="key=value, as conductor train")
+    add("--draws", type=int, default=1000, help="bootstrap resamples")
+    add("--recorded", action="store_true", help="sample nothing: score what is recorded")
+    add("--tag", default="", help="names the records and results apart")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments()
+    suffix = f"_{args.tag}" if args.tag else ""
+    sets = [
+        f"policy={args.policy}",
+        f"task={args.family}",
+        f"split={args.split}",
+        "run_dir=runs/bench_credit",
+    ]
+    sets += [f"group_size={args.group_size}"] if args.group_size else []
+    cfg = load_train_config(args.config, [*sets, *args.sets])
+    if args.episodes % cfg.group_size:
+        sys.exit(f"--episodes {args.episodes} is not a multiple of the group size {cfg.group_size}")
+    records = ROOT / "runs" / f"bench_credit{suffix}"
+    opts = Options(
+        args.family, args.n_items, args.episodes, args.replays, args.truth_turns, args.draws, records
+    )
+    load = functools.partial(task_data.load_family, args.family, args.split, data_dir=cfg.data_dir)
+    tasks = {n: load(limit=args.episodes // cfg.group_size, items=n) for n in args.n_items}
+    start = time.monotonic()
+    if not args.recorded:
+        asyncio.run(sample(opts, cfg, tasks))
+    scored = (
+        report(n, tasks[n], opts.folder(n, cfg)[0], cfg, truth_turns=args.truth_turns, draws=args.draws)
+        for n in args.n_items
+    )
+    rows = [r for r in scored if r is not None]
+    if not rows:
+        sys.exit(f"nothing recorded under {records} for these settings")
+    results = ROOT / "benchmarks" / "results"
+    png = plot(rows, results / f"bench_credit{suffix}.png")
+    print("\n" + table(rows) + f"\n\nplot: {png}\nwall time now: {(time.monotonic() - start) / 60:.1f} min")
+    out = results / f"bench_credit{suffix}.json"
+    settings = vars(args) | {"config": config_to_dict(cfg)}
+    out.write_text(
+        json.dumps(
+            {"rows": rows, "settings": settings, "plot": str(png.relative_to(ROOT))}, indent=2, default=str
+        )
+        + "\n",
+        encoding="utf-8",
+    )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""bench_credit.py's sampling: the episodes, branch credit's values and the truth's continuations of one N,
+each stage recorded line by line so that a study cut short resumes (see bench_credit.py's docstring).
+
+    await run_stages(tasks, Session(cfg, policy, tokenizer, tools, schemas), folder, replays=16, truth_turns=0)
+
+Stage files in `folder`: episodes.jsonl (a group of episodes a line), branch.jsonl and branch_all.jsonl (a
+group's BranchValues and BranchStats a line), truth.jsonl (a state's continuation rewards a line). Every line
+carries `elapsed_s`, the wall seconds since the stage's previous line in the same process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from main_agent.policy import Policy
+from main_agent.types import Episode
+from tool_server.client import ToolClient
+from training.branching import branch_values, chosen_turns, continue_from, sampled_tokens, states, trainable
+from training.config import TrainConfig
+from training.play import play
+from training.run import seed_step
+from training.step import rewarded
+from training.tasks import Task
+
+State = tuple[int, int, int]
+"""(group, episode in the group, turns replayed); the task's start, shared by the group, is (group, 0, 0)."""
+
+
+@dataclass
+class Session:
+    """What the stages sample with: the run's settings, the fixed policy, the tool server."""
+
+    cfg: TrainConfig
+    policy: Policy
+    tokenizer: object
+    tools: ToolClient
+    schemas: list[dict[str, object]]
+
+
+class Records:
+    """One stage's JSONL: the lines so far, and appending one with the wall seconds since the previous one."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.last = time.monotonic()
+
+    def read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines() if line]
+
+    def append(self, line: dict) -> dict:
+        now = time.monotonic()
+        line = {**line, "elapsed_s": now - self.last}
+        self.last = now
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+        return line
+
+
+def usable(group: Sequence[Episode]) -> bool:
+    """A group training would keep (training.step.filter_groups): no episode failed for infrastructure reasons."""
+    return not any(e.stop_reason == "infra_failed" for e in group)
+
+
+# ---------------------------------------------------------------- stages
+
+
+async def play_stage(tasks: Sequence[Task], s: Session, records: Records) -> list[list[Episode]]:
+    """A group of episodes of every task; each group recorded as it finishes, recorded groups read back."""
+    done = {r["group"]: [Episode.from_json(json.dumps(e)) for e in r["episodes"]] for r in records.read()}
+    size = s.cfg.group_size
+    at_once = asyncio.Semaphore(max(1, s.cfg.max_concurrent_episodes // size))
+
+    async def one(g: int) -> tuple[int, list[Episode]]:
+        async with at_once:
+            [group] = await play(
+                [tasks[g]], lambda _: s.policy, tools=s.tools, tokenizer=s.tokenizer, cfg=s.cfg.rollout,
+                group_size=size, max_concurrent=size,
+            )  # fmt: skip
+        records.append(
+            {"group": g, "task": tasks[g].task_id, "episodes": [json.loads(e.to_json()) for e in group]}
+        )
+        return g, group
+
+    done |= dict(await asyncio.gather(*(one(g) for g in range(len(tasks)) if g not in done)))
+    return [done[g] for g in range(len(tasks))]
+
+
+async def branch_stage(
+    groups: Sequence[list[Episode]],
+    tasks: Sequence[Task],
+    s: Session,
+    records: Records,
+    *,
+    scored: dict[tuple[int, int], list[int]] | None,
+) -> None:
+    """Branch credit's values of every usable group (training.branching.branch_values), a group at a time:
+    around the turns training would choose (`scored` None), or around the scored turns."""
+    cfg = dataclasses.replace(s.cfg, credit=dataclasses.replace(s.cfg.credit, mode="branch"))
+    done = {r["group"] for r in records.read()}
+    for g, (task, group) in enumerate(zip(tasks, groups, strict=True)):
+        if g in done or not usable(group):
+            continue
+        mine = None if scored is None else {(0, i): turns for (h, i), turns in scored.items() if h == g}
+        values, stats = await branch_values(
+            [group], [task], policy=s.policy, tools=s.tools, tokenizer=s.tokenizer, cfg=cfg, step=g,
+            reward_of=rewarded(cfg.turn_rewards), chosen=mine,
+        )  # fmt: skip
+        episodes = [[dataclasses.asdict(v) for v in per_episode] for per_episode in values[0]]
+        records.append({"group": g, "values": episodes, "stats": dataclasses.asdict(stats)})
+
+
+def truth_plan(
+    groups: Sequence[list[Episode]], tasks: Sequence[Task], *, turns: int, seed: int
+) -> dict[tuple[int, int], list[int]]:
+    """The scored turns of every trainable episode of a usable group: all, or `turns` chosen at random."""
+    chosen = {}
+    for g, (task, group) in enumerate(zip(tasks, groups, strict=True)):
+        for i, episode in enumerate(group):
+            if usable(group) and trainable(episode):
+                rng = random.Random(f"truth/{seed}/{task.task_id}/{i}")
+                chosen[(g, i)] = chosen_turns(len(episode.turns), turns, rng)
+    return chosen
+
+
+def truth_states(groups: Sequence[list[Episode]], chosen: dict[tuple[int, int], list[int]]) -> list[State]:
+    """Before each scored turn (the group's start for turn 0) and after it (none after the last turn)."""
+    needed = set()
+    for (g, i), turns in chosen.items():
+        needed |= {(g, i, t) if t else (g, 0, 0) for t in turns}
+        needed |= {(g, i, t + 1) for t in turns if t + 1 < len(groups[g][i].turns)}
+    return sorted(needed)
+
+
+async def truth_stage(
+    groups: Sequence[list[Episode]],
+    tasks: Sequence[Task],
+    chosen: dict[tuple[int, int], list[int]],
+    s: Session,
+    records: Records,
+    *,
+    replays: int,
+) -> None:
+    """`replays` continuations of every state the scored turns need, a state recorded as it finishes."""
+    done = {tuple(r["state"]) for r in records.read()}
+    reward_of = rewarded(s.cfg.turn_rewards)
+    at_once = asyncio.Semaphore(max(1, s.cfg.max_concurrent_episodes // replays))
+
+    async def one(state: State) -> None:
+        g, i, replayed = state
+        async with at_once:
+            played = await asyncio.gather(*(
+                continue_from(
+                    groups[g][i], replayed, tasks[g], s.schemas, policy=s.policy, tools=s.tools,
+                    tokenizer=s.tokenizer, cfg=s.cfg.rollout,
+                ) for _ in range(replays)
+            ))  # fmt: skip
+        ok = [e for e in played if e.stop_reason != "infra_failed"]
+        records.append({
+            "state": list(state), "rewards": [reward_of(tasks[g], e) for e in ok],
+            "sampled_tokens": sum(sampled_tokens(e, replayed) for e in played), "infra_failed": len(played) - len(ok),
+        })  # fmt: skip
+
+    await asyncio.gather(*(one(st) for st in truth_states(groups, chosen) if st not in done))
+
+
+async def run_stages(
+    tasks: Sequence[Task], s: Session, folder: Path, *, replays: int, truth_turns: int
+) -> None:
+    """The stages of one N into `folder`, each resumed from its records; torch reseeded per stage."""
+    seed_step(s.cfg, 0)
+    groups = await play_stage(tasks, s, Records(folder / "episodes.jsonl"))
+    scored = truth_plan(groups, tasks, turns=truth_turns, seed=s.cfg.seed)
+    played = Records(folder / "episodes.jsonl").read()
+    rate = sum(sampled_tokens(e, 0) for g in groups for e in g) / max(
+        sum(r["elapsed_s"] for r in played), 1e-9
+    )
+    truth, branch_all = forecast(groups, scored, replays=replays, k=s.cfg.credit.branch_k)
+    print(
+        f"{folder.name}: the episodes sampled {rate:.1f} tokens/s; truth will sample ~{truth:.0f} tokens "
+        f"(~{truth / rate / 3600:.1f} h at that rate), branch_all ~{branch_all:.0f}",
+        flush=True,
+    )
+    for k, (mode, around) in enumerate((("branch", None), ("branch_all", scored)), start=1):
+        seed_step(s.cfg, k)
+        await branch_stage(groups, tasks, s, Records(folder / f"{mode}.jsonl"), scored=around)
+    seed_step(s.cfg, 3)
+    await truth_stage(groups, tasks, scored, s, Records(folder / "truth.jsonl"), replays=replays)
+
+
+def forecast(
+    groups: Sequence[list[Episode]], scored: dict[tuple[int, int], list[int]], *, replays: int, k: int
+) -> tuple[float, float]:
+    """The tokens the truth and branch_all stages will sample, from the episodes' own lengths: a state t turns
+    into an episode continues for its remaining turns at the episode's tokens per turn."""
+
+    def cost(g: int, i: int, replayed: int) -> float:
+        e = groups[g][i]
+        return sum(len(t.completion_ids) for t in e.turns) / max(len(e.turns), 1) * (len(e.turns) - replayed)
+
+    truth = sum(replays * cost(*state) for state in truth_states(groups, scored))
+    return truth, sum(k * cost(*state) for state in states(groups, scored))

@@ -1,0 +1,171 @@
+"""benchmarks/bench_credit.py: its scores against hand-computed values, and the whole study on fake tools and a
+scripted policy whose first call decides the outcome (so the true advantage of every turn is known)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from benchmarks import credit_scores as cs
+from benchmarks.bench_credit import MODES, report
+from benchmarks.credit_stages import Records, Session, run_stages, truth_plan, truth_states
+from main_agent.types import Episode
+from tests.fakes import ScriptedPolicy, call_text, fake_tool_server
+from tool_server.client import ToolClient
+from training.advantages import CreditConfig
+from training.config import TrainConfig
+from training.tasks import Task
+
+# ---------------------------------------------------------------- scores
+
+
+def test_ranks_share_the_average_rank_among_ties() -> None:
+    """[3, 1, 2, 2]: 1 is first, the two 2s share ranks 2 and 3, 3 is fourth; a rounding residue is a tie."""
+    assert cs.ranks([3, 1, 2, 2]) == [4, 1, 2.5, 2.5]
+    assert cs.ranks([0.1 + 0.2, 0.3]) == [1.5, 1.5]
+
+
+def test_spearman_pools_every_episode_and_is_undefined_for_a_constant_side() -> None:
+    """Ranks 1 2 3 4 against 1 3 2 4: 1 - 6 x 2 / (4 x 15) = 0.8; a reversed order is -1; constant
+    estimates (outcome credit within one episode) have no rank correlation: NaN."""
+    assert cs.spearman([[(1, 1), (2, 3)], [(3, 2), (4, 4)]]) == pytest.approx(0.8)
+    assert cs.spearman([[(1, 3), (2, 2), (3, 1)]]) == pytest.approx(-1.0)
+    assert math.isnan(cs.spearman([[(0.5, 1), (0.5, 2), (0.5, 3)]]))
+
+
+def test_sign_agreement_skips_zero_truths_and_counts_a_zero_estimate_half() -> None:
+    """Truths 0.2, 0.3, -0.4 (and a 0 skipped): estimates right, wrong, 0 -> (1 + 0 + 1/2) / 3."""
+    pairs = [(0.5, 0.2), (-0.1, 0.3), (0.0, -0.4), (0.7, 0.0)]
+    assert cs.sign_agreement([pairs]) == pytest.approx(0.5)
+    assert math.isnan(cs.sign_agreement([[(1.0, 0.0)]]))
+
+
+def test_pairwise_accuracy_compares_turns_within_an_episode_only() -> None:
+    """Episode 1: pairs (0,1) and (0,2) ordered right, (1,2) tied in the estimate (1/2); episode 2's truths are
+    equal, so it has no pair; across episodes nothing is compared: 2.5 / 3. Equal estimates score exactly 1/2."""
+    first = [(1.0, 0.1), (2.0, 0.3), (2.0, 0.2)]
+    second = [(0.5, 0.4), (0.1, 0.4)]
+    assert cs.pairwise_accuracy([first, second]) == pytest.approx(2.5 / 3)
+    assert cs.pairwise_accuracy([[(0.3, 0.1), (0.3, 0.9), (0.3, -0.5)]]) == 0.5
+    assert math.isnan(cs.pairwise_accuracy([second, [(1.0, 0.0)]]))
+
+
+def test_bootstrap_interval_brackets_the_value_and_is_a_point_without_spread() -> None:
+    """One episode resampled is always itself: the interval is the value. Mixed episodes give an interval around
+    the value, the same for the same seed; the quantile interpolates as numpy's default does."""
+    one = [[(1.0, 0.1), (2.0, 0.3)]]
+    assert cs.bootstrap(cs.pairwise_accuracy, one, draws=20) == (1.0, 1.0)
+    episodes = [[(1.0, 0.1), (2.0, 0.3)], [(2.0, 0.1), (1.0, 0.3)], [(1.0, 0.1), (3.0, 0.2)]]
+    low, high = cs.bootstrap(cs.pairwise_accuracy, episodes, draws=200, seed=1)
+    assert 0.0 <= low <= cs.pairwise_accuracy(episodes) <= high <= 1.0 and low < high
+    assert cs.bootstrap(cs.pairwise_accuracy, episodes, draws=200, seed=1) == (low, high)
+    assert cs._quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert all(math.isnan(v) for v in cs.estimate(cs.spearman, []))
+
+
+def test_truth_error_is_the_standard_error_of_a_difference_of_means() -> None:
+    """[1, 0, 1, 0] and [1, 1, 0, 0]: each s² = 1/3 over n = 4, so se = sqrt(1/12 + 1/12); an exact value after
+    adds nothing; a sampled set of one has no variance estimate. Noise share: mean se² / var(truth)."""
+    assert cs.truth_error([1, 0, 1, 0], [1, 1, 0, 0]) == pytest.approx(math.sqrt(1 / 6))
+    assert cs.truth_error([1.0], [1, 1, 0, 0], exact_after=True) == pytest.approx(math.sqrt(1 / 12))
+    assert math.isnan(cs.truth_error([1.0], [1, 0]))
+    assert cs.noise_share([(1.0, 0.5), (-1.0, 0.5)]) == pytest.approx(0.25)
+
+
+# ---------------------------------------------------------------- the study on fakes
+
+TASKS = [Task(f"stub-{i}", "video_qa", f"What is {i} plus one?", ("search",), str(i + 1)) for i in range(2)]
+
+
+def decided_by_the_first_call(rng: random.Random):
+    """Turn 0 searches "good" or "bad" at random; turn 1 answers right after "good", wrong after "bad". The true
+    advantage of turn 0 is R - P(right), of turn 1 exactly 0."""
+
+    def reply(history: str, turn: int) -> str:
+        history = history.split("<|im_start|>user")[1]  # past the system prompt's example call
+        if "<tool_call>" not in history:
+            return call_text("search", query=rng.choice(["good", "bad"]))
+        number = int(history.split("What is ")[1].split(" ")[0])
+        right = '"query": "good"' in history
+        return f"<answer>{number + 1 if right else 0}</answer>"
+
+    return reply
+
+
+async def test_the_study_scores_known_advantages_and_resumes_without_sampling(tmp_path: Path) -> None:
+    """2 tasks x 2 episodes x 2 turns, 6 replays a state: every stage recorded, every continuation after turn 0
+    ends as the episode did (so turn 1's truth is exactly 0); outcome credit cannot order two turns of an
+    episode (pairwise exactly 1/2), branch_all can; outcome and turn credit spend the episodes' tokens, branch
+    more. A second run samples nothing: every stage resumes from its records."""
+    policy = ScriptedPolicy(decided_by_the_first_call(random.Random(0)))
+    cfg = TrainConfig(task="video_qa", group_size=2, credit=CreditConfig(branch_k=2, branch_turns=1))
+    async with ToolClient("http://tools", transport=fake_tool_server()) as tools:
+        session = Session(cfg, policy, policy.tokenizer, tools, await tools.tools())
+        await run_stages(TASKS, session, tmp_path, replays=6, truth_turns=0)
+        sampled = len(policy.samples)
+        await run_stages(TASKS, session, tmp_path, replays=6, truth_turns=0)
+    assert len(policy.samples) == sampled
+    assert {p.name for p in tmp_path.iterdir()} == {
+        f"{s}.jsonl" for s in ("episodes", "branch", "branch_all", "truth")
+    }
+    truth = {tuple(r["state"]): r["rewards"] for r in Records(tmp_path / "truth.jsonl").read()}
+    assert set(truth) == {(g, 0, 0) for g in (0, 1)} | {(g, i, 1) for g in (0, 1) for i in (0, 1)}
+    assert all(len(r) == 6 for r in truth.values())
+    episodes = [
+        r["episodes"] for r in sorted(Records(tmp_path / "episodes.jsonl").read(), key=lambda r: r["group"])
+    ]
+    for g, group in enumerate(episodes):  # after the first call the outcome is decided: V(after turn 0) = R
+        for i, e in enumerate(group):
+            assert len(e["turns"]) == 2 and set(truth[(g, i, 1)]) == {
+                float(e["answer"] == TASKS[g].reference)
+            }
+    row = report(1, TASKS, tmp_path, cfg, truth_turns=0, draws=50)
+    assert (
+        row is not None
+        and row["episodes"] == 4
+        and row["turns_scored"] == 8
+        and set(row["modes"]) == set(MODES)
+    )
+    modes = row["modes"]
+    assert modes["outcome"]["pairwise"] == [0.5, 0.5, 0.5]
+    assert modes["branch_all"]["pairwise"][0] > 0.5 and modes["branch_all"]["spearman"][0] > 0
+    spent = {m: v["sampled_tokens_per_episode"] for m, v in modes.items()}
+    assert spent["outcome"] == spent["turn"] == spent["anchor"] < spent["branch"] <= spent["branch_all"]
+    assert row["truth"]["replays_per_state"] == 6 and row["truth"]["sampled_tokens_per_episode"] > 0
+
+
+async def test_with_a_sample_of_turns_branch_all_branches_around_exactly_the_scored_turns(
+    tmp_path: Path,
+) -> None:
+    """--truth-turns 1: one turn scored per episode, chosen by the truth plan; branch_all's values are around
+    that turn and no other, while branch keeps training's own choice."""
+    policy = ScriptedPolicy(decided_by_the_first_call(random.Random(1)))
+    cfg = TrainConfig(task="video_qa", group_size=2, credit=CreditConfig(branch_k=1, branch_turns=2))
+    async with ToolClient("http://tools", transport=fake_tool_server()) as tools:
+        session = Session(cfg, policy, policy.tokenizer, tools, await tools.tools())
+        await run_stages(TASKS, session, tmp_path, replays=2, truth_turns=1)
+    groups = {r["group"]: r["episodes"] for r in Records(tmp_path / "episodes.jsonl").read()}
+    every = [[Episode.from_json(json.dumps(e)) for e in groups[g]] for g in range(len(TASKS))]
+    scored = truth_plan(every, TASKS, turns=1, seed=cfg.seed)
+    for line in Records(tmp_path / "branch_all.jsonl").read():
+        assert [[v["turn"] for v in vs] for vs in line["values"]] == [
+            scored[(line["group"], i)] for i in (0, 1)
+        ]
+    for line in Records(tmp_path / "branch.jsonl").read():
+        assert [[v["turn"] for v in vs] for vs in line["values"]] == [[0, 1], [0, 1]]
+
+
+def test_truth_states_are_the_start_and_the_states_between_turns() -> None:
+    """Episode 0 scores turns 0-2: the group's start (shared), after turn 0, after turn 1, and none after its last
+    turn (the episode's own reward is the value there); episode 1 scores turns 0 and 2: the start, after turn 0,
+    before turn 2."""
+
+    class Three:
+        turns = [None, None, None]
+
+    states = truth_states([[Three(), Three()]], {(0, 0): [0, 1, 2], (0, 1): [0, 2]})
+    assert states == [(0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 1), (0, 1, 2)]
