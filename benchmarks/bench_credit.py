@@ -136,7 +136,7 @@ def report(
     if not kept:
         return None
     every = [groups.get(g, []) for g in range(len(tasks))]
-    chosen = truth_plan(every, tasks, turns=truth_turns, seed=cfg.seed)
+    chosen = truth_plan(every, tasks, turns=truth_turns, seed=cfg.run.seed)
     pairs: dict[str, list[list[tuple[float, float]]]] = {mode: [] for mode in MODES}
     truths: list[tuple[float, float]] = []
     for g in kept:
@@ -303,14 +303,16 @@ async def sample(opts: Options, cfg: TrainConfig, tasks: dict[int, list[Task]]) 
     from main_agent.backends import load_policy
     from training.sampler import max_model_len
 
-    sha = weights_sha(cfg.policy)
+    sha = weights_sha(cfg.run.policy)
     policy, tokenizer = load_policy(
-        cfg.policy, cfg.sampling, device=cfg.device, max_batch=cfg.max_concurrent_episodes, seed=cfg.seed,
+        cfg.run.policy, cfg.sampling, device=cfg.device, max_batch=cfg.max_concurrent_episodes, seed=cfg.run.seed,
         max_model_len=max_model_len(cfg),
     )  # fmt: skip
     every = [t for n in opts.n_items for t in tasks[n]]
     try:
-        session = tool_session(every, work_dir=opts.records / "work", access=cfg.tools, data_dir=cfg.data_dir)
+        session = tool_session(
+            every, work_dir=opts.records / "work", access=cfg.tools, data_dir=cfg.run.data_dir
+        )
         async with session as (tools, ready):
             s = Session(cfg, policy, tokenizer, tools, await tools.tools())
             for n in opts.n_items:
@@ -363,7 +365,7 @@ def main() -> None:
     opts = Options(
         args.family, args.n_items, args.episodes, args.replays, args.truth_turns, args.draws, records
     )
-    load = functools.partial(task_data.load_family, args.family, args.split, data_dir=cfg.data_dir)
+    load = functools.partial(task_data.load_family, args.family, args.split, data_dir=cfg.run.data_dir)
     tasks = {n: load(limit=args.episodes // cfg.group_size, items=n) for n in args.n_items}
     start = time.monotonic()
     if not args.recorded:

@@ -179,7 +179,7 @@ async def run_stages(
     """The stages of one N into `folder`, each resumed from its records; torch reseeded per stage."""
     seed_step(s.cfg, 0)
     groups = await play_stage(tasks, s, Records(folder / "episodes.jsonl"))
-    scored = truth_plan(groups, tasks, turns=truth_turns, seed=s.cfg.seed)
+    scored = truth_plan(groups, tasks, turns=truth_turns, seed=s.cfg.run.seed)
     played = Records(folder / "episodes.jsonl").read()
     rate = sum(sampled_tokens(e, 0) for g in groups for e in g) / max(
         sum(r["elapsed_s"] for r in played), 1e-9

@@ -150,7 +150,7 @@ async def test_with_a_sample_of_turns_branch_all_branches_around_exactly_the_sco
         await run_stages(TASKS, session, tmp_path, replays=2, truth_turns=1)
     groups = {r["group"]: r["episodes"] for r in Records(tmp_path / "episodes.jsonl").read()}
     every = [[Episode.from_json(json.dumps(e)) for e in groups[g]] for g in range(len(TASKS))]
-    scored = truth_plan(every, TASKS, turns=1, seed=cfg.seed)
+    scored = truth_plan(every, TASKS, turns=1, seed=cfg.run.seed)
     for line in Records(tmp_path / "branch_all.jsonl").read():
         assert [[v["turn"] for v in vs] for vs in line["values"]] == [
             scored[(line["group"], i)] for i in (0, 1)
