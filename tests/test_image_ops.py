@@ -707,7 +707,8 @@ async def test_find_text_locates_small_text_at_full_resolution_without_reading_i
     small = [b for b in found.boxes if overlaps(b.box, small_box)]
     assert len(small) == 1 and small[0].label == "plate-like", found.boxes
     assert any(b.box[1] < 200 for b in found.boxes), found.boxes  # the big line is found too
-    assert [b.score for b in found.boxes] == sorted((b.score for b in found.boxes), reverse=True)
+    areas = [(b.box[2] - b.box[0]) * (b.box[3] - b.box[1]) for b in found.boxes]
+    assert areas == sorted(areas, reverse=True)  # largest first: r1 is the region to read first
     assert SMALL_TEXT not in found.observation() and "HELLO" not in found.observation()
     assert found.tokens_read == 0 and "text" not in TextBox.model_fields
     inside = await call(rt, CFG, op="find_text", image=source.image_id, box=[1100, 700, 1400, 900])
