@@ -189,7 +189,7 @@ def _repair(text: str) -> str:
     while i < len(text):
         char = text[i]
         if char in "\"'":
-            end = _string_end(text, i) if char == "'" else _loose_string_end(text, i)
+            end = _string_end(text, i, loose=char == '"')
             literal = text[i:end]
             quoted = end - i >= 2 and literal[-1] == char
             out.append(_requote(literal) if quoted else literal)
@@ -201,29 +201,18 @@ def _repair(text: str) -> str:
     return "".join(out)
 
 
-def _string_end(text: str, start: int) -> int:
-    """Index just past the string literal opening at `start` (or the end of the text if it never closes)."""
+def _string_end(text: str, start: int, *, loose: bool = False) -> int:
+    """Index just past the string literal opening at `start` (or the end of the text if it never closes).
+
+    `loose`: a quote closes the string only where JSON can go on after a string (`,` `:` `}` `]` or the end, past
+    whitespace), so a question copied with its own quotes unescaped (`"question": "Who sang "Yesterday"?"`) stays
+    one string. The shipped 135M policy did this in 5 of 24 multihop dev episodes, copying questions that quote a
+    title."""
     quote, i = text[start], start + 1
     while i < len(text):
         if text[i] == "\\":
             i += 2
-        elif text[i] == quote:
-            return i + 1
-        else:
-            i += 1
-    return len(text)
-
-
-def _loose_string_end(text: str, start: int) -> int:
-    """Like `_string_end` for a double-quoted string, but a quote closes it only where JSON can go on after a
-    string (`,` `:` `}` `]` or the end, past whitespace): a question copied with its own quotes unescaped
-    (`"question": "Who sang "Yesterday"?"`) stays one string. The shipped 135M policy did this in 5 of 24
-    multihop dev episodes, copying questions that quote a title."""
-    i = start + 1
-    while i < len(text):
-        if text[i] == "\\":
-            i += 2
-        elif text[i] == '"' and _AFTER_STRING.match(text, i + 1):
+        elif text[i] == quote and (not loose or _AFTER_STRING.match(text, i + 1)):
             return i + 1
         else:
             i += 1
