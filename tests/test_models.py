@@ -73,6 +73,15 @@ def test_an_unprepared_builtin_says_how_to_prepare_it(
         models.resolve_model("gemma3-270m")
 
 
+def test_models_list_names_every_builtin_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every built-in model is listed as not prepared (its GGUF's folder) or missing (the install command)."""
+    monkeypatch.setenv("CONDUCTOR_HOME", str(tmp_path))
+    rows = {name: (status, where) for name, status, where in models.list_models()}
+    for name, model in BUILTIN_MODELS.items():
+        status, where = rows[name]
+        assert status == "not prepared" or (status == "missing" and model.install_hint in where), rows[name]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in BUILTIN_MODELS if n != DEFAULT_MODEL])
 async def test_a_candidate_reader_loads_generates_and_scores(name: str) -> None:
