@@ -27,7 +27,7 @@ from typing import Annotated, TypeVar
 
 import typer
 
-from conductor.models import DEFAULT_POLICY
+from conductor.models import DEFAULT_MODEL, DEFAULT_POLICY
 
 T = TypeVar("T")
 # `ask -v` counts its cold start from here; Python's and typer's start-up (~0.1 s) come before.
@@ -72,17 +72,25 @@ def _quiet_logging() -> None:
 
 @models_app.command("prepare")
 def models_prepare(
+    name: Annotated[
+        str, typer.Argument(help="Which built-in model (`conductor models list`).")
+    ] = DEFAULT_MODEL,
     force: Annotated[bool, typer.Option(help="Convert again even if a checkpoint exists.")] = False,
 ) -> None:
-    """Convert the built-in SmolLM2-135M-Instruct GGUF into a dense HF checkpoint under $CONDUCTOR_HOME."""
+    """Convert a built-in model's GGUF (SmolLM2-135M-Instruct unless named) into a dense HF checkpoint under
+    $CONDUCTOR_HOME."""
     from conductor import models
 
     _setup_logging(False)
+    if name not in models.BUILTIN_MODELS:
+        raise typer.BadParameter(f"{name!r} is not a built-in model ({', '.join(models.BUILTIN_MODELS)})")
     try:
-        path = models.prepare_default(force=force)
+        path = models.prepare_default(name, force=force)
     except models.ModelNotFound as exc:
         raise typer.BadParameter(str(exc)) from exc
-    typer.echo(f"{models.DEFAULT_MODEL}: {path}")
+    typer.echo(f"{name}: {path}")
+    if name != models.DEFAULT_MODEL:
+        return
     try:  # the shipped default policy is an adapter over that model: ready once the model is
         typer.echo(f"{models.DEFAULT_POLICY}: {models.resolve_model(models.DEFAULT_POLICY)}")
     except models.ModelNotFound as exc:

