@@ -29,7 +29,9 @@ from subagents.common import ToolFailure
 from subagents.documents import SUFFIXES, Progress
 from subagents.handles import Attachment, file_key
 from subagents.llm import BackendError
+from subagents.openai_llm import served_model
 from tool_server.client import ToolClient, ToolServerError
+from tool_server.config import reader_overrides
 from tool_server.embedded import ToolAccess, open_tools
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,11 @@ class AskOptions:
     extracted text is kept under $CONDUCTOR_HOME/indexes and reused while the folder is unchanged."""
     search_url: str | None = None
     """A SearXNG instance the in-process tool server searches the web through instead of a corpus."""
+    reader_url: str | None = None
+    """An OpenAI-compatible endpoint (e.g. vLLM serve of a bigger model) that answers for the in-process page_qa
+    instead of the built-in model (tool_server.config.reader_overrides); page_qa then answers "free"."""
+    reader_model: str | None = None
+    """The model name served at `reader_url`; None: the first its /models lists (`validate` fills it in)."""
     policy: str = DEFAULT_POLICY
     """Built-in model name, local checkpoint or LoRA adapter dir (its tokenizer renders the prompts)."""
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
@@ -100,8 +107,11 @@ def validate(opts: AskOptions) -> AskOptions:
         raise AskError(f"--corpus {opts.corpus}: no such folder")
     if opts.search_url is not None:
         check_search_url(opts)
+    if opts.reader_model is not None and opts.reader_url is None:
+        raise AskError("--reader-model names a model served at --reader-url: give that too")
     return dataclasses.replace(
         opts,
+        reader_model=check_reader_url(opts) if opts.reader_url is not None else None,
         urls=tuple(map(page_url, opts.urls)),
         image=opts.image.resolve() if opts.image else None,
         video=opts.video.resolve() if opts.video else None,
@@ -138,6 +148,19 @@ def check_search_url(opts: AskOptions) -> None:
         search.probe_searxng(opts.search_url or "")
     except ToolFailure as exc:
         raise AskError(f"--search-url: {exc.error.message}") from exc
+
+
+def check_reader_url(opts: AskOptions) -> str:
+    """--reader-url configures the in-process page_qa and must list its models now, before the policy loads; the
+    model to ask there (--reader-model, else the first listed)."""
+    if opts.tools_url is not None:
+        raise AskError(
+            "--reader-url is for the in-process tools; with --tools-url set [page_qa.model] in its TOML"
+        )
+    try:
+        return served_model(opts.reader_url or "", opts.reader_model)
+    except BackendError as exc:
+        raise AskError(f"--reader-url: {exc}") from exc
 
 
 def index_corpus(folder: Path, *, progress: Progress | None = None) -> int:
@@ -197,7 +220,7 @@ async def tool_client(opts: AskOptions) -> AsyncIterator[ToolClient]:
         try:
             tools = open_tools(
                 ToolAccess(url=opts.tools_url), roots=roots, corpus=opts.corpus, persist_index=True,
-                search_url=opts.search_url,
+                search_url=opts.search_url, overrides=reader_settings(opts),
             )  # fmt: skip
             client = await stack.enter_async_context(tools)
         except ToolServerError as exc:  # the URL does not answer: the user's to fix
@@ -205,6 +228,14 @@ async def tool_client(opts: AskOptions) -> AsyncIterator[ToolClient]:
         except BackendError as exc:  # a sub-agent's model cannot be built, e.g. not prepared yet
             raise AskError(f"the in-process tool server cannot start: {exc}") from exc
         yield client
+
+
+def reader_settings(opts: AskOptions) -> tuple[str, ...]:
+    """The in-process server's overrides for --reader-url (none without it); `opts` validated."""
+    if opts.reader_url is None:
+        return ()
+    assert opts.reader_model is not None, "validate() names the reader's model"
+    return reader_overrides(opts.reader_url, opts.reader_model)
 
 
 async def ask(

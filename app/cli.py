@@ -106,6 +106,14 @@ def models_list() -> None:
         typer.echo(f"{name:24s} {status:13s} {where}")
 
 
+READER_URL_HELP = (
+    "OpenAI-compatible endpoint (e.g. vLLM serve) whose model answers for page_qa instead of the built-in one. "
+    'page_qa then answers in the model\'s words (answer_mode "free", or "align"): "extract" scores page spans, '
+    "which only the in-process model can."
+)
+READER_MODEL_HELP = "Model name served at --reader-url (default: the first it lists)."
+
+
 @app.command()
 def serve(
     config: Annotated[
@@ -119,6 +127,8 @@ def serve(
         list[str] | None,
         typer.Option("--set", help="Override one setting: key=value, e.g. page_qa.limits.max_concurrency=2."),
     ] = None,
+    reader_url: Annotated[str | None, typer.Option(help=READER_URL_HELP)] = None,
+    reader_model: Annotated[str | None, typer.Option(help=READER_MODEL_HELP)] = None,
     replicas: Annotated[
         int | None,
         typer.Option(
@@ -141,7 +151,8 @@ def serve(
     from tool_server.limits import UnsafeBind
 
     _setup_logging(verbose)
-    cfg = _settings(lambda: load_config(config, list(set_ or ())), where="--config / --set")
+    overrides = [*(set_ or ()), *_reader_overrides(reader_url, reader_model)]
+    cfg = _settings(lambda: load_config(config, overrides), where="--config / --set")
     cfg = dataclasses.replace(cfg, host=host or cfg.host, port=port if port is not None else cfg.port)
     if replicas is not None or ray is not None:
         _serve_replicas(cfg, replicas or 1, ray or None)
@@ -150,6 +161,26 @@ def serve(
         run_server(cfg)
     except UnsafeBind as exc:  # refused before anything was bound: a setting to fix, said in one line
         typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+def _reader_overrides(url: str | None, model: str | None) -> tuple[str, ...]:
+    """`serve --reader-url [--reader-model]` as settings overrides (tool_server.config.reader_overrides); the
+    endpoint must list its models now, or that is one line and exit code 2."""
+    from subagents.llm import BackendError
+    from subagents.openai_llm import served_model
+    from tool_server.config import reader_overrides
+
+    if url is None:
+        if model is not None:
+            raise typer.BadParameter(
+                "names a model served at --reader-url: give that too", param_hint="--reader-model"
+            )
+        return ()
+    try:
+        return reader_overrides(url, served_model(url, model))
+    except BackendError as exc:  # nothing there to read with: said in one line, as `ask` does
+        typer.echo(f"error: --reader-url: {exc}", err=True)
         raise typer.Exit(2) from exc
 
 
@@ -202,6 +233,8 @@ def ask(
     policy_model: Annotated[
         str | None, typer.Option(help="Model name served at --policy-url (default: the first it lists).")
     ] = None,
+    reader_url: Annotated[str | None, typer.Option(help=READER_URL_HELP)] = None,
+    reader_model: Annotated[str | None, typer.Option(help=READER_MODEL_HELP)] = None,
     tools_url: Annotated[
         str | None, typer.Option(help="A running tool server (default: start one in-process).")
     ] = None,
@@ -240,6 +273,8 @@ def ask(
         video=video,
         corpus=corpus,
         search_url=search_url,
+        reader_url=reader_url,
+        reader_model=reader_model,
         policy=policy,
         sampling=sampling,
         tools_url=tools_url,

@@ -9,6 +9,8 @@ import os
 import re
 from typing import TYPE_CHECKING
 
+import httpx
+
 from subagents.common import approx_tokens
 from subagents.llm import (
     BackendConfig,
@@ -34,6 +36,28 @@ CONNECT_TIMEOUT_S = 5.0
 _CONTEXT_WORDING = re.compile(
     r"context[ _-]?(length|size|window)|maximum context|prompt is too long|too many tokens", re.IGNORECASE
 )
+
+
+def served_model(base_url: str, model: str | None = None, *, timeout_s: float = 10.0) -> str:
+    """The model to ask at `base_url`: `model` when given, else the first one its `GET /models` lists (vLLM
+    serve, llama.cpp, Ollama list theirs). Either way the endpoint must answer that now: a wrong URL is a
+    BackendError at start-up, naming what answered, not a `backend_error` in the first call."""
+    url = f"{base_url.rstrip('/')}/models"
+    try:
+        response = httpx.get(url, timeout=httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S))
+        response.raise_for_status()
+        listed = [str(entry["id"]) for entry in response.json()["data"]]
+    except httpx.HTTPError as exc:
+        raise BackendError(f"no OpenAI-compatible endpoint answers at {url}: {exc}", retryable=True) from exc
+    except (ValueError, KeyError, TypeError) as exc:  # not JSON, or not a model list
+        raise BackendError(
+            f"{url} answered, but not with a list of models: {exc!r}", retryable=False
+        ) from exc
+    if model is not None:
+        return model
+    if not listed:
+        raise BackendError(f"{url} lists no model", retryable=False)
+    return listed[0]
 
 
 def _data_url(image: bytes) -> str:

@@ -18,6 +18,7 @@ from app.ask import (
     first_turn_prefix,
     index_corpus,
     offered,
+    reader_settings,
     requires_call,
     validate,
 )
@@ -26,7 +27,9 @@ from conductor.models import DEFAULT_MODEL, DEFAULT_POLICY
 from main_agent.parse import parse_completion
 from main_agent.types import Episode
 from subagents.handles import file_key, handle_for
+from tests.fake_openai_server import Script, create_openai_app, serve, unused_port
 from tests.fakes import TOOLS
+from tool_server.config import reader_overrides
 
 NAMES = [str(t["function"]["name"]) for t in TOOLS]  # type: ignore[index]
 UNTRAINED = DEFAULT_MODEL  # the built-in model: its first turn is forced to call
@@ -225,11 +228,29 @@ def test_sources_are_the_pages_read_and_search_hits_only_when_nothing_was_read()
     assert sources(only_search) == ["BM25 <file:///b.html>", "GRPO <file:///g.html>"]
 
 
+def test_reader_url_names_the_model_page_qa_asks_there():
+    """--reader-url is checked when the options are: the endpoint's first model unless --reader-model names one,
+    handed to the in-process server as [page_qa.model] overrides; refused with --tools-url (whose own TOML says
+    who reads), without a URL, or with nobody answering."""
+    with serve(create_openai_app(Script())) as url:
+        opts = validate(AskOptions("q", reader_url=url))
+        assert opts.reader_model == "fake" and reader_settings(opts) == reader_overrides(url, "fake")
+        named = validate(AskOptions("q", reader_url=url, reader_model="big"))
+        assert reader_settings(named) == reader_overrides(url, "big")
+        with pytest.raises(AskError, match="--reader-url is for the in-process tools"):
+            validate(AskOptions("q", reader_url=url, tools_url="http://127.0.0.1:8700"))
+    assert reader_settings(validate(AskOptions("q"))) == ()
+    with pytest.raises(AskError, match="give that too"):
+        validate(AskOptions("q", reader_model="big"))
+    nobody = f"http://127.0.0.1:{unused_port()}/v1"
+    with pytest.raises(AskError, match=f"--reader-url: no OpenAI-compatible endpoint answers at {nobody}"):
+        validate(AskOptions("q", reader_url=nobody))
+
+
 async def test_a_tools_url_that_does_not_answer_fails_before_the_policy_loads(monkeypatch) -> None:
     """--tools-url is checked first: nothing answering there is an AskError naming the URL, and the policy (seconds
     to load) is never loaded for a run that cannot start."""
     from app import ask as ask_module
-    from tests.fake_openai_server import unused_port
 
     def must_not_load(*args, **kwargs):
         raise AssertionError("the policy loaded before the tools were reached")

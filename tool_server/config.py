@@ -18,6 +18,7 @@ See examples/server.toml for a documented file.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -176,6 +177,15 @@ def load_config(path: Path | None, overrides: Sequence[str] = ()) -> ServerConfi
     """Defaults, then the TOML file at `path` (if any), then `key=value` overrides (`server.port=0`,
     `page_qa.limits.max_concurrency=2`), read by conductor.settings; ConfigError naming any unknown key."""
     return parse_config(read_settings(path, overrides))
+
+
+def reader_overrides(url: str, model: str) -> tuple[str, ...]:
+    """`--reader-url URL --reader-model NAME` (`conductor ask`, `conductor serve`) as the overrides of the keys they
+    stand for: page_qa's model behind an OpenAI-compatible endpoint, exactly `[page_qa.model] backend = "openai"`,
+    `base_url`, `model` in a server TOML. Nothing else of page_qa changes: it answers in its `answer_mode`, "free"
+    by default ("align" works too; "extract" scores spans, which an endpoint cannot: refused at start-up)."""
+    keys = {"backend": "openai", "base_url": url, "model": model}
+    return tuple(f"page_qa.model.{key}={json.dumps(value)}" for key, value in keys.items())
 
 
 def parse_config(data: Mapping[str, Any]) -> ServerConfig:

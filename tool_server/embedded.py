@@ -83,10 +83,12 @@ async def open_tools(
     corpus: Path | None = None,
     persist_index: bool = False,
     search_url: str | None = None,
+    overrides: Sequence[str] = (),
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> AsyncIterator[ToolClient]:
     """A client for `access.url` (checked with /health), or for a server started here (`embedded_config`;
-    `corpus`, `persist_index` and `search_url` configure its search tool).
+    `corpus`, `persist_index` and `search_url` configure its search tool; `overrides` are `--set` overrides of
+    its settings, e.g. config.reader_overrides).
 
     `transport` (tests) stands in for the server. Raises ToolServerError when the URL does not answer.
     """
@@ -94,7 +96,7 @@ async def open_tools(
         if transport is None and access.url is None:
             from tool_server.app import create_app
 
-            base = load_config(access.config)
+            base = load_config(access.config, overrides)
             cfg = embedded_config(
                 base, roots=roots, loopback=loopback, corpus=corpus, persist_index=persist_index,
                 search_url=search_url,
