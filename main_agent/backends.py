@@ -36,7 +36,7 @@ def load_policy(
 
     In process (`transformers`) the weights go to `device` ("auto": cuda when visible); `lora_rank` > 0 adds
     fresh LoRA adapters to a dense model (training); `max_batch` episodes share one generate. A vLLM engine
-    (`vllm`) reads the checkpoint folder itself (dense only) with `max_model_len`; a server (`server`) serves its
+    (`vllm`) reads the checkpoint folder itself (dense only) with `max_model_len` (at most the model's context); a server (`server`) serves its
     own copy, so only the tokenizer is loaded here. `seed` seeds the engines' and servers' sampling.
     """
     from transformers import AutoTokenizer
@@ -52,11 +52,21 @@ def load_policy(
         raise PolicyError(
             f"{path} is a LoRA adapter: a vLLM engine needs a dense checkpoint (or transformers)"
         )
+    if backend == "vllm":
+        max_model_len = min(max_model_len, model_context(path))
     policy = build_policy(
         backend, tokenizer, sampling, model=model, folder=path, max_batch=max_batch, seed=seed,
         max_model_len=max_model_len,
     )  # fmt: skip
     return policy, tokenizer
+
+
+def model_context(path: Path) -> int:
+    """The longest sequence the checkpoint's position embeddings cover (a vLLM engine refuses to start with a
+    longer `max_model_len`)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, local_files_only=True).max_position_embeddings
 
 
 def chosen_backend(sampling: SamplingConfig, *, adapter: bool = False) -> str:
