@@ -6,7 +6,8 @@
        those chunks holding the answer (or sharing most words with it), from the page
 
 How the answer is made (`Config.answer_mode`; spans.py has the span rules):
-- "free" (the default): the model's own words (first line, cleaned), unjudged, as the shipped policy knows them.
+- "auto" (the default): "extract" where the model scores, else "align" (`chosen_mode`).
+- "free": the model's own words (first line, cleaned), unjudged.
 - "align": the model answers freely, then the answer snaps to the page span with the best token F1 with it;
   below `align_min_f1` the reply is "not in the page".
 - "extract": candidate spans of the top chunks (names, numbers and dates, short phrases near the question's
@@ -90,7 +91,7 @@ class Response(ToolResponse):
         """Answer, quote and the page's title: never its URL, which for a file is a path on the server (the
         policy knows which page it asked; `url` stays in the payload for traces and citations)."""
         source = self.title or "untitled page"
-        if self.supported is None:  # "free": the shape the shipped default policy was trained on
+        if self.supported is None:  # "free": not judged
             return f'answer: {self.answer} | quote: "{self.quote}" | source: {source}'
         if self.answer == NOT_FOUND:
             return f"answer: {NOT_FOUND} | source: {source}"
@@ -113,11 +114,10 @@ class Config:
     """Answers are cut (with a visible marker) past this: the policy's context is the scarce resource."""
     max_quote_chars: int = 300
     """Longer supporting sentences are cut at a word boundary; the cut quote is still verbatim."""
-    # "free" while the shipped default policy (conductor/policies/default) is the one trained on free-text
-    # observations: it should read what it was trained on. "extract" measured best on benchmarks/bench_reader.py
-    # (EM 0.320 vs free's 0.007 on 150 single-hop questions): switch when the default policy is retrained on it.
-    answer_mode: Literal["free", "align", "extract"] = "free"
-    """How the answer is made: "free", "align" or "extract" (module docstring; benchmarks/bench_reader.py)."""
+    answer_mode: Literal["auto", "free", "align", "extract"] = "auto"
+    """How the answer is made (module docstring; benchmarks/bench_reader.py). "auto": "extract" where the model
+    scores (measured best: EM 0.320 vs free's 0.007 on bench_reader's 150 single-hop questions), else "align"
+    (an endpoint generates but cannot score; align keeps its answer grounded in a page span)."""
     max_candidates: int = 48
     """Spans "extract" scores (plus "not in the page"), from the sentences closest to the question first."""
     null_bias: float = 0.0
@@ -154,10 +154,10 @@ async def run(request: Request, cfg: Config, rt: Runtime[None]) -> Response:
 
 def check_model(cfg: Config, llm: LLM) -> None:
     """ConfigError where `cfg` cannot run on `llm`: the tool server asks at start-up and before a hot swap."""
-    if cfg.answer_mode == "extract" and not llm.scores:
+    if cfg.answer_mode == "extract" and not llm.scores:  # "auto" picks what the model can do
         raise ConfigError(
             f'[page_qa] answer_mode = "extract" scores page spans with the model, which {llm.model_id} cannot '
-            'do (only backend = "transformers" scores): use answer_mode "align" or "free", or that backend'
+            'do (only backend = "transformers" scores): use answer_mode "auto", "align" or "free", or that backend'
         )
 
 
@@ -198,7 +198,8 @@ async def _reply(prep: Prepared, question: str, *, cfg: Config, rt: Runtime[None
     """The answer in `cfg.answer_mode` (module docstring)."""
     messages = build_prompt(["\n".join(chunk) for chunk in prep.top], question)
     sentences = page_sentences(prep.top)
-    if cfg.answer_mode == "extract":
+    mode = chosen_mode(cfg, rt.llm)
+    if mode == "extract":
         found = spans.candidates(sentences, question, limit=cfg.max_candidates)
         replies = [span.text for span in found] + [NOT_FOUND]
         scores = await rt.llm.score(messages, replies)
@@ -210,13 +211,20 @@ async def _reply(prep: Prepared, question: str, *, cfg: Config, rt: Runtime[None
         return _on_page(found[best], question, cfg=cfg, prompt_tokens=read)
     generation = await rt.llm.generate(messages, max_new_tokens=cfg.max_new_tokens)
     said, read = clean_answer(generation.text, cfg.max_answer_chars), generation.prompt_tokens
-    if cfg.answer_mode == "free":
+    if mode == "free":
         quote = pick_quote(prep.top, said, question=question, max_chars=cfg.max_quote_chars)
         return Reply(said, quote, None, read)
     span, score = (None, 0.0) if _SAYS_NOT_FOUND.search(said) else spans.align(sentences, said, question)
     if span is None or score < cfg.align_min_f1:
         return Reply(NOT_FOUND, "", False, read)
     return _on_page(span, question, cfg=cfg, prompt_tokens=read)
+
+
+def chosen_mode(cfg: Config, llm: LLM) -> Literal["free", "align", "extract"]:
+    """The answer mode `cfg` asks for, with "auto" resolved for `llm`."""
+    if cfg.answer_mode != "auto":
+        return cfg.answer_mode
+    return "extract" if llm.scores else "align"
 
 
 def _on_page(span: spans.Span, question: str, *, cfg: Config, prompt_tokens: int) -> Reply:

@@ -122,7 +122,8 @@ def test_admin_hot_swap_moves_page_qa_to_the_endpoint(
     base_url, received = endpoint
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     factory = EndpointOrFake()
-    cfg = load_config(write_config(tmp_path, 'model = "A"'))
+    free = '[page_qa]\nanswer_mode = "free"'  # the fake model's "fake answer" comes back as it said it
+    cfg = load_config(write_config(tmp_path, 'model = "A"', extra=free))
     headers = {"Authorization": f"Bearer {TOKEN}"}
     swap_body = {"backend": "openai", "base_url": base_url, "model": "served-model"}
     with (

@@ -351,11 +351,19 @@ async def test_align_says_not_found_for_refusals_and_words_not_on_the_page(reply
     assert (response.answer, response.supported) == (answer, False)
 
 
-async def test_free_is_the_default_and_reads_as_before() -> None:
-    """ "free", the default (the shipped policy was trained on its observations), gives the model's own words,
-    refusals and inventions included, unjudged, with the sentence sharing most words as the quote: the
-    observation is the one page_qa gave before answer modes existed."""
-    assert page_qa.Config().answer_mode == "free"
+def test_auto_extracts_where_the_model_scores_and_aligns_elsewhere() -> None:
+    """The default mode "auto" is "extract" with a model that scores (the in-process reader) and "align" with one
+    that only generates (an endpoint), so swapping the reader by config never stops the server."""
+    assert page_qa.Config().answer_mode == "auto"
+    assert page_qa.chosen_mode(page_qa.Config(), ScoringLLM({})) == "extract"
+    assert page_qa.chosen_mode(page_qa.Config(), ScriptedLLM("x")) == "align"
+    assert page_qa.chosen_mode(page_qa.Config(answer_mode="free"), ScoringLLM({})) == "free"
+    page_qa.check_model(page_qa.Config(), ScriptedLLM("x"))
+
+
+async def test_free_reads_as_before() -> None:
+    """ "free" gives the model's own words, refusals and inventions included, unjudged, with the sentence sharing
+    most words as the quote: the observation is the one page_qa gave before answer modes existed."""
     on_page = await ask_in("free", ScriptedLLM("330 Metres"))
     assert (on_page.answer, on_page.supported) == ("330 Metres", None)
     assert on_page.summary() == f'answer: 330 Metres | quote: "{ANSWER_PARAGRAPH}" | source: Visiting Paris'

@@ -182,8 +182,8 @@ def load_config(path: Path | None, overrides: Sequence[str] = ()) -> ServerConfi
 def reader_overrides(url: str, model: str) -> tuple[str, ...]:
     """`--reader-url URL --reader-model NAME` (`conductor ask`, `conductor serve`) as the overrides of the keys they
     stand for: page_qa's model behind an OpenAI-compatible endpoint, exactly `[page_qa.model] backend = "openai"`,
-    `base_url`, `model` in a server TOML. Nothing else of page_qa changes: it answers in its `answer_mode`, "free"
-    by default ("align" works too; "extract" scores spans, which an endpoint cannot: refused at start-up)."""
+    `base_url`, `model` in a server TOML. Nothing else of page_qa changes: it answers in its `answer_mode`: "auto"
+    makes that "align" (an endpoint generates but cannot score spans; an explicit "extract" is refused at start-up)."""
     keys = {"backend": "openai", "base_url": url, "model": model}
     return tuple(f"page_qa.model.{key}={json.dumps(value)}" for key, value in keys.items())
 
