@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from conductor.models import DEFAULT_MODEL, DEFAULT_POLICY, ModelNotFound
+from conductor.models import BUILTIN_MODELS, DEFAULT_MODEL, DEFAULT_POLICY, ModelNotFound
 from main_agent.backends import load_policy
 from main_agent.parse import CALL_CLOSE, CALL_OPEN
 from main_agent.policy import SamplingConfig
@@ -68,7 +68,8 @@ class AskOptions:
     """An OpenAI-compatible endpoint (e.g. vLLM serve of a bigger model) that answers for the in-process page_qa
     instead of the built-in model (tool_server.config.reader_overrides); page_qa's "auto" mode then answers "align"."""
     reader_model: str | None = None
-    """The model name served at `reader_url`; None: the first its /models lists (`validate` fills it in)."""
+    """The model name served at `reader_url`; None: the first its /models lists (`validate` fills it in).
+    Without `reader_url`: a built-in model (conductor.models.BUILTIN_MODELS) page_qa runs in process."""
     policy: str = DEFAULT_POLICY
     """Built-in model name, local checkpoint or LoRA adapter dir (its tokenizer renders the prompts)."""
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
@@ -107,11 +108,14 @@ def validate(opts: AskOptions) -> AskOptions:
         raise AskError(f"--corpus {opts.corpus}: no such folder")
     if opts.search_url is not None:
         check_search_url(opts)
-    if opts.reader_model is not None and opts.reader_url is None:
-        raise AskError("--reader-model names a model served at --reader-url: give that too")
+    if opts.reader_model is not None and opts.reader_url is None and opts.reader_model not in BUILTIN_MODELS:
+        raise AskError(
+            f"--reader-model {opts.reader_model}: without --reader-url, one of the built-in models "
+            f"({', '.join(BUILTIN_MODELS)})"
+        )
     return dataclasses.replace(
         opts,
-        reader_model=check_reader_url(opts) if opts.reader_url is not None else None,
+        reader_model=check_reader_url(opts) if opts.reader_url is not None else opts.reader_model,
         urls=tuple(map(page_url, opts.urls)),
         image=opts.image.resolve() if opts.image else None,
         video=opts.video.resolve() if opts.video else None,
@@ -231,10 +235,9 @@ async def tool_client(opts: AskOptions) -> AsyncIterator[ToolClient]:
 
 
 def reader_settings(opts: AskOptions) -> tuple[str, ...]:
-    """The in-process server's overrides for --reader-url (none without it); `opts` validated."""
-    if opts.reader_url is None:
+    """The in-process server's overrides for --reader-url / --reader-model (none without them); `opts` validated."""
+    if opts.reader_model is None:
         return ()
-    assert opts.reader_model is not None, "validate() names the reader's model"
     return reader_overrides(opts.reader_url, opts.reader_model)
 
 

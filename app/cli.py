@@ -111,7 +111,10 @@ READER_URL_HELP = (
     'page_qa then snaps the model\'s answer to a page span (answer_mode "auto" is "align" there): "extract" '
     "scores page spans, which only the in-process model can."
 )
-READER_MODEL_HELP = "Model name served at --reader-url (default: the first it lists)."
+READER_MODEL_HELP = (
+    "Model name served at --reader-url (default: the first it lists); without --reader-url, a built-in model "
+    "page_qa runs in process (`conductor models list`)."
+)
 
 
 @app.command()
@@ -166,17 +169,16 @@ def serve(
 
 def _reader_overrides(url: str | None, model: str | None) -> tuple[str, ...]:
     """`serve --reader-url [--reader-model]` as settings overrides (tool_server.config.reader_overrides); the
-    endpoint must list its models now, or that is one line and exit code 2."""
+    endpoint must list its models now, or that is one line and exit code 2. `--reader-model` alone: a built-in."""
     from subagents.llm import BackendError
     from subagents.openai_llm import served_model
     from tool_server.config import reader_overrides
 
     if url is None:
-        if model is not None:
-            raise typer.BadParameter(
-                "names a model served at --reader-url: give that too", param_hint="--reader-model"
-            )
-        return ()
+        try:
+            return () if model is None else reader_overrides(None, model)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--reader-model") from exc
     try:
         return reader_overrides(url, served_model(url, model))
     except BackendError as exc:  # nothing there to read with: said in one line, as `ask` does

@@ -41,9 +41,10 @@ CONTEXT_MESSAGE = (
 
 @dataclass
 class Script:
-    """What the fake endpoint answers. `echo` replies with the last message's text."""
+    """What the fake endpoint answers. `echo` replies with the last message's text, or with `reply` when set."""
 
     mode: Mode = "echo"
+    reply: str | None = None
     delay_s: float = 0.0
     retry_after_ms: int = 5
     """Sent with 5xx replies so client retries in tests wait milliseconds, not the default backoff."""
@@ -101,7 +102,7 @@ class _ChatRequest(BaseModel):
 
 
 def _scripted(script: Script, body: _ChatRequest) -> JSONResponse:
-    text = body.messages[-1].text
+    text = body.messages[-1].text if script.reply is None else script.reply
     usage = (sum(approx_tokens(m.text) for m in body.messages), approx_tokens(text))
     if script.mode == "error_500":
         return _error(500, "internal error", **{"retry-after-ms": str(script.retry_after_ms)})

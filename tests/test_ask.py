@@ -231,7 +231,7 @@ def test_sources_are_the_pages_read_and_search_hits_only_when_nothing_was_read()
 def test_reader_url_names_the_model_page_qa_asks_there():
     """--reader-url is checked when the options are: the endpoint's first model unless --reader-model names one,
     handed to the in-process server as [page_qa.model] overrides; refused with --tools-url (whose own TOML says
-    who reads), without a URL, or with nobody answering."""
+    who reads) or with nobody answering. --reader-model alone names a built-in model, and only those."""
     with serve(create_openai_app(Script())) as url:
         opts = validate(AskOptions("q", reader_url=url))
         assert opts.reader_model == "fake" and reader_settings(opts) == reader_overrides(url, "fake")
@@ -240,8 +240,10 @@ def test_reader_url_names_the_model_page_qa_asks_there():
         with pytest.raises(AskError, match="--reader-url is for the in-process tools"):
             validate(AskOptions("q", reader_url=url, tools_url="http://127.0.0.1:8700"))
     assert reader_settings(validate(AskOptions("q"))) == ()
-    with pytest.raises(AskError, match="give that too"):
+    with pytest.raises(AskError, match="without --reader-url, one of the built-in models"):
         validate(AskOptions("q", reader_model="big"))
+    builtin = validate(AskOptions("q", reader_model="gemma3-270m"))
+    assert reader_settings(builtin) == ('page_qa.model.model="gemma3-270m"',)
     nobody = f"http://127.0.0.1:{unused_port()}/v1"
     with pytest.raises(AskError, match=f"--reader-url: no OpenAI-compatible endpoint answers at {nobody}"):
         validate(AskOptions("q", reader_url=nobody))

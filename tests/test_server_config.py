@@ -153,7 +153,8 @@ def test_overrides_reach_every_table_and_are_checked_like_the_file(tmp_path: Pat
 
 def test_the_reader_flags_are_page_qa_model_overrides(tmp_path: Path) -> None:
     """`--reader-url URL --reader-model NAME` is `[page_qa.model] backend = "openai"` with that base_url and model:
-    page_qa's own settings and every other tool are as without them, and the flags win over the file."""
+    page_qa's own settings and every other tool are as without them, and the flags win over the file;
+    `--reader-model NAME` alone is the built-in model NAME in process."""
     url = "http://127.0.0.1:8000/v1"
     cfg = load_config(None, reader_overrides(url, "Qwen/Qwen2.5-1.5B-Instruct"))
     reader = BackendConfig(backend="openai", base_url=url, model="Qwen/Qwen2.5-1.5B-Instruct")
@@ -167,3 +168,7 @@ def test_the_reader_flags_are_page_qa_model_overrides(tmp_path: Path) -> None:
     from_file = load_config(path, reader_overrides(url, "m")).tools["page_qa"]
     assert from_file.config.answer_mode == "align"  # "align" generates: any backend answers it
     assert from_file.model == BackendConfig(backend="openai", base_url=url, model="m", max_new_tokens=32)
+    builtin = load_config(None, reader_overrides(None, "qwen2.5-coder-0.5b-instruct")).tools["page_qa"].model
+    assert builtin == BackendConfig(model="qwen2.5-coder-0.5b-instruct")  # in process, by its built-in name
+    with pytest.raises(ValueError, match="'big' is not a built-in model; built in: smollm2-135m-instruct"):
+        reader_overrides(None, "big")

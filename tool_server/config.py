@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from conductor.models import BUILTIN_MODELS
 from conductor.settings import build, check_keys, check_range, read_settings, sub_table
 from subagents import SUBAGENTS
 from subagents.common import Files
@@ -179,11 +180,16 @@ def load_config(path: Path | None, overrides: Sequence[str] = ()) -> ServerConfi
     return parse_config(read_settings(path, overrides))
 
 
-def reader_overrides(url: str, model: str) -> tuple[str, ...]:
+def reader_overrides(url: str | None, model: str) -> tuple[str, ...]:
     """`--reader-url URL --reader-model NAME` (`conductor ask`, `conductor serve`) as the overrides of the keys they
     stand for: page_qa's model behind an OpenAI-compatible endpoint, exactly `[page_qa.model] backend = "openai"`,
-    `base_url`, `model` in a server TOML. Nothing else of page_qa changes: it answers in its `answer_mode`: "auto"
-    makes that "align" (an endpoint generates but cannot score spans; an explicit "extract" is refused at start-up)."""
+    `base_url`, `model` in a server TOML; page_qa's `answer_mode` "auto" then means "align" (an endpoint cannot
+    score spans; an explicit "extract" is refused at start-up). `--reader-model NAME` alone: the built-in model
+    NAME in process (`[page_qa.model] model = NAME`; ValueError listing them for any other name)."""
+    if url is None:
+        if model not in BUILTIN_MODELS:
+            raise ValueError(f"{model!r} is not a built-in model; built in: {', '.join(BUILTIN_MODELS)}")
+        return (f"page_qa.model.model={json.dumps(model)}",)
     keys = {"backend": "openai", "base_url": url, "model": model}
     return tuple(f"page_qa.model.{key}={json.dumps(value)}" for key, value in keys.items())
 
