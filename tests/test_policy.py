@@ -191,7 +191,7 @@ def test_the_shipped_default_policy_resolves_to_its_adapter():
     assert config["base_model_name_or_path"] == DEFAULT_MODEL and (path / "README.md").is_file()
 
 
-def test_a_vllm_engine_is_never_asked_for_more_context_than_the_checkpoint_has(smollm2_path, tmp_path, monkeypatch):
+def test_vllm_context_is_capped_at_the_checkpoints(smollm2_path, tmp_path, monkeypatch):
     """load_policy caps vLLM's max_model_len at the checkpoint's max_position_embeddings (an engine refuses longer)."""
     import json
     import shutil
@@ -210,5 +210,7 @@ def test_a_vllm_engine_is_never_asked_for_more_context_than_the_checkpoint_has(s
 
     monkeypatch.setattr(backends, "build_policy", fake_build)
     backends.load_policy(str(small), SamplingConfig(backend="vllm"), max_model_len=4096)
-    backends.load_policy(str(small), SamplingConfig(backend="server", url="http://127.0.0.1:9/v1"), max_model_len=4096)
+    backends.load_policy(
+        str(small), SamplingConfig(backend="server", url="http://127.0.0.1:9/v1"), max_model_len=4096
+    )
     assert seen == {"vllm": 2048, "server": 4096}
