@@ -337,7 +337,7 @@ def test_step_line_has_a_fixed_shape() -> None:
 # ---------------------------------------------------------------- whole runs
 
 
-def parity_score(episode: Episode, task: Task, weights) -> list:
+def parity_score(episode: Episode, task: Task, weights, kind: str = "task") -> list:
     """Stub reward: the share of even ids among the sampled tokens (the random policy varies on it)."""
     ids = [i for t in episode.turns for i in t.completion_ids]
     episode.reward = sum(i % 2 == 0 for i in ids) / max(len(ids), 1)

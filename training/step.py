@@ -53,10 +53,13 @@ class InfraFailure(RuntimeError):
 # ---------------------------------------------------------------- scoring and credit
 
 
-def score(episode: Episode, task: Task, weights: TurnRewardWeights) -> list[TurnRewardParts]:
-    """Fill `episode.reward` (the task's final reward) and `episode.turn_rewards`; return each turn's parts."""
+def score(
+    episode: Episode, task: Task, weights: TurnRewardWeights, kind: str = "task"
+) -> list[TurnRewardParts]:
+    """Fill `episode.reward` (the task's final reward of `kind`, TrainConfig.reward_kind) and
+    `episode.turn_rewards`; return each turn's parts."""
     parts = [turn_reward(facts, weights) for facts in turn_facts(episode, task)]
-    episode.reward = task_data.reward_for(task, episode.answer)
+    episode.reward = task_data.reward_for(task, episode.answer, kind=kind)
     episode.turn_rewards = [p.total for p in parts]
     return parts
 
@@ -172,7 +175,7 @@ def score_groups(
     kept = filter_groups(groups, cfg)
     parts: list[TurnRewardParts] = []
     for e in (e for g in kept for e in g):
-        parts += score(e, by_id[e.task_id], cfg.turn_rewards)
+        parts += score(e, by_id[e.task_id], cfg.turn_rewards, cfg.reward_kind)
     successes = [task_data.success(by_id[e.task_id], e.answer) for g in kept for e in g]
     values = branches if branches is not None else [None] * len(groups)
     valid = [
@@ -203,12 +206,12 @@ class Collected:
     branching: BranchStats | None = None
 
 
-def rewarded(weights: TurnRewardWeights) -> Callable[[Task, Episode], float]:
+def rewarded(weights: TurnRewardWeights, kind: str = "task") -> Callable[[Task, Episode], float]:
     """An episode's final reward, scored as the step scores it: what branch credit's continuations are worth
     (training/branching.py)."""
 
     def reward_of(task: Task, episode: Episode) -> float:
-        score(episode, task, weights)
+        score(episode, task, weights, kind)
         assert episode.reward is not None
         return episode.reward
 
