@@ -11,10 +11,12 @@ from training.rewards import (
     TurnRewardWeights,
     call_key,
     contains_evidence,
+    edit_distance,
     exact_match,
     normalize_answer,
     normalize_plate,
     plate_match,
+    plate_similarity,
     token_f1,
     turn_reward,
 )
@@ -59,6 +61,26 @@ def test_plate_match_rejects_empty_gold() -> None:
     """A gold plate with no characters is a data bug and raises instead of scoring."""
     with pytest.raises(ValueError, match="no letters or digits"):
         plate_match("AB123", " - ")
+
+
+def test_edit_distance_counts_single_character_edits() -> None:
+    """Levenshtein distance, hand-checked: substitution, insertion, deletion, empty sides, the classic pair."""
+    assert edit_distance("ABC", "ABC") == 0
+    assert edit_distance("ABC", "ABD") == 1
+    assert edit_distance("ABC", "ABXC") == 1 and edit_distance("ABXC", "ABC") == 1
+    assert edit_distance("", "ABC") == 3 and edit_distance("ABC", "") == 3 and edit_distance("", "") == 0
+    assert edit_distance("KITTEN", "SITTING") == 3
+
+
+def test_plate_similarity_grades_a_reading() -> None:
+    """Identical plates score 1 (after normalisation, as plate_match), one substitution in 6 scores 5/6, a longer
+    reading is divided by its own length, an empty reading scores 0, an empty gold raises."""
+    assert plate_similarity("yg9-x2g", "YG9X2G") == 1.0 == plate_match("yg9-x2g", "YG9X2G")
+    assert plate_similarity("YG9X26", "YG9X2G") == pytest.approx(5 / 6)
+    assert plate_similarity("YG9X2GGG", "YG9X2G") == pytest.approx(1 - 2 / 8)
+    assert plate_similarity("", "YG9X2G") == 0.0 and plate_similarity("--", "YG9X2G") == 0.0
+    with pytest.raises(ValueError, match="no letters or digits"):
+        plate_similarity("ABC", " - ")
 
 
 def test_call_key_normalises_strings_and_key_order() -> None:

@@ -15,6 +15,7 @@ from PIL import Image
 
 from subagents.handles import Attachment, file_key, handle_for
 from training import tasks as T
+from training.rewards import normalize_plate
 from training.tasks import Task, TaskMeta, multihop, video
 
 FAMILIES = tuple(T.FAMILIES)
@@ -228,6 +229,18 @@ def test_reward_and_success_per_family() -> None:
         assert T.reward_for(task, None) == 0.0 and not T.success(task, None)
 
 
+def test_graded_reward_gives_partial_credit_where_the_reward_is_exact() -> None:
+    """kind="graded": plates score 1 - normalised edit distance (success stays exact); the text families keep
+    their own reward (token F1, graded already); no answer still scores 0."""
+    plate = Task("p", "plate_reading", "?", ("image_ops",), "YG9X2G", meta=TaskMeta(split="dev"))
+    assert T.reward_for(plate, "YG9X26", kind="graded") == pytest.approx(5 / 6)
+    assert T.reward_for(plate, "YG9X26") == 0.0 and not T.success(plate, "YG9X26")
+    assert T.reward_for(plate, "yg9x2g", kind="graded") == 1.0
+    assert T.reward_for(plate, None, kind="graded") == 0.0
+    text = Task("t", "multihop_pages", "?", (), "set white with p two soon")
+    assert T.reward_for(text, "set white", kind="graded") == T.reward_for(text, "set white")
+
+
 def test_musique_tasks_carry_their_decomposition(shared_data: Path, tmp_path: Path) -> None:
     """Every MuSiQue train question keeps its hops: a sub-question per hop (later hops name earlier answers as
     #k) and the page that answers it; HotpotQA questions have none. Hops survive the JSON round trip."""
@@ -270,6 +283,10 @@ def test_item_rewards_score_each_line_against_its_item(shared_data: Path) -> Non
     half = "\n".join([plates[0], "WRONG1", plates[2]])
     assert T.reward_for(task, half) == 0.5 and not T.success(task, half)
     assert T.item_reward(task, 2, plates[1].lower()) == 1.0 and T.item_reward(task, 2, plates[0]) == 0.0
+    second = normalize_plate(plates[1])
+    one_off = second[:-1] + ("0" if second[-1] != "0" else "1")  # the second plate, last character wrong
+    graded = T.reward_for(task, "\n".join([plates[0], one_off]), kind="graded")
+    assert graded == pytest.approx((1 + 1 - 1 / len(second)) / 4)  # graded: the mean plate_similarity
     [batch] = T.load_family("multihop_batch", "dev", data_dir=shared_data, items=2, limit=1)
     answers = [i.reference for i in batch.items]
     assert T.reward_for(batch, "\n".join(answers)) == 1.0

@@ -37,7 +37,7 @@ from training.config import (
 from training.loop import train
 from training.metrics import read_metrics, rollout_metrics, step_line
 from training.run import next_tasks
-from training.step import InfraFailure, drop_stale, filter_groups, group_to_sequences, score
+from training.step import InfraFailure, drop_stale, filter_groups, group_to_sequences, score, score_groups
 from training.tasks import Task
 from training.update import update
 
@@ -254,6 +254,60 @@ def test_a_non_finite_batch_skips_the_step(field: str) -> None:
     assert not optimizer.state and all(p.grad is None for p in model.parameters())
 
 
+def test_sequences_with_no_advantage_are_skipped_without_changing_the_gradient() -> None:
+    """Without a KL term, sequences whose every advantage is 0 (a flat group) run no forward or backward, yet the
+    gradient is the whole step's: they still count in the normaliser. With a KL term every sequence runs."""
+    from training.update import accumulate_gradients, with_signal
+
+    model = tiny_llama(258)
+    sequences = byte_sequences(model, n=6)
+    for s in sequences[4:]:
+        s.advantages[:] = [0.0] * len(s.advantages)
+    cfg = TrainConfig(micro_batch_tokens=48)
+    live = with_signal(sequences, cfg)
+    assert live == sequences[:4] and with_signal(sequences, TrainConfig(kl_coef=0.1)) == sequences
+    accumulate_gradients(model, sequences, cfg)
+    whole = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    accumulate_gradients(model, live, cfg, normalizer=96)
+    for k, p in model.named_parameters():
+        assert torch.allclose(p.grad, whole[k], atol=1e-7), k
+    stats = update(model, torch.optim.AdamW(model.parameters(), lr=1e-3), sequences, cfg)
+    assert stats.skipped is None and (stats.n_tokens, stats.tokens_skipped) == (96, 32)
+
+
+def test_a_step_whose_every_advantage_is_zero_skips_the_optimizer_step() -> None:
+    """No sequence with a gradient: the optimizer does not step (no momentum-only move), the tokens are counted."""
+    model = tiny_llama(258)
+    sequences = byte_sequences(model)
+    for s in sequences:
+        s.advantages[:] = [0.0] * len(s.advantages)
+    before = params(model)
+    stats = update(model, torch.optim.AdamW(model.parameters(), lr=1e-3), sequences, TrainConfig())
+    assert stats.skipped == "every advantage is 0: no gradient" and stats.tokens_skipped == 64
+    assert stats.metrics()["update/tokens_skipped"] == 64
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+async def test_flat_groups_are_counted_and_lay_no_advantage() -> None:
+    """Outcome credit: a group of equal rewards is counted (zero variance, zero advantage) and its tokens carry
+    advantage 0; a mixed group is neither. Turn credit: equal final rewards with different turn rewards still
+    give non-zero advantages, so that group is counted as zero variance but not as zero advantage."""
+    replies = (
+        [call_text("search", query="x"), "<answer>Ada Lovelace</answer>"],
+        ["<answer>Ada Lovelace</answer>"],
+    )
+    slow, fast = [await play(r, page_knows_ada) for r in replies]
+    wrong = await play(["<answer>Charles Babbage</answer>"], page_knows_ada)
+    groups = [[slow, fast], [fast, wrong]]
+    scored = score_groups(groups, [TASK], TrainConfig())
+    assert scored.metrics() == {"groups/total": 2, "groups/zero_variance": 1, "groups/zero_advantage": 1}
+    flat_group = scored.sequences[:2]
+    assert all(a == 0.0 for s in flat_group for a in s.advantages) and any(scored.sequences[2].advantages)
+    turn = score_groups(groups, [TASK], TrainConfig(credit=CreditConfig(mode="turn")))
+    assert turn.metrics() == {"groups/total": 2, "groups/zero_variance": 1, "groups/zero_advantage": 0}
+
+
 # ---------------------------------------------------------------- config, data order, step line
 
 
@@ -337,7 +391,7 @@ def test_step_line_has_a_fixed_shape() -> None:
 # ---------------------------------------------------------------- whole runs
 
 
-def parity_score(episode: Episode, task: Task, weights) -> list:
+def parity_score(episode: Episode, task: Task, weights, kind: str = "task") -> list:
     """Stub reward: the share of even ids among the sampled tokens (the random policy varies on it)."""
     ids = [i for t in episode.turns for i in t.completion_ids]
     episode.reward = sum(i % 2 == 0 for i in ids) / max(len(ids), 1)

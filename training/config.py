@@ -96,6 +96,11 @@ class TrainConfig:
     """Tasks per step (B). B x G episodes are played per step; 8 keep a 2-core CPU busy for minutes."""
     group_size: int = 4
     """Episodes per task (G); their rewards are each other's baseline, so at least 2."""
+    reward_kind: Literal["task", "graded"] = "task"
+    """The final reward trained on: "task", the family's own (plates: exact match; QA: token F1); "graded",
+    partial credit where the family's own is all-or-nothing (plate_reading, plate_audit: 1 - normalised edit
+    distance per plate; training/tasks GRADED), the family's own elsewhere. `success` is logged by the family's
+    exact rule either way; evaluation always reports the family's own reward."""
     lr: float | None = None
     """AdamW learning rate; None: 1e-5 for full fine-tuning, 1e-4 with LoRA (adapters need larger steps)."""
     warmup_steps: int = 0
@@ -170,6 +175,7 @@ class TrainConfig:
             "sampling.temperature > 0 (the sampler's log-probs must be the trained distribution's)": (
                 self.sampling.temperature > 0
             ),
+            "reward_kind task or graded": self.reward_kind in ("task", "graded"),
             "lora_rank >= 0": self.lora_rank >= 0,
             "micro_batch_tokens >= 1": self.micro_batch_tokens >= 1,
             "max_concurrent_episodes >= 1": self.max_concurrent_episodes >= 1,

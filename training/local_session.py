@@ -78,7 +78,7 @@ class LocalCollector:
             return groups, None, None
         branches, branching = await branch_values(
             groups, tasks, policy=self.policy, tools=self.tools, tokenizer=self.tokenizer, cfg=cfg, step=step,
-            reward_of=rewarded(cfg.turn_rewards),
+            reward_of=rewarded(cfg.turn_rewards, cfg.reward_kind),
         )  # fmt: skip
         return groups, branches, branching
 

@@ -5,6 +5,9 @@ Keys of a metrics row (`metrics.jsonl`, one row per step):
     step, policy_version
     reward/final, reward/turn, reward/turn/<component>, success       over the scored (valid) episodes
     loss/pg, loss/kl, clip_frac, ratio_mean, grad_norm, update/tokens, update/skipped   the optimizer step
+    update/tokens_skipped                                              tokens whose advantage is all 0: not run
+    groups/total, groups/zero_variance, groups/zero_advantage          scored groups; those with all rewards
+                                                                       equal; those with every advantage 0
     optim/lr                                                           the learning rate of that step
     tools/<name>/calls, tools/<name>/error_rate, tools/cache_hit_rate, tools/calls_per_episode
     episodes/collected, episodes/infra_failed, episodes/inexact (not trained on), episodes/stale_dropped

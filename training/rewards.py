@@ -1,7 +1,7 @@
 """Final and per-turn rewards as plain functions; every component is returned separately so it can be logged.
 
 Final rewards lie in [0, 1]: `exact_match` and `token_f1` (SQuAD-style answer normalisation) for text answers,
-`plate_match` for licence plates. Turn rewards are small shaping terms (a few hundredths per turn) for well-formed
+`plate_match` for licence plates and `plate_similarity`, its graded form (1 - normalised edit distance). Turn rewards are small shaping terms (a few hundredths per turn) for well-formed
 calls, malformed or repeated calls, and newly found evidence; `turn_reward` reports each part and their total.
 
 Nothing here catches exceptions: a reward that cannot be computed is a bug, never a silent 0.0.
@@ -57,6 +57,29 @@ def plate_match(pred: str, gold: str) -> float:
     if not gold_plate:
         raise ValueError(f"gold plate {gold!r} has no letters or digits")
     return float(normalize_plate(pred) == gold_plate)
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance: the fewest single-character insertions, deletions and substitutions from a to b.
+    The textbook dynamic programme, one row at a time (O(len(a) x len(b)) time; plates are <= 10 characters)."""
+    previous = list(range(len(b) + 1))  # distances from a[:0] to every prefix of b
+    for i, ca in enumerate(a, start=1):
+        current = [i]
+        for j, cb in enumerate(b, start=1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
+        previous = current
+    return previous[-1]
+
+
+def plate_similarity(pred: str, gold: str) -> float:
+    """1 - edit_distance / max(length) over the normalised plates: 1.0 exactly when `plate_match` is, partial credit
+    for a plate read with a few characters wrong, 0.0 for an empty reading. A gold plate that normalises to
+    nothing raises, as in `plate_match`."""
+    gold_plate = normalize_plate(gold)
+    if not gold_plate:
+        raise ValueError(f"gold plate {gold!r} has no letters or digits")
+    pred_plate = normalize_plate(pred)
+    return 1.0 - edit_distance(pred_plate, gold_plate) / max(len(pred_plate), len(gold_plate))
 
 
 def _normalise_argument(value: object) -> object:

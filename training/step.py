@@ -9,8 +9,9 @@
 - collect: groups of episodes (training/play.py), then branch credit's continuations (training/branching.py,
   valued by `rewarded`)
 - score: `filter_groups` drops groups with an infrastructure failure (and fails the step when too many failed);
-  `score` fills the task's final reward and the turn rewards; `group_to_sequences` lays the group's advantages
-  (outcome, turn or branch credit) onto each episode's tokens
+  `score` fills the task's final reward and the turn rewards; `group_credit` gives the group's advantages
+  (outcome, turn or branch credit) and `lay` puts them onto each episode's tokens; groups whose rewards are all
+  equal, and those whose every advantage is 0 (trained on no token), are counted
 - drop stale: an overlapped collection runs one step behind the weights; groups older than `max_staleness`
   versions are dropped (`drop_stale`)
 - the metrics row of the step (`step_row`; keys in training/metrics.py)
@@ -53,10 +54,13 @@ class InfraFailure(RuntimeError):
 # ---------------------------------------------------------------- scoring and credit
 
 
-def score(episode: Episode, task: Task, weights: TurnRewardWeights) -> list[TurnRewardParts]:
-    """Fill `episode.reward` (the task's final reward) and `episode.turn_rewards`; return each turn's parts."""
+def score(
+    episode: Episode, task: Task, weights: TurnRewardWeights, kind: str = "task"
+) -> list[TurnRewardParts]:
+    """Fill `episode.reward` (the task's final reward of `kind`, TrainConfig.reward_kind) and
+    `episode.turn_rewards`; return each turn's parts."""
     parts = [turn_reward(facts, weights) for facts in turn_facts(episode, task)]
-    episode.reward = task_data.reward_for(task, episode.answer)
+    episode.reward = task_data.reward_for(task, episode.answer, kind=kind)
     episode.turn_rewards = [p.total for p in parts]
     return parts
 
@@ -106,19 +110,34 @@ def episode_credits(episodes: Sequence[Episode]) -> list[EpisodeCredit]:
     return credits
 
 
-def group_to_sequences(
+def group_credit(
     episodes: Sequence[Episode], cfg: TrainConfig, branches: Sequence[Sequence[BranchValues]] | None = None
-) -> list[TrainSequence]:
-    """One group's advantages laid onto its episodes' tokens; episodes without turns have nothing to train.
-    Branch credit reads each episode's continuation values (`branches`, training/branching.py)."""
+) -> list[list[float]]:
+    """One group's advantage per turn of each episode (outcome, turn or branch credit); branch credit reads each
+    episode's continuation values (`branches`, training/branching.py)."""
     credits = episode_credits(episodes)
     if cfg.credit.mode == "branch":
         assert branches is not None, "branch credit needs the continuations' values"
-        advantages = branch_advantages(credits, branches, normalize_std=cfg.credit.normalize_std)
-    else:
-        advantages = group_advantages(credits, cfg.credit)
+        return branch_advantages(credits, branches, normalize_std=cfg.credit.normalize_std)
+    return group_advantages(credits, cfg.credit)
+
+
+def lay(episodes: Sequence[Episode], advantages: Sequence[list[float]]) -> list[TrainSequence]:
+    """The advantages laid onto the episodes' tokens; episodes without turns, or inexact, have nothing to train."""
     trainable = zip(episodes, advantages, strict=True)
     return [s for e, a in trainable if e.turns and e.exact for s in to_sequences(e, a)]
+
+
+def group_to_sequences(
+    episodes: Sequence[Episode], cfg: TrainConfig, branches: Sequence[Sequence[BranchValues]] | None = None
+) -> list[TrainSequence]:
+    """One group's advantages laid onto its episodes' tokens."""
+    return lay(episodes, group_credit(episodes, cfg, branches))
+
+
+def flat(advantages: Sequence[Sequence[float]]) -> bool:
+    """Whether every advantage of a group is 0: it has no gradient (without a KL term, training/update.py)."""
+    return all(a == 0.0 for row in advantages for a in row)
 
 
 def filter_groups(groups: Sequence[list[Episode]], cfg: TrainConfig) -> list[list[Episode]]:
@@ -151,6 +170,18 @@ class Scored:
     turn_parts: list[TurnRewardParts]
     ledgers: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     """Item tasks, per episode: the share of items recorded, and the share recorded right (`ledger_scores`)."""
+    zero_variance: int = 0
+    """Groups whose final rewards are all equal (no outcome signal)."""
+    zero_advantage: int = 0
+    """Groups whose every advantage is 0 (the update runs none of their tokens, training/update.py); under
+    outcome credit the same as `zero_variance`, under turn credit turn rewards may still tell turns apart."""
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "groups/total": len(self.groups),
+            "groups/zero_variance": self.zero_variance,
+            "groups/zero_advantage": self.zero_advantage,
+        }
 
 
 def ledger_scores(episode: Episode, task: Task) -> tuple[float, float]:
@@ -172,7 +203,7 @@ def score_groups(
     kept = filter_groups(groups, cfg)
     parts: list[TurnRewardParts] = []
     for e in (e for g in kept for e in g):
-        parts += score(e, by_id[e.task_id], cfg.turn_rewards)
+        parts += score(e, by_id[e.task_id], cfg.turn_rewards, cfg.reward_kind)
     successes = [task_data.success(by_id[e.task_id], e.answer) for g in kept for e in g]
     values = branches if branches is not None else [None] * len(groups)
     valid = [
@@ -180,9 +211,11 @@ def score_groups(
         for g, b in zip(groups, values, strict=True)
         if not any(e.stop_reason == "infra_failed" for e in g)
     ]
-    sequences = [s for g, b in valid for s in group_to_sequences(g, cfg, b)]
+    credit = [group_credit(g, cfg, b) for g, b in valid]
+    sequences = [s for (g, _), a in zip(valid, credit, strict=True) for s in lay(g, a)]
     ledgers = [ledger_scores(e, by_id[e.task_id]) for g in kept for e in g if by_id[e.task_id].items]
-    return Scored(kept, sequences, successes, parts, ledgers)
+    equal = sum(len({e.reward for e in g}) == 1 for g in kept)
+    return Scored(kept, sequences, successes, parts, ledgers, equal, sum(map(flat, credit)))
 
 
 # ---------------------------------------------------------------- collect
@@ -203,12 +236,12 @@ class Collected:
     branching: BranchStats | None = None
 
 
-def rewarded(weights: TurnRewardWeights) -> Callable[[Task, Episode], float]:
+def rewarded(weights: TurnRewardWeights, kind: str = "task") -> Callable[[Task, Episode], float]:
     """An episode's final reward, scored as the step scores it: what branch credit's continuations are worth
     (training/branching.py)."""
 
     def reward_of(task: Task, episode: Episode) -> float:
-        score(episode, task, weights)
+        score(episode, task, weights, kind)
         assert episode.reward is not None
         return episode.reward
 
@@ -257,6 +290,7 @@ def step_row(
         ),
         **rollout_metrics([e for g in batch.groups for e in g], seconds=batch.rollout_s),
         **stats.metrics(),
+        **scored.metrics(),
         "episodes/stale_dropped": stale_dropped,
         "time/train": seconds[0],
         "time/weight_sync": seconds[1],

@@ -2,6 +2,12 @@
 micro-batches, on one process or split over data-parallel ranks (training/ray_trainer.py).
 
     stats = update(model, optimizer, sequences, cfg, ref_model=None, dp=None)   # UpdateStats; skipped says why
+
+Without a KL term a sequence whose every advantage is 0 (a group whose rewards are all equal under outcome credit,
+or whose turn advantages all cancel) has no gradient: its clipped surrogate is 0 whatever the ratio. Such
+sequences are left out of the forward and backward (`with_signal`) but still count in the loss's normaliser, so
+the loss and the gradient are the whole step's; a step with no other sequence skips the optimizer step (no
+momentum-only move of the weights, no weight push).
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ class UpdateStats:
     ratio_mean: float = math.nan
     grad_norm: float = math.nan
     n_tokens: int = 0
+    tokens_skipped: int = 0
+    """Masked-in tokens of the sequences left out of the forward and backward (every advantage 0)."""
     skipped: str | None = None
 
     def metrics(self) -> dict[str, float]:
@@ -45,6 +53,7 @@ class UpdateStats:
             "ratio_mean": self.ratio_mean,
             "grad_norm": self.grad_norm,
             "update/tokens": self.n_tokens,
+            "update/tokens_skipped": self.tokens_skipped,
             "update/skipped": float(self.skipped is not None),
         }
 
@@ -81,7 +90,11 @@ def update(
         return _skip("no sampled tokens to train on")
     if not all(math.isfinite(a) for s in sequences for a in s.advantages):
         return _skip("non-finite advantage")
-    sums = accumulate_gradients(model, sequences, cfg, ref_model=ref_model, dp=dp)
+    live = with_signal(sequences, cfg)
+    idle = n_tokens - masked_tokens(live)
+    if not live:
+        return _skip("every advantage is 0: no gradient", tokens_skipped=idle)
+    sums = accumulate_gradients(model, live, cfg, ref_model=ref_model, dp=dp, normalizer=n_tokens)
     if sums is None:
         optimizer.zero_grad(set_to_none=True)
         return _skip("non-finite loss")
@@ -92,7 +105,17 @@ def update(
         return _skip("non-finite gradient")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return UpdateStats(sums["pg"], sums["kl"], sums["clip"], sums["ratio"], grad_norm, n_tokens)
+    return UpdateStats(sums["pg"], sums["kl"], sums["clip"], sums["ratio"], grad_norm, n_tokens, idle)
+
+
+def with_signal(sequences: Sequence[TrainSequence], cfg: TrainConfig) -> list[TrainSequence]:
+    """The sequences with a gradient: all of them with a KL term (it trains every token), else those with a
+    non-zero advantage on some masked-in token."""
+    if cfg.kl_coef > 0:
+        return list(sequences)
+    return [
+        s for s in sequences if any(a != 0.0 for a, m in zip(s.advantages, s.loss_mask, strict=True) if m)
+    ]
 
 
 def masked_tokens(sequences: Sequence[TrainSequence]) -> int:
@@ -107,15 +130,19 @@ def accumulate_gradients(
     *,
     ref_model: nn.Module | None = None,
     dp: DataParallel | None = None,
+    normalizer: int | None = None,
 ) -> dict[str, float] | None:
     """Backward over the step's micro-batches (with `dp`: this rank's share, then the gradients summed over the
     ranks), leaving the gradient of the step's loss in each trainable parameter's `.grad`. Returns the logged
-    sums (pg, kl, clip, ratio), or None when a loss was not finite (on any rank): its gradients are partial.
+    sums (pg, kl, clip, ratio; clip and ratio as means over `sequences`' tokens), or None when a loss was not
+    finite (on any rank): its gradients are partial.
 
-    Every rank normalises by the whole step's token count, so the ranks' losses add up to the step's loss and a
-    SUM of their gradients is its gradient (not DDP's mean)."""
-    n_tokens = masked_tokens(sequences)
-    assert n_tokens > 0, f"no trained tokens in {len(sequences)} sequences"
+    Every rank normalises by the whole step's token count (`normalizer`: the step's, when `sequences` leave out
+    some of it; default their own), so the ranks' losses add up to the step's loss and a SUM of their gradients
+    is its gradient (not DDP's mean)."""
+    trained = masked_tokens(sequences)
+    assert trained > 0, f"no trained tokens in {len(sequences)} sequences"
+    n_tokens = normalizer if normalizer is not None else trained
     model.train()
     sums = {"pg": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0}
     device = str(next(model.parameters()).device)
@@ -128,7 +155,7 @@ def accumulate_gradients(
             finite = False
             break  # with dp the rank still joins the all-reduces below, which tell every rank to skip
         out.loss.backward()
-        share = out.n_tokens / n_tokens
+        share = out.n_tokens / trained
         sums["pg"] += out.pg_loss.item()
         sums["kl"] += out.kl.item()
         sums["clip"] += out.clip_frac.item() * share
@@ -190,6 +217,6 @@ def micro_batch_loss(
     )
 
 
-def _skip(reason: str) -> UpdateStats:
+def _skip(reason: str, *, tokens_skipped: int = 0) -> UpdateStats:
     logger.warning("optimizer step skipped: %s", reason)
-    return UpdateStats(skipped=reason)
+    return UpdateStats(tokens_skipped=tokens_skipped, skipped=reason)

@@ -13,6 +13,9 @@ also take `load(..., items=N)` and have `item_reward(text, item_reference)`, the
     with prepared(tasks, work_dir) as ready:               # pages served, clips subtitled, as each family needs
         ...
 
+Families whose reward is all-or-nothing per answer also have `graded_reward(answer, reference)`, partial credit
+in [0, 1] (listed in `GRADED`); the QA families' reward is graded already (token F1).
+
 Adding a family is one module and one entry here.
 """
 
@@ -27,6 +30,7 @@ from training.tasks.task import SPLITS, Task, TaskMeta, data_root, hash_split, l
 
 __all__ = [
     "FAMILIES",
+    "GRADED",
     "SPLITS",
     "Task",
     "TaskMeta",
@@ -51,6 +55,9 @@ FAMILIES = {
     corpus_qa.NAME: corpus_qa,
     research_corpus.NAME: research_corpus,
 }
+
+GRADED = {plates.NAME: plates.graded_reward, plate_audit.NAME: plate_audit.graded_reward}
+"""The graded score of the families whose own reward is exact; `reward_for(..., kind="graded")` uses it."""
 
 
 def load_family(
@@ -80,9 +87,14 @@ def family_of(task: Task):
     return FAMILIES[task.family]
 
 
-def reward_for(task: Task, answer: str | None) -> float:
-    """The family's final reward in [0, 1]; no answer (a budget ran out) scores 0."""
-    return 0.0 if answer is None else family_of(task).reward(answer, task.reference)
+def reward_for(task: Task, answer: str | None, *, kind: str = "task") -> float:
+    """The family's final reward in [0, 1] ("graded": its `GRADED` score where it has one); no answer (a budget
+    ran out) scores 0."""
+    if answer is None:
+        return 0.0
+    if kind == "graded" and task.family in GRADED:
+        return GRADED[task.family](answer, task.reference)
+    return family_of(task).reward(answer, task.reference)
 
 
 def success(task: Task, answer: str | None) -> bool:

@@ -77,10 +77,15 @@ def attached(items: Sequence[Task]) -> tuple:
 
 def reward(answer: str, reference: str, item_family: ModuleType) -> float:
     """Mean item reward over the reference's lines."""
+    return mean_item_score(answer, reference, item_family.reward)
+
+
+def mean_item_score(answer: str, reference: str, score: Callable[[str, str], float]) -> float:
+    """Mean of `score(line, item reference)` over the reference's lines; a missing or blank line scores 0."""
     references = reference.splitlines()
     lines = answer.splitlines()
     scores = [
-        item_family.reward(lines[i], ref) if i < len(lines) and lines[i].strip() else 0.0
+        score(lines[i], ref) if i < len(lines) and lines[i].strip() else 0.0
         for i, ref in enumerate(references)
     ]
     return sum(scores) / len(scores)

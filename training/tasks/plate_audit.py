@@ -4,7 +4,7 @@ The items are plate_reading tasks of one split (training/tasks/batch.py bundles 
 listed to the policy by handle as "Image i: img_8bf8dd" (the photos are attached to the episode; a path would
 cost ~30 tokens a line, ~500 more over 32 photos, and the policy copied them badly). A photo takes the plate expert ~3-4 image_ops calls (load,
 find_text, zoom, read), so N = 32 is a ~100-call episode. Reward: the fraction of lines that match their plate
-(`plate_match`); success: every line right. Expert: the plate expert photo by photo, recording each plate.
+(`plate_match`; graded: the mean `plate_similarity`); success: every line right. Expert: the plate expert photo by photo, recording each plate.
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ def reward(answer: str, reference: str) -> float:
 
 def success(answer: str, reference: str) -> bool:
     return batch.success(answer, reference, plates)
+
+
+def graded_reward(answer: str, reference: str) -> float:
+    return batch.mean_item_score(answer, reference, plates.graded_reward)
 
 
 def item_reward(text: str, reference: str) -> float:

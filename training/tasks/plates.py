@@ -5,7 +5,8 @@ by a hash of the file name. The photo is attached to the episode and the context
 img_8bf8dd", from its bytes: the same on every machine); its path and the plate box are metadata the policy never
 sees.
 
-Reward and success: `plate_match` (letters and digits only, case-insensitive).
+Reward and success: `plate_match` (letters and digits only, case-insensitive); `graded_reward` is its partial
+credit (`plate_similarity`: 1 - normalised edit distance), what a run with `reward_kind = "graded"` trains on.
 
 Expert: find_text on the attached photo (where text is, never what it says) -> zoom on a returned region by its
 id (image_ops adds the margin) -> read -> answer. The region is the returned one overlapping the gold box most
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from main_agent.types import ToolResult, Turn
 from subagents.handles import Attachment, file_key
-from training.rewards import normalize_plate, plate_match
+from training.rewards import normalize_plate, plate_match, plate_similarity
 from training.tasks.task import (
     NO_ANSWER,
     Task,
@@ -49,6 +50,10 @@ def reward(answer: str, reference: str) -> float:
 
 def success(answer: str, reference: str) -> bool:
     return plate_match(answer, reference) == 1.0
+
+
+def graded_reward(answer: str, reference: str) -> float:
+    return plate_similarity(answer, reference)
 
 
 def _task(txt: Path) -> Task:

@@ -1,0 +1,247 @@
+"""A learning curve that rises: plate_reading from its SFT warm start, outcome vs turn credit, 3 seeds.
+
+    python benchmarks/bench_learning.py                    # the study -> results/bench_learning.json and .png
+    python benchmarks/bench_learning.py --recorded         # the table and plot of the stages recorded so far
+    python benchmarks/bench_learning.py --steps 1 --seeds 1 --sweep-steps 1 --eval-n 2 --tag smoke \
+        --cells full-lr1e-5 lora16-lr2e-4 --policy /abs/path/to/runs/sft-plates/model
+
+The warm start (`--policy`, runs/sft-plates/model as examples/train_plates.toml makes it) passes about half of the
+49 dev photos greedy (0.510 when made), neither hopeless nor perfect, so RL has room both ways. Every stage runs
+through the `conductor` CLI as a user would, and writes a record (below):
+
+  1. warm: `conductor eval` of the warm start, greedy, on the first `--eval-n` dev photos (all 49 by default)
+  2. sweep: short runs (`--sweep-steps` steps, outcome credit, seed 0) of a few cells of the settings that set
+     learning per CPU-hour (SWEEP: learning rate, LoRA vs full, group size at equal episodes per step, and the
+     exact reward beside the graded one); `choose` picks the cell of the main runs from their records
+  3. main: for each seed and credit mode (outcome; turn with the anchor baseline, the best per-call mode of
+     bench_horizon), `conductor train` for `--steps` steps with the chosen cell, then `conductor eval` of its last
+     checkpoint on the same dev photos as the warm start
+
+Rewards: the graded plate score (`reward_kind = "graded"`: 1 - normalised edit distance) trains; success (exact)
+is logged beside it. Groups whose rewards are all equal train on nothing and are counted (`groups/*`).
+Equal sampled tokens: both credit modes play the same B x G episodes per step from the same seeded task order;
+they differ only in how the rewards become advantages, so their sampling budgets are equal by design; the table
+shows the sampled tokens per step each really used. The longer-horizon evaluation of the issue (train plate_audit
+N = 2, test N = 8) applies to plate_audit; this study trains plate_reading and does not run it.
+
+Records: each finished stage writes results/bench_learning/<stage>.json: its settings, the SHA-256 of the warm
+start's weights, the evaluation and the training summary. A stage with a record of the same settings and warm
+start is not run again; a run cut short resumes from its last checkpoint (`--resume`); a record from another warm
+start is reported and left out of the table (and run again unless `--recorded`). So the study spreads over
+sessions and machines. Time on 2 cores (transformers sampling, measured on this task): ~1.8 min a step of 8
+episodes, ~10 min an evaluation of 49 photos: warm 10 min, sweep ~30 min, each main stage ~46 min, ~5.2 h in all:
+two sessions of ~2.6 h (warm, sweep, seed 0 and seed 1 outcome; then the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_horizon import conductor, warm_start_sha  # noqa: E402
+from benchmarks.learning_summary import choose, plot, summarise, table, training_summary  # noqa: E402
+from training.checkpoint import find_latest  # noqa: E402
+
+CONFIG = ROOT / "examples" / "train_plates.toml"
+TASK = "plate_reading"
+BASE = ("reward_kind=graded", "save_every=5", "keep_last=1")
+"""Settings of every run on top of the example's (group_size 4, batch_tasks 2, lr 1e-5); one checkpoint kept
+(1.6 GB with the optimizer's state), every 5 steps, so a run cut short loses at most 5 steps."""
+CREDITS = {
+    "outcome": ("credit.mode=outcome",),
+    "turn": ("credit.mode=turn", "credit.baseline=anchor"),
+}
+SWEEP = {  # cell -> its settings; every cell plays 8 episodes a step
+    "full-lr1e-5": ("lr=1e-5",),
+    "full-lr3e-5": ("lr=3e-5",),
+    "lora16-lr2e-4": ("lora_rank=16", "lr=2e-4"),
+    "full-lr1e-5-g8": ("lr=1e-5", "group_size=8", "batch_tasks=1"),
+    "full-lr1e-5-exact": ("lr=1e-5", "reward_kind=task"),  # what the graded reward buys: groups with signal
+}
+DEFAULT_CELL = "full-lr1e-5"
+CANDIDATES = ("full-lr1e-5", "full-lr3e-5", "lora16-lr2e-4", "full-lr1e-5-g8")
+"""Cells `choose` may pick; the exact-reward cell measures the reward, whose kind the issue fixes (graded)."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """The command line, shared by every stage."""
+
+    policy: str
+    steps: int
+    sweep_steps: int
+    eval_n: int
+    sampler: str
+    runs: Path
+    records: Path
+    recorded_only: bool
+
+    def settings(self, kind: str, cell: str | None = None) -> dict:
+        """What a stage's record must match to be reused: its kind's sizes and the cell it trained."""
+        common = {"sampler": self.sampler, "base": list(BASE)}
+        if kind == "warm":
+            return {"eval_n": self.eval_n, "sampler": self.sampler}
+        if kind == "sweep":
+            return common | {"steps": self.sweep_steps, "cell": list(SWEEP[cell or DEFAULT_CELL])}
+        return common | {
+            "steps": self.steps,
+            "eval_n": self.eval_n,
+            "cell": list(SWEEP[cell or DEFAULT_CELL]),
+        }
+
+
+def train(name: str, sets: tuple[str, ...], steps: int, seed: int, opts: Options) -> Path:
+    """A finished run of `steps` steps (trained, resumed or reused) in runs/.../<name>."""
+    run_dir = opts.runs / name
+    sets = (
+        f"policy={opts.policy}", f"steps={steps}", f"seed={seed}", f"run_dir={run_dir}",
+        f"sampling.backend={opts.sampler}", *BASE, *sets,
+    )  # fmt: skip
+    latest = find_latest(run_dir) if run_dir.exists() else None
+    if latest is None or latest.name != f"step_{steps}":
+        resume = ("--resume", str(run_dir)) if latest is not None else ()
+        args = ["train", str(CONFIG), *[a for s in sets for a in ("--set", s)], *resume]
+        conductor(*args, log=run_dir.with_suffix(".log"))
+    return run_dir
+
+
+def evaluate(policy: str, out: Path, opts: Options) -> dict:
+    """`conductor eval` of `policy`, greedy, on the first `eval_n` dev photos (reused when present)."""
+    if not out.exists():
+        args = ["eval", "--policy", policy, "--task", TASK, "--split", "dev", "--n", str(opts.eval_n)]
+        args += ["--set", f"sampling.backend={opts.sampler}"]
+        conductor(*args, "--out", str(out), log=out.with_suffix(".log"))
+    return json.loads(out.read_text(encoding="utf-8"))
+
+
+def read_record(path: Path, settings: dict, sha: str | None, opts: Options) -> dict | None:
+    """The record at `path` when it was made under `settings` from the warm start `sha` (None: unknown, any);
+    else None, saying why."""
+    if not path.exists():
+        return None
+    record = json.loads(path.read_text(encoding="utf-8"))
+    then = "left out" if opts.recorded_only else "running it again"
+    if record["settings"] != settings:
+        print(f"{path.name}: made with {record['settings']}, not {settings}: {then}", flush=True)
+        return None
+    if sha is not None and record["warm_start"]["sha256"] != sha:
+        other = record["warm_start"]["sha256"][:12]
+        print(f"{path.name}: from another warm start ({other}, not {sha[:12]}): {then}", flush=True)
+        return None
+    return record
+
+
+def stage(name: str, settings: dict, make, opts: Options) -> dict | None:
+    """The record of stage `name`: read when it matches, else made by `make()` -> (eval or None, training
+    summary or None) and written (None when only recorded stages are wanted)."""
+    path = opts.records / f"{name}.json"
+    sha = reference_sha(opts)
+    record = read_record(path, settings, sha, opts)
+    if record is not None or opts.recorded_only:
+        return record
+    sha = warm_start_sha(opts.policy)  # before running, so that a missing warm start stops the study at once
+    evaluation, trained = make()
+    record = {
+        "stage": name,
+        "settings": settings,
+        "warm_start": {"policy": opts.policy, "sha256": sha},
+        "eval": evaluation,
+        "training": trained,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return record
+
+
+def reference_sha(opts: Options) -> str | None:
+    """The warm start the table is about: its weights' SHA-256 when present here, else the warm record's (a clean
+    checkout tabulating records made elsewhere), else None."""
+    if (ROOT / opts.policy).is_dir() and any((ROOT / opts.policy).glob("*.safetensors")):
+        return warm_start_sha(opts.policy)
+    warm = opts.records / "warm.json"
+    return json.loads(warm.read_text(encoding="utf-8"))["warm_start"]["sha256"] if warm.exists() else None
+
+
+def warm(opts: Options) -> dict | None:
+    out = opts.runs / f"eval-warm-first{opts.eval_n}.json"
+    return stage("warm", opts.settings("warm"), lambda: (evaluate(opts.policy, out, opts), None), opts)
+
+
+def sweep_cell(cell: str, opts: Options) -> dict | None:
+    def make() -> tuple[None, dict]:
+        run_dir = train(f"sweep-{cell}", (*CREDITS["outcome"], *SWEEP[cell]), opts.sweep_steps, 0, opts)
+        return None, training_summary(run_dir)
+
+    return stage(f"sweep-{cell}", opts.settings("sweep", cell), make, opts)
+
+
+def main_run(credit: str, seed: int, cell: str, opts: Options) -> dict | None:
+    def make() -> tuple[dict, dict]:
+        run_dir = train(f"{credit}-s{seed}", (*CREDITS[credit], *SWEEP[cell]), opts.steps, seed, opts)
+        latest = find_latest(run_dir)
+        assert latest is not None, f"{run_dir} has no checkpoint after training"
+        out = run_dir / f"eval-dev-{latest.name}-first{opts.eval_n}.json"
+        return evaluate(str(latest / "model"), out, opts), training_summary(run_dir)
+
+    return stage(f"{credit}-s{seed}", opts.settings("main", cell), make, opts)
+
+
+def study(args: argparse.Namespace, opts: Options) -> dict:
+    """Every stage in order (warm, sweep, then seed by seed each credit mode), then the summary."""
+    warm_record = warm(opts)
+    cells = {c: r for c in args.cells if (r := sweep_cell(c, opts)) is not None}
+    choice = choose({c: r["training"] for c, r in cells.items() if c in CANDIDATES}, default=DEFAULT_CELL)
+    print(f"chosen cell: {choice['cell']} ({choice['why']})", flush=True)
+    runs: dict[str, list[dict]] = {c: [] for c in args.credits}
+    for seed in range(args.seeds):  # seed by seed: a study cut short has every mode at the same seeds
+        for credit in args.credits:
+            if (r := main_run(credit, seed, choice["cell"], opts)) is not None:
+                runs[credit].append(r)
+    warm_eval = warm_record["eval"] if warm_record else None
+    return summarise(warm_eval, cells, choice, runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--policy", default="runs/sft-plates/model", help="the SFT warm start")
+    parser.add_argument("--steps", type=int, default=20, help="RL steps of each main run")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per credit mode")
+    parser.add_argument("--sweep-steps", type=int, default=3, help="RL steps of each sweep cell")
+    parser.add_argument("--cells", nargs="+", default=list(SWEEP), choices=list(SWEEP), help="sweep cells")
+    parser.add_argument("--credits", nargs="+", default=list(CREDITS), choices=list(CREDITS))
+    parser.add_argument("--eval-n", type=int, default=49, help="dev photos per evaluation (the first ones)")
+    parser.add_argument("--sampler", default="transformers", choices=("transformers", "vllm", "auto"))
+    parser.add_argument("--recorded", action="store_true", help="run nothing: tabulate the recorded stages")
+    parser.add_argument("--tag", default="", help="names the runs and results apart")
+    args = parser.parse_args()
+    suffix = f"_{args.tag}" if args.tag else ""
+    results = ROOT / "benchmarks" / "results"
+    opts = Options(
+        args.policy, args.steps, args.sweep_steps, args.eval_n, args.sampler,
+        ROOT / "runs" / f"learning{suffix}", results / f"bench_learning{suffix}", args.recorded,
+    )  # fmt: skip
+    start = time.monotonic()
+    report = study(args, opts)
+    png = plot(report, results / f"bench_learning{suffix}.png")
+    print("\n" + table(report))
+    report |= {
+        "settings": vars(args),
+        "plot": str(png.relative_to(ROOT)),
+        "wall_s_now": time.monotonic() - start,
+    }
+    out = results / f"bench_learning{suffix}.json"
+    out.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    print(
+        f"\nplot: {png}\nwrote {out}\nstudy wall time (stages run now): {report['wall_s_now'] / 60:.1f} min"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""The maths of benchmarks/bench_learning.py, on records alone (no training): a run's curves from its metrics,
+the sweep's choice, the per-mode summary, the table and the plot.
+
+    training_summary(run_dir) -> dict       curves (graded reward, success), sampled tokens and seconds per step
+    choose(cells, default=...) -> dict      the sweep cell with the steepest reward rise per CPU-hour
+    summarise(warm_eval, cells, choice, runs) -> dict   per credit mode: reward first vs last steps, dev success
+
+Spread over seeds is the sample standard deviation (NaN with one seed). "Rises" means every seed's mean reward
+of its last K steps is above that of its first K (K = 5, or half the steps of a shorter run); the dev gain is
+"outside the spread" when the mean over seeds of final dev success minus the warm start's exceeds the seeds'
+spread of it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from training.metrics import read_metrics
+
+K = 5
+"""Steps averaged at each end of a curve."""
+
+
+def training_summary(run_dir: Path) -> dict:
+    """From metrics.jsonl: the per-step graded reward and success curves, sampled tokens and wall seconds per step,
+    and the groups that had no signal."""
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    return {
+        "steps": len(rows),
+        "reward": [r["reward/final"] for r in rows],
+        "success": [r["success"] for r in rows],
+        "sampled_tokens": [r["tokens/sampled"] for r in rows],
+        "step_s": [r["time/rollout"] + r["time/train"] + r["time/weight_sync"] for r in rows],
+        "groups": sum(r.get("groups/total", 0) for r in rows),
+        "groups_zero_variance": sum(r.get("groups/zero_variance", 0) for r in rows),
+    }
+
+
+def ends(curve: Sequence[float], k: int = K) -> tuple[float, float]:
+    """The mean of the first and of the last min(k, len // 2) values (the whole curve at both ends when it has
+    one value; NaN for none). NaN values (a step with nothing scored) are left out of the means."""
+    if not curve:
+        return math.nan, math.nan
+    n = max(min(k, len(curve) // 2), 1)
+    return _mean(curve[:n]), _mean(curve[-n:])
+
+
+def slope(curve: Sequence[float]) -> float:
+    """Least-squares slope of the curve against its step index (per step); 0 for fewer than two points."""
+    points = [(i, y) for i, y in enumerate(curve) if not math.isnan(y)]
+    if len(points) < 2:
+        return 0.0
+    mx = statistics.mean(i for i, _ in points)
+    my = statistics.mean(y for _, y in points)
+    var = sum((i - mx) ** 2 for i, _ in points)
+    return sum((i - mx) * (y - my) for i, y in points) / var
+
+
+def rate(trained: Mapping) -> float:
+    """Reward gained per CPU-hour: the reward's slope per step over the hours a step took."""
+    hours = statistics.mean(trained["step_s"]) / 3600 if trained["step_s"] else math.nan
+    return slope(trained["reward"]) / hours if hours > 0 else math.nan
+
+
+def choose(cells: Mapping[str, Mapping], *, default: str) -> dict:
+    """The cell with the highest reward gain per CPU-hour (`rate`), if any gains; else `default` (a flat or falling
+    sweep says nothing better than the example's settings). Records the rule's inputs."""
+    rates = {cell: rate(trained) for cell, trained in cells.items()}
+    gaining = {c: r for c, r in rates.items() if r > 0}
+    if not gaining:
+        return {"cell": default, "why": "no cell's reward rose: the default", "rates": rates}
+    best = max(gaining, key=lambda c: gaining[c])
+    return {"cell": best, "why": f"highest reward slope per CPU-hour ({gaining[best]:.3f}/h)", "rates": rates}
+
+
+def spread(values: Sequence[float]) -> float:
+    """Sample standard deviation over seeds; NaN for fewer than two."""
+    return statistics.stdev(values) if len(values) >= 2 else math.nan
+
+
+def mode_summary(records: Sequence[Mapping], warm_success: float) -> dict:
+    """One credit mode over its seeds' records: reward and success first vs last K steps, dev success."""
+    trained = [r["training"] for r in records]
+    first, last = zip(*(ends(t["reward"]) for t in trained), strict=True) if trained else ((), ())
+    s_first, s_last = zip(*(ends(t["success"]) for t in trained), strict=True) if trained else ((), ())
+    dev = [r["eval"]["success_rate"] for r in records]
+    gain = _mean(dev) - warm_success
+    return {
+        "seeds": len(records),
+        "reward_first": _mean(first), "reward_first_spread": spread(first),
+        "reward_last": _mean(last), "reward_last_spread": spread(last),
+        "success_first": _mean(s_first), "success_last": _mean(s_last),
+        "rises": bool(trained) and all(b > a for a, b in zip(first, last, strict=True)),
+        "dev_success": _mean(dev), "dev_success_spread": spread(dev), "dev_per_seed": dev,
+        "dev_gain": gain, "gain_outside_spread": bool(gain > spread(dev)),
+        "sampled_tokens_per_step": _mean([x for t in trained for x in t["sampled_tokens"]]),
+        "step_s": _mean([x for t in trained for x in t["step_s"]]),
+        "zero_variance_share": _share(trained),
+        "curves": [t["reward"] for t in trained],
+    }  # fmt: skip
+
+
+def summarise(
+    warm_eval: Mapping | None,
+    cells: Mapping[str, Mapping],
+    choice: Mapping,
+    runs: Mapping[str, Sequence[Mapping]],
+) -> dict:
+    """The study's report: the warm start's dev success, the sweep and its choice, each credit mode's summary."""
+    warm_success = warm_eval["success_rate"] if warm_eval else math.nan
+    sweep = {
+        cell: {
+            "rate_per_hour": choice["rates"].get(cell, math.nan),
+            "reward_slope": slope(r["training"]["reward"]),
+            "step_s": _mean(r["training"]["step_s"]),
+            "zero_variance_share": _share([r["training"]]),
+        }
+        for cell, r in cells.items()
+    }
+    modes = {mode: mode_summary(records, warm_success) for mode, records in runs.items() if records}
+    return {"warm_success": warm_success, "sweep": sweep, "choice": dict(choice), "modes": modes}
+
+
+def table(report: Mapping) -> str:
+    """The sweep, then one row per credit mode."""
+    lines = [
+        f"warm start dev success: {report['warm_success']:.3f}",
+        "",
+        "sweep cell | reward/h | slope/step | s/step | zero-var",
+    ]
+    for cell, s in report["sweep"].items():
+        mark = " <-" if cell == report["choice"]["cell"] else ""
+        lines.append(
+            f"{cell} | {s['rate_per_hour']:8.3f} | {s['reward_slope']:+10.4f} | {s['step_s']:6.0f} | "
+            f"{s['zero_variance_share']:8.2f}{mark}"
+        )
+    lines += [
+        "",
+        "mode | seeds | reward first5 -> last5 (spread) | rises | dev success (spread) | gain | tokens/step",
+    ]
+    for mode, m in report["modes"].items():
+        lines.append(
+            f"{mode} | {m['seeds']} | {m['reward_first']:.3f} ({m['reward_first_spread']:.3f}) -> "
+            f"{m['reward_last']:.3f} ({m['reward_last_spread']:.3f}) | {'yes' if m['rises'] else 'no'} | "
+            f"{m['dev_success']:.3f} ({m['dev_success_spread']:.3f}) | {m['dev_gain']:+.3f}"
+            f"{' *' if m['gain_outside_spread'] else ''} | {m['sampled_tokens_per_step']:.0f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(report: Mapping, out: Path) -> Path:
+    """The training reward (graded) per step, one line per seed, a colour per credit mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for colour, (mode, m) in zip(
+        ("tab:blue", "tab:orange", "tab:green"), report["modes"].items(), strict=False
+    ):
+        for seed, curve in enumerate(m["curves"]):
+            ax.plot(range(1, len(curve) + 1), curve, color=colour, alpha=0.8, label=f"{mode} (seed {seed})")
+    if not math.isnan(report["warm_success"]):
+        ax.axhline(report["warm_success"], color="grey", linestyle=":", label="warm start, dev success")
+    ax.set(title="plate_reading: graded reward while training", xlabel="step", ylabel="reward (graded)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def _share(trained: Sequence[Mapping]) -> float:
+    groups = sum(t["groups"] for t in trained)
+    return sum(t["groups_zero_variance"] for t in trained) / groups if groups else math.nan
+
+
+def _mean(values: Sequence[float]) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    return statistics.mean(kept) if kept else math.nan

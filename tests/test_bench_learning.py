@@ -1,0 +1,122 @@
+"""benchmarks/bench_learning.py: its records and resume, the sweep's choice and the summary maths, on fake
+records and metrics (nothing trains)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bench_learning as bl
+from benchmarks import learning_summary as ls
+
+
+def options(tmp_path: Path, *, recorded_only: bool = False) -> bl.Options:
+    policy = tmp_path / "warm"
+    policy.mkdir(exist_ok=True)
+    (policy / "model.safetensors").write_bytes(b"weights")
+    return bl.Options(
+        str(policy), 20, 3, 49, "transformers", tmp_path / "runs", tmp_path / "records", recorded_only
+    )
+
+
+def trained(reward: list[float], *, step_s: float = 360.0, zero: int = 0) -> dict:
+    n = len(reward)
+    return {
+        "steps": n, "reward": reward, "success": [0.0] * n, "sampled_tokens": [1000.0] * n,
+        "step_s": [step_s] * n, "groups": 2 * n, "groups_zero_variance": zero,
+    }  # fmt: skip
+
+
+def test_a_stage_is_made_once_and_read_back_while_its_settings_and_warm_start_hold(tmp_path: Path) -> None:
+    """The first call makes and writes the record; the same settings read it back without running anything;
+    other settings run it again; `--recorded` never runs, and leaves out a record of other settings."""
+    opts = options(tmp_path)
+    calls = []
+
+    def make() -> tuple[dict, dict]:
+        calls.append(1)
+        return {"success_rate": 0.5}, trained([0.1, 0.2])
+
+    settings = opts.settings("main", "full-lr1e-5")
+    first = bl.stage("outcome-s0", settings, make, opts)
+    assert first is not None and len(calls) == 1
+    assert first["warm_start"]["sha256"] == bl.warm_start_sha(opts.policy)
+    assert bl.stage("outcome-s0", settings, make, opts) == first and len(calls) == 1
+    other = opts.settings("main", "full-lr3e-5")
+    assert bl.stage("outcome-s0", other, make, options(tmp_path, recorded_only=True)) is None
+    assert bl.stage("outcome-s0", other, make, opts) is not None and len(calls) == 2
+
+
+def test_a_record_from_another_warm_start_is_reported_not_mixed(tmp_path: Path, capsys) -> None:
+    """A record whose warm start's SHA-256 differs from this one's is left out (and named) under `--recorded`."""
+    opts = options(tmp_path, recorded_only=True)
+    settings = opts.settings("warm")
+    path = opts.records / "warm.json"
+    path.parent.mkdir(parents=True)
+    record = {"stage": "warm", "settings": settings, "warm_start": {"policy": "x", "sha256": "f" * 64}}
+    path.write_text(json.dumps(record | {"eval": {"success_rate": 0.5}, "training": None}), encoding="utf-8")
+    assert bl.stage("warm", settings, lambda: pytest.fail("nothing runs"), opts) is None
+    assert "another warm start (ffffffffffff" in capsys.readouterr().out
+
+
+def test_ends_and_slope_of_a_curve() -> None:
+    """First and last K means (half the curve when shorter than 2K, NaN steps left out); least-squares slope."""
+    curve = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1]
+    assert ls.ends(curve) == pytest.approx((0.2, 0.9))
+    assert ls.ends([0.2, math.nan, 0.6, 0.8]) == pytest.approx((0.2, 0.7))
+    assert ls.ends([0.4]) == (0.4, 0.4) and all(math.isnan(x) for x in ls.ends([]))
+    assert ls.slope(curve) == pytest.approx(0.1) and ls.slope([0.3]) == 0.0
+
+
+def test_the_sweep_picks_the_fastest_rise_per_cpu_hour_or_the_default() -> None:
+    """Rate = slope per step / hours per step: a cell rising half as fast at a third of the cost wins; when no
+    cell rises the default is chosen, and the rates are recorded either way."""
+    cells = {"slow": trained([0.0, 0.2, 0.4], step_s=360.0), "cheap": trained([0.0, 0.1, 0.2], step_s=120.0)}
+    choice = ls.choose(cells, default="slow")
+    assert choice["cell"] == "cheap" and choice["rates"]["cheap"] == pytest.approx(0.1 / (120 / 3600))
+    flat = {"a": trained([0.3, 0.3, 0.3]), "b": trained([0.4, 0.2, 0.1])}
+    assert ls.choose(flat, default="a")["cell"] == "a"
+
+
+def test_a_mode_rises_when_every_seed_does_and_gains_outside_the_spread() -> None:
+    """Rises needs every seed's last steps above its first; the dev gain counts when it exceeds the seeds' spread."""
+    seeds = [
+        {"training": trained([0.2] * 5 + [0.6] * 5), "eval": {"success_rate": 0.70}},
+        {"training": trained([0.3] * 5 + [0.5] * 5), "eval": {"success_rate": 0.66}},
+    ]
+    m = ls.mode_summary(seeds, warm_success=0.51)
+    assert m["rises"] and m["reward_first"] == pytest.approx(0.25) and m["reward_last"] == pytest.approx(0.55)
+    assert m["dev_gain"] == pytest.approx(0.17) and m["gain_outside_spread"]
+    seeds[1]["training"] = trained([0.5] * 5 + [0.4] * 5)
+    seeds[1]["eval"] = {"success_rate": 0.30}
+    m = ls.mode_summary(seeds, warm_success=0.51)
+    assert not m["rises"] and not m["gain_outside_spread"]
+    assert math.isnan(ls.mode_summary(seeds[:1], warm_success=0.51)["dev_success_spread"])
+
+
+def test_training_summary_reads_the_curves_from_metrics(tmp_path: Path) -> None:
+    """Per step: graded reward, success, sampled tokens, wall seconds (rollout + train + sync); groups summed."""
+    rows = [
+        {"step": s, "reward/final": 0.1 * s, "success": 0.0, "tokens/sampled": 1000 + s, "time/rollout": 60.0,
+         "time/train": 40.0, "time/weight_sync": 1.0, "groups/total": 2, "groups/zero_variance": s - 1}
+        for s in (1, 2)
+    ]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    t = ls.training_summary(tmp_path)
+    assert t["reward"] == [0.1, 0.2] and t["sampled_tokens"] == [1001, 1002] and t["step_s"] == [101.0] * 2
+    assert (t["groups"], t["groups_zero_variance"]) == (4, 1)
+
+
+def test_summary_table_and_plot_from_records(tmp_path: Path) -> None:
+    """The report holds the sweep (with the choice marked in the table) and each mode; the plot is written."""
+    cells = {"full-lr1e-5": {"training": trained([0.1, 0.2, 0.3], zero=3)}}
+    choice = ls.choose({c: r["training"] for c, r in cells.items()}, default="full-lr1e-5")
+    runs = {"outcome": [{"training": trained([0.2, 0.4]), "eval": {"success_rate": 0.6}}], "turn": []}
+    report = ls.summarise({"success_rate": 0.51}, cells, choice, runs)
+    assert list(report["modes"]) == ["outcome"]
+    assert report["sweep"]["full-lr1e-5"]["zero_variance_share"] == 0.5
+    assert "full-lr1e-5 |" in ls.table(report) and " <-" in ls.table(report)
+    assert ls.plot(report, tmp_path / "curves.png").stat().st_size > 0
