@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -43,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cli_stages import conductor, train_to, warm_start_sha  # noqa: E402
 from training.checkpoint import find_latest  # noqa: E402
 from training.metrics import read_metrics  # noqa: E402
 
@@ -77,18 +76,6 @@ class Options:
         }
 
 
-def conductor(*args: str, log: Path) -> float:
-    """One `conductor` command with its output in `log`; its wall time, or exit on failure."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    print(f"$ conductor {' '.join(args)}   (log: {log})", flush=True)
-    start = time.monotonic()
-    with log.open("w", encoding="utf-8") as out:
-        code = subprocess.call(["conductor", *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    if code != 0:
-        sys.exit(f"conductor {args[0]} failed with exit code {code}; see {log}")
-    return time.monotonic() - start
-
-
 def train(n: int, credit: str, seed: int, opts: Options) -> Path:
     """A finished run of `opts.steps` steps (trained, resumed or reused)."""
     run_dir = opts.runs / f"n{n}-{credit}-s{seed}-b{opts.batch_tasks}"
@@ -104,12 +91,7 @@ def train(n: int, credit: str, seed: int, opts: Options) -> Path:
         f"sampling.backend={opts.sampler}",
         *CREDITS[credit],
     ]
-    latest = find_latest(run_dir) if run_dir.exists() else None
-    if latest is None or latest.name != f"step_{opts.steps}":
-        resume = ("--resume", str(run_dir)) if latest is not None else ()
-        args = ["train", str(CONFIG), *[a for s in sets for a in ("--set", s)], *resume]
-        conductor(*args, log=run_dir.with_suffix(".log"))
-    return run_dir
+    return train_to(CONFIG, run_dir, sets, opts.steps)
 
 
 def evaluate(run_dir: Path, n: int, opts: Options) -> dict:
@@ -154,19 +136,6 @@ def training_summary(run_dir: Path) -> dict:
 
 
 @functools.cache
-def warm_start_sha(policy: str) -> str:
-    """SHA-256 over the warm start's weight files, in name order: which warm start a stage was trained from."""
-    digest = hashlib.sha256()
-    files = sorted((ROOT / policy).glob("*.safetensors"))
-    if not files:
-        sys.exit(f"no weights (*.safetensors) in {policy}: make the warm start first (see {CONFIG.name})")
-    for path in files:
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 24):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
 def stage(n: int, credit: str, seed: int, opts: Options) -> dict | None:
     """One stage's record: read when it was made under the same settings, else trained, evaluated and written
     (None when only recorded stages are wanted and this one has none)."""
@@ -179,7 +148,9 @@ def stage(n: int, credit: str, seed: int, opts: Options) -> dict | None:
         print(f"{path.name}: made with {record['settings']}, not {opts.settings()}: {then}", flush=True)
     if opts.recorded_only:
         return None
-    sha = warm_start_sha(opts.policy)  # before training, so that a missing warm start stops the study at once
+    sha = warm_start_sha(
+        opts.policy, made_by=CONFIG.name
+    )  # before training, so that a missing warm start stops the study at once
     run_dir = train(n, credit, seed, opts)
     record = {
         "stage": {"n": n, "credit": credit, "seed": seed},

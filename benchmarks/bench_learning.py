@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_horizon import conductor, warm_start_sha  # noqa: E402
+from benchmarks.cli_stages import conductor, train_to, warm_start_sha  # noqa: E402
 from benchmarks.learning_summary import choose, plot, summarise, table, training_summary  # noqa: E402
 from training.checkpoint import find_latest  # noqa: E402
 
@@ -104,12 +104,7 @@ def train(name: str, sets: tuple[str, ...], steps: int, seed: int, opts: Options
         f"policy={opts.policy}", f"steps={steps}", f"seed={seed}", f"run_dir={run_dir}",
         f"sampling.backend={opts.sampler}", *BASE, *sets,
     )  # fmt: skip
-    latest = find_latest(run_dir) if run_dir.exists() else None
-    if latest is None or latest.name != f"step_{steps}":
-        resume = ("--resume", str(run_dir)) if latest is not None else ()
-        args = ["train", str(CONFIG), *[a for s in sets for a in ("--set", s)], *resume]
-        conductor(*args, log=run_dir.with_suffix(".log"))
-    return run_dir
+    return train_to(CONFIG, run_dir, sets, steps)
 
 
 def evaluate(policy: str, out: Path, opts: Options) -> dict:
@@ -146,7 +141,9 @@ def stage(name: str, settings: dict, make, opts: Options) -> dict | None:
     record = read_record(path, settings, sha, opts)
     if record is not None or opts.recorded_only:
         return record
-    sha = warm_start_sha(opts.policy)  # before running, so that a missing warm start stops the study at once
+    sha = warm_start_sha(
+        opts.policy, made_by=CONFIG.name
+    )  # before running, so that a missing warm start stops the study at once
     evaluation, trained = make()
     record = {
         "stage": name,
@@ -164,7 +161,7 @@ def reference_sha(opts: Options) -> str | None:
     """The warm start the table is about: its weights' SHA-256 when present here, else the warm record's (a clean
     checkout tabulating records made elsewhere), else None."""
     if (ROOT / opts.policy).is_dir() and any((ROOT / opts.policy).glob("*.safetensors")):
-        return warm_start_sha(opts.policy)
+        return warm_start_sha(opts.policy, made_by=CONFIG.name)
     warm = opts.records / "warm.json"
     return json.loads(warm.read_text(encoding="utf-8"))["warm_start"]["sha256"] if warm.exists() else None
 

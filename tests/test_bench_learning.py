@@ -43,7 +43,7 @@ def test_a_stage_is_made_once_and_read_back_while_its_settings_and_warm_start_ho
     settings = opts.settings("main", "full-lr1e-5")
     first = bl.stage("outcome-s0", settings, make, opts)
     assert first is not None and len(calls) == 1
-    assert first["warm_start"]["sha256"] == bl.warm_start_sha(opts.policy)
+    assert first["warm_start"]["sha256"] == bl.warm_start_sha(opts.policy, made_by=bl.CONFIG.name)
     assert bl.stage("outcome-s0", settings, make, opts) == first and len(calls) == 1
     other = opts.settings("main", "full-lr3e-5")
     assert bl.stage("outcome-s0", other, make, options(tmp_path, recorded_only=True)) is None

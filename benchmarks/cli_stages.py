@@ -1,0 +1,57 @@
+"""Benchmark stages as a user runs them: `conductor` commands with their logs, training runs that resume where
+they stopped, and the fingerprint of the warm start a stage trained from (bench_horizon.py, bench_learning.py).
+
+    seconds = conductor("eval", "--policy", ckpt, "--task", "plate_reading", log=Path("runs/x.log"))
+    run_dir = train_to(config, run_dir, ("policy=...", "seed=0"), steps=20)   # trained, resumed or reused
+    sha = warm_start_sha("runs/sft-plates/model", made_by="examples/train_plates.toml")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from training.checkpoint import find_latest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def conductor(*args: str, log: Path) -> float:
+    """One `conductor` command with its output in `log`; its wall time, or exit on failure."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"$ conductor {' '.join(args)}   (log: {log})", flush=True)
+    start = time.monotonic()
+    with log.open("w", encoding="utf-8") as out:
+        code = subprocess.call(["conductor", *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    if code != 0:
+        sys.exit(f"conductor {args[0]} failed with exit code {code}; see {log}")
+    return time.monotonic() - start
+
+
+def train_to(config: Path, run_dir: Path, sets: Sequence[str], steps: int) -> Path:
+    """`conductor train config --set ...` until `run_dir` holds step `steps` (`sets` name it and `run_dir`):
+    trained, resumed from its last checkpoint when cut short, or reused when finished."""
+    latest = find_latest(run_dir) if run_dir.exists() else None
+    if latest is None or latest.name != f"step_{steps}":
+        resume = ("--resume", str(run_dir)) if latest is not None else ()
+        args = ["train", str(config), *[a for s in sets for a in ("--set", s)], *resume]
+        conductor(*args, log=run_dir.with_suffix(".log"))
+    return run_dir
+
+
+def warm_start_sha(policy: str, *, made_by: str) -> str:
+    """SHA-256 over the warm start's weight files, in name order: which warm start a stage was trained from.
+    Exits saying how the warm start is made (`made_by`) when it has no weights."""
+    digest = hashlib.sha256()
+    files = sorted((ROOT / policy).glob("*.safetensors"))
+    if not files:
+        sys.exit(f"no weights (*.safetensors) in {policy}: make the warm start first (see {made_by})")
+    for path in files:
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
