@@ -499,8 +499,11 @@ def test_two_async_steps_train(tiny_policy: Path, tmp_path: Path, stub_tasks, mo
 
 
 @pytest.mark.slow
-def test_async_drops_stale_episodes(tiny_policy: Path, tmp_path: Path, stub_tasks) -> None:
-    """With max_staleness 0 the batch prefetched during step 1 is one version old: all 4 episodes dropped."""
+def test_async_drops_stale_episodes(tiny_policy: Path, tmp_path: Path, stub_tasks, monkeypatch) -> None:
+    """With max_staleness 0 the batch prefetched during step 1 is one version old: all 4 episodes dropped.
+    (Rewards that vary, so step 1 updates the weights: a step with no gradient skips its update and the
+    prefetched batch is then the current version's.)"""
+    monkeypatch.setattr(step_module, "score", parity_score)
     cfg = tiny_config(tmp_path / "run", tiny_policy, max_staleness=0)
     run_dir = train(cfg, overlap=True, transport=fake_tool_server())
     rows = read_metrics(run_dir / "metrics.jsonl")
