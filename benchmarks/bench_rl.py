@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import math
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cli_stages import conductor  # noqa: E402
 from conductor.models import DEFAULT_MODEL, resolve_model  # noqa: E402
 from main_agent.transformers_policy import tokenizer_dir  # noqa: E402
 from training import tasks as task_data  # noqa: E402
@@ -80,18 +80,6 @@ FAMILIES = {
     "plate_reading": Family("plate_reading", "plates", ("limit=160", "epochs=2", "lr=3e-5", "eval_n=0")),
     "multihop_pages": Family("multihop_pages", "multihop", ("limit=24", "epochs=3", "lr=3e-5", "eval_n=0")),
 }
-
-
-def conductor(*args: str, log: Path) -> float:
-    """Run one `conductor` command with its output in `log`; its wall time, or exit on failure."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    print(f"$ conductor {' '.join(args)}   (log: {log})", flush=True)
-    start = time.monotonic()
-    with log.open("w", encoding="utf-8") as out:
-        code = subprocess.call(["conductor", *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    if code != 0:
-        sys.exit(f"conductor {args[0]} failed with exit code {code}; see {log}")
-    return time.monotonic() - start
 
 
 def run_sft(family: Family, runs: Path) -> tuple[Path, float | None]:
