@@ -66,7 +66,7 @@ class AskOptions:
     """A SearXNG instance the in-process tool server searches the web through instead of a corpus."""
     reader_url: str | None = None
     """An OpenAI-compatible endpoint (e.g. vLLM serve of a bigger model) that answers for the in-process page_qa
-    instead of the built-in model (tool_server.config.reader_overrides); page_qa's "auto" mode then answers "align"."""
+    instead of the built-in model (tool_server.config.reader_overrides); page_qa's "auto" mode then answers "free"."""
     reader_model: str | None = None
     """The model name served at `reader_url`; None: the first its /models lists (`validate` fills it in).
     Without `reader_url`: a built-in model (conductor.models.BUILTIN_MODELS) page_qa runs in process."""

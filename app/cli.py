@@ -108,8 +108,8 @@ def models_list() -> None:
 
 READER_URL_HELP = (
     "OpenAI-compatible endpoint (e.g. vLLM serve) whose model answers for page_qa instead of the built-in one. "
-    'page_qa then snaps the model\'s answer to a page span (answer_mode "auto" is "align" there): "extract" '
-    "scores page spans, which only the in-process model can."
+    'page_qa then answers in the model\'s words (answer_mode "auto" is "free" there; "align" from a server TOML): '
+    '"extract" scores page spans, which only the in-process model can.'
 )
 READER_MODEL_HELP = (
     "Model name served at --reader-url (default: the first it lists); without --reader-url, a built-in model "

@@ -6,7 +6,8 @@
        those chunks holding the answer (or sharing most words with it), from the page
 
 How the answer is made (`Config.answer_mode`; spans.py has the span rules):
-- "auto" (the default): "extract" where the model scores, else "align" (`chosen_mode`).
+- "auto" (the default): "extract" where the model scores, else "free" (`chosen_mode`): a reader behind an
+  endpoint answers in its own words ("align" snapped SmolLM2's sentence answers served by vLLM to "not in the page").
 - "free": the model's own words (first line, cleaned), unjudged.
 - "align": the model answers freely, then the answer snaps to the page span with the best token F1 with it;
   below `align_min_f1` the reply is "not in the page".
@@ -116,8 +117,9 @@ class Config:
     """Longer supporting sentences are cut at a word boundary; the cut quote is still verbatim."""
     answer_mode: Literal["auto", "free", "align", "extract"] = "auto"
     """How the answer is made (module docstring; benchmarks/bench_reader.py). "auto": "extract" where the model
-    scores (measured best: EM 0.320 vs free's 0.007 on bench_reader's 150 single-hop questions), else "align"
-    (an endpoint generates but cannot score; align keeps its answer grounded in a page span)."""
+    scores (measured best: EM 0.320 vs free's 0.007 on bench_reader's 150 single-hop questions), else "free"
+    (an endpoint generates but cannot score; "align" grounds its answer in a page span, set it for readers that
+    answer in a few words: a sentence answer falls below `align_min_f1` and reads "not in the page")."""
     max_candidates: int = 48
     """Spans "extract" scores (plus "not in the page"), from the sentences closest to the question first."""
     null_bias: float = 0.0
@@ -224,7 +226,7 @@ def chosen_mode(cfg: Config, llm: LLM) -> Literal["free", "align", "extract"]:
     """The answer mode `cfg` asks for, with "auto" resolved for `llm`."""
     if cfg.answer_mode != "auto":
         return cfg.answer_mode
-    return "extract" if llm.scores else "align"
+    return "extract" if llm.scores else "free"
 
 
 def _on_page(span: spans.Span, question: str, *, cfg: Config, prompt_tokens: int) -> Reply:

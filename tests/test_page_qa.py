@@ -351,12 +351,12 @@ async def test_align_says_not_found_for_refusals_and_words_not_on_the_page(reply
     assert (response.answer, response.supported) == (answer, False)
 
 
-def test_auto_extracts_where_the_model_scores_and_aligns_elsewhere() -> None:
-    """The default mode "auto" is "extract" with a model that scores (the in-process reader) and "align" with one
+def test_auto_extracts_where_the_model_scores_and_answers_freely_elsewhere() -> None:
+    """The default mode "auto" is "extract" with a model that scores (the in-process reader) and "free" with one
     that only generates (an endpoint), so swapping the reader by config never stops the server."""
     assert page_qa.Config().answer_mode == "auto"
     assert page_qa.chosen_mode(page_qa.Config(), ScoringLLM({})) == "extract"
-    assert page_qa.chosen_mode(page_qa.Config(), ScriptedLLM("x")) == "align"
+    assert page_qa.chosen_mode(page_qa.Config(), ScriptedLLM("x")) == "free"
     assert page_qa.chosen_mode(page_qa.Config(answer_mode="free"), ScoringLLM({})) == "free"
     page_qa.check_model(page_qa.Config(), ScriptedLLM("x"))
 

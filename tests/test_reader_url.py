@@ -41,15 +41,15 @@ def read_page(tmp_path: Path, policy: Path | str, reader_url: str, *flags: str) 
 @pytest.mark.slow
 def test_page_qa_asks_the_endpoint_the_flag_names(tiny_policy: Path, tmp_path: Path) -> None:
     """The flag's settings reach page_qa: its prompt (the page's chunk and the question) goes to the endpoint,
-    under the first model the endpoint lists, and its reply, snapped to the page ("auto" is "align" behind an
-    endpoint), is the answer with the page's sentence as the quote."""
+    under the first model the endpoint lists, and its reply is the answer ("auto" is "free" behind an endpoint),
+    with the page's sentence as the quote."""
     app = create_openai_app(Script(reply="1889"))
     with serve(app) as url:
         payload = read_page(tmp_path, tiny_policy, url)
     (request,) = app.state.requests
     prompt = request["messages"][-1]["content"]
     assert request["model"] == "fake" and FACT in prompt and QUESTION in prompt
-    assert (payload["answer"], payload["quote"], payload["supported"]) == ("1889", FACT, True)
+    assert (payload["answer"], payload["quote"], payload["supported"]) == ("1889", FACT, None)
 
 
 @pytest.mark.vllm

@@ -183,7 +183,7 @@ def load_config(path: Path | None, overrides: Sequence[str] = ()) -> ServerConfi
 def reader_overrides(url: str | None, model: str) -> tuple[str, ...]:
     """`--reader-url URL --reader-model NAME` (`conductor ask`, `conductor serve`) as the overrides of the keys they
     stand for: page_qa's model behind an OpenAI-compatible endpoint, exactly `[page_qa.model] backend = "openai"`,
-    `base_url`, `model` in a server TOML; page_qa's `answer_mode` "auto" then means "align" (an endpoint cannot
+    `base_url`, `model` in a server TOML; page_qa's `answer_mode` "auto" then means "free" (an endpoint cannot
     score spans; an explicit "extract" is refused at start-up). `--reader-model NAME` alone: the built-in model
     NAME in process (`[page_qa.model] model = NAME`; ValueError listing them for any other name)."""
     if url is None:
