@@ -36,6 +36,7 @@ two sessions of ~2.6 h (warm, sweep, seed 0 and seed 1 outcome; then the rest).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -141,9 +142,7 @@ def stage(name: str, settings: dict, make, opts: Options) -> dict | None:
     record = read_record(path, settings, sha, opts)
     if record is not None or opts.recorded_only:
         return record
-    sha = warm_start_sha(
-        opts.policy, made_by=CONFIG.name
-    )  # before running, so that a missing warm start stops the study at once
+    sha = weights_sha(opts.policy)  # before running, so that a missing warm start stops the study at once
     evaluation, trained = make()
     record = {
         "stage": name,
@@ -161,9 +160,15 @@ def reference_sha(opts: Options) -> str | None:
     """The warm start the table is about: its weights' SHA-256 when present here, else the warm record's (a clean
     checkout tabulating records made elsewhere), else None."""
     if (ROOT / opts.policy).is_dir() and any((ROOT / opts.policy).glob("*.safetensors")):
-        return warm_start_sha(opts.policy, made_by=CONFIG.name)
+        return weights_sha(opts.policy)
     warm = opts.records / "warm.json"
     return json.loads(warm.read_text(encoding="utf-8"))["warm_start"]["sha256"] if warm.exists() else None
+
+
+@functools.cache
+def weights_sha(policy: str) -> str:
+    """The warm start's SHA-256, hashed once per process (every stage checks its record against it)."""
+    return warm_start_sha(policy, made_by=CONFIG.name)
 
 
 def warm(opts: Options) -> dict | None:
