@@ -227,8 +227,8 @@ def main() -> None:
     results = ROOT / "benchmarks" / "results"
     opts = Options(
         args.policy, args.steps, args.sweep_steps, args.eval_n, args.sampler,
-        ROOT / "runs" / f"learning{suffix}", results / f"bench_learning{suffix}", args.recorded,
-    )  # fmt: skip
+        ROOT / "runs" / f"learning-{args.sampler}{suffix}", results / f"bench_learning{suffix}", args.recorded,
+    )  # fmt: skip  # runs apart by sampler: a stage reuses or resumes only runs made as its record says
     start = time.monotonic()
     report = study(args, opts)
     png = plot(report, results / f"bench_learning{suffix}.png")
