@@ -59,21 +59,50 @@ def slope(curve: Sequence[float]) -> float:
     return sum((i - mx) * (y - my) for i, y in points) / var
 
 
+def slope_se(curve: Sequence[float]) -> float:
+    """Standard error of the least-squares slope (per step); infinite below three points (no residual left)."""
+    points = [(i, y) for i, y in enumerate(curve) if not math.isnan(y)]
+    if len(points) < 3:
+        return math.inf
+    b = slope(curve)
+    mx, my = statistics.mean(i for i, _ in points), statistics.mean(y for _, y in points)
+    residual = sum((y - my - b * (i - mx)) ** 2 for i, y in points) / (len(points) - 2)
+    return math.sqrt(residual / sum((i - mx) ** 2 for i, _ in points))
+
+
+def _hours(trained: Mapping) -> float:
+    return statistics.mean(trained["step_s"]) / 3600 if trained["step_s"] else math.nan
+
+
 def rate(trained: Mapping) -> float:
     """Reward gained per CPU-hour: the reward's slope per step over the hours a step took."""
-    hours = statistics.mean(trained["step_s"]) / 3600 if trained["step_s"] else math.nan
+    hours = _hours(trained)
     return slope(trained["reward"]) / hours if hours > 0 else math.nan
 
 
+def rate_se(trained: Mapping) -> float:
+    """The standard error of `rate` (the slope's, over the same hours)."""
+    hours = _hours(trained)
+    return slope_se(trained["reward"]) / hours if hours > 0 else math.nan
+
+
 def choose(cells: Mapping[str, Mapping], *, default: str) -> dict:
-    """The cell with the highest reward gain per CPU-hour (`rate`), if any gains; else `default` (a flat or falling
-    sweep says nothing better than the example's settings). Records the rule's inputs."""
+    """The cell with the highest reward gain per CPU-hour (`rate`), if it gains and beats the default's rate by
+    more than twice their combined standard error; else `default` (a flat or falling sweep, or one whose
+    differences are within its noise, says nothing better than the example's settings). Records the inputs."""
     rates = {cell: rate(trained) for cell, trained in cells.items()}
+    errors = {cell: rate_se(trained) for cell, trained in cells.items()}
     gaining = {c: r for c, r in rates.items() if r > 0}
+    record = {"rates": rates, "rate_errors": errors}
     if not gaining:
-        return {"cell": default, "why": "no cell's reward rose: the default", "rates": rates}
+        return {"cell": default, "why": "no cell's reward rose: the default"} | record
     best = max(gaining, key=lambda c: gaining[c])
-    return {"cell": best, "why": f"highest reward slope per CPU-hour ({gaining[best]:.3f}/h)", "rates": rates}
+    base, base_se = (rates[default], errors[default]) if default in rates else (0.0, 0.0)
+    margin = 2 * math.hypot(errors[best], base_se)
+    if best != default and not rates[best] - base > margin:
+        why = f"{best} ({rates[best]:.3f}/h) is within 2 standard errors ({margin:.3f}/h) of the default: the default"
+        return {"cell": default, "why": why} | record
+    return {"cell": best, "why": f"highest reward slope per CPU-hour ({gaining[best]:.3f}/h)"} | record
 
 
 def spread(values: Sequence[float]) -> float:
@@ -114,6 +143,7 @@ def summarise(
     sweep = {
         cell: {
             "rate_per_hour": choice["rates"].get(cell, math.nan),
+            "rate_error": choice.get("rate_errors", {}).get(cell, math.nan),
             "reward_slope": slope(r["training"]["reward"]),
             "step_s": _mean(r["training"]["step_s"]),
             "zero_variance_share": _share([r["training"]]),
@@ -129,12 +159,13 @@ def table(report: Mapping) -> str:
     lines = [
         f"warm start dev success: {report['warm_success']:.3f}",
         "",
-        "sweep cell | reward/h | slope/step | s/step | zero-var",
+        "sweep cell | reward/h (se) | slope/step | s/step | zero-var",
     ]
     for cell, s in report["sweep"].items():
         mark = " <-" if cell == report["choice"]["cell"] else ""
         lines.append(
-            f"{cell} | {s['rate_per_hour']:8.3f} | {s['reward_slope']:+10.4f} | {s['step_s']:6.0f} | "
+            f"{cell} | {s['rate_per_hour']:8.3f} ({s['rate_error']:.3f}) | {s['reward_slope']:+10.4f} | "
+            f"{s['step_s']:6.0f} | "
             f"{s['zero_variance_share']:8.2f}{mark}"
         )
     lines += [

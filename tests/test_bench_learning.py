@@ -81,6 +81,17 @@ def test_the_sweep_picks_the_fastest_rise_per_cpu_hour_or_the_default() -> None:
     assert ls.choose(flat, default="a")["cell"] == "a"
 
 
+def test_the_sweep_keeps_the_default_when_a_rise_is_within_its_noise() -> None:
+    """A cell whose faster rise is within twice the combined standard error of its and the default's rates does
+    not replace the default; the same rise with less noise does."""
+    noisy = {"default": trained([0.3, 0.3, 0.31]), "other": trained([0.1, 0.6, 0.3, 0.7])}
+    choice = ls.choose(noisy, default="default")
+    assert choice["cell"] == "default" and "within 2 standard errors" in choice["why"]
+    assert ls.slope_se([0.1, 0.2, 0.3]) == pytest.approx(0.0) and ls.slope_se([0.1, 0.2]) == math.inf
+    clean = {"default": trained([0.3, 0.3, 0.31]), "other": trained([0.1, 0.3, 0.5, 0.7])}
+    assert ls.choose(clean, default="default")["cell"] == "other"
+
+
 def test_a_mode_rises_when_every_seed_does_and_gains_outside_the_spread() -> None:
     """Rises needs every seed's last steps above its first; the dev gain counts when it exceeds the seeds' spread."""
     seeds = [
