@@ -9,8 +9,9 @@ episode goes on. Infrastructure failures (the tool server or the policy endpoint
 with `stop_reason="infra_failed"` and the reason; the trainer excludes such episodes instead of scoring them.
 
 Long horizons. A task with numbered items (`RolloutTask.items`, e.g. 32 plates) keeps a **ledger**: the policy
-writes `<record item="3">ABC123</record>` (main_agent.parse) beside its calls when an item is done, and the
-observation confirms it. A record tag is a built-in action, not a tool: it costs no HTTP round trip and can share
+writes `<record item="3">ABC123</record>` (main_agent.parse) when an item is done, and the observation
+confirms it and names what comes next: the next unrecorded item and its handle, or that every item is recorded
+(prompts.record_progress). A record tag is a built-in action, not a tool: it costs no HTTP round trip and can share
 a turn with calls. The final answer of such a task is always the ledger, one line per item in order, whether the
 policy ends with `<answer>` (whose lines fill only items the ledger lacks) or a budget runs out first: recorded
 work counts either way. With `fold_at_tokens` set, when the next turn could pass it the episode continues in a
@@ -42,7 +43,13 @@ from dataclasses import dataclass
 
 from main_agent.parse import parse_completion
 from main_agent.policy import Policy, PolicyError, Sample
-from main_agent.prompts import observation_ids, render_observation, render_prompt, render_segment_prompt
+from main_agent.prompts import (
+    observation_ids,
+    record_progress,
+    render_observation,
+    render_prompt,
+    render_segment_prompt,
+)
 from main_agent.types import Episode, ParseError, Record, ToolCall, ToolResult, Turn
 from subagents.handles import Attachment
 from tool_server.client import CallResult, ToolClient, ToolServerError
@@ -248,14 +255,18 @@ async def play_turn(
         answer, errors = sample.text.strip(), []
     if answer is not None and task.items:
         answer = ledger_answer(ledger, answer)
-    text = "" if answer is not None else render_observation(results, parse_errors=errors, records=records)
-    obs_ids = (
-        []
-        if answer is not None
-        else observation_ids(
-            tokenizer, results, completion_ids=sample.ids, parse_errors=errors, records=records
+    progress = record_progress(task.context, ledger) if records else ""
+    text, obs_ids = "", []
+    if answer is None:
+        text = render_observation(results, parse_errors=errors, records=records, progress=progress)
+        obs_ids = observation_ids(
+            tokenizer,
+            results,
+            completion_ids=sample.ids,
+            parse_errors=errors,
+            records=records,
+            progress=progress,
         )
-    )
     turn = Turn(
         completion_ids=list(sample.ids),
         completion_logprobs=list(sample.logprobs),

@@ -13,11 +13,12 @@ from main_agent.prompts import (
     next_item,
     observation_ids,
     prompt_messages,
+    record_progress,
     render_observation,
     render_prompt,
     system_prompt,
 )
-from main_agent.types import ParseError, ToolResult
+from main_agent.types import ParseError, Record, ToolResult
 
 # A small literal /v1/tools payload in the shape the tool server returns (pydantic-generated schemas).
 TOOLS: list[dict] = [
@@ -166,6 +167,24 @@ def test_render_observation() -> None:
         "<tool_response>search: 3 passages</tool_response>\n"
         "<tool_response>page_qa: error (not_found): 404</tool_response>\n"
         "<tool_response>error (unknown_tool): unknown tool 'x'</tool_response>"
+    )
+
+
+def test_a_records_acknowledgement_names_the_next_item_or_says_all_are_recorded() -> None:
+    """After a record the observation names the first unrecorded item with its context line and how many are
+    left, or says every item is recorded; a turn without records shows no progress line."""
+    context = "Image 1: img_aaaaaa\nImage 2: img_bbbbbb\nImage 3: img_cccccc"
+    assert record_progress(context, ["A1", None, None]) == "next: item 2 (Image 2: img_bbbbbb), 2 of 3 left"
+    assert record_progress(context, ["A1", None, "C3"]) == "next: item 2 (Image 2: img_bbbbbb), 1 of 3 left"
+    assert record_progress(context, ["A1", "B2", "C3"]) == "all 3 recorded: answer to finish"
+    text = render_observation([], records=[Record(1, "A1", "")], progress="all 1 recorded: answer to finish")
+    assert text.splitlines() == [
+        "<tool_response>recorded 1: A1</tool_response>",
+        "<tool_response>all 1 recorded: answer to finish</tool_response>",
+    ]
+    assert (
+        render_observation([result("search", "x")], progress="ignored")
+        == "<tool_response>search: x</tool_response>"
     )
 
 

@@ -426,8 +426,8 @@ async def test_oracle_reads_real_plates_through_the_real_tool_server(shared_data
 @pytest.mark.slow
 async def test_oracle_audits_real_plates_item_by_item(shared_data, tmp_path):
     """plate_audit with 3 real photos through the real tool server: the expert reads photo after photo,
-    records each reading in the ledger (photos named by handle) and ends with the ledger as its answer; the
-    recorded plates are the item expert's readings."""
+    records each reading in the ledger (photos named by handle) in a turn of its own, whose acknowledgement names
+    the next photo's handle or says all are recorded, and ends with the ledger as its answer."""
     from transformers import AutoTokenizer
 
     from conductor.models import ModelNotFound, resolve_model
@@ -456,5 +456,12 @@ async def test_oracle_audits_real_plates_item_by_item(shared_data, tmp_path):
     assert found == [line.split(": ", 1)[1] for line in ready[0].context.splitlines()]
     assert all(text is not None for text in episode.ledger)
     assert episode.answer == "\n".join(episode.ledger)
+    recording = [t for t in episode.turns if t.records]
+    assert [len(t.records) for t in recording] == [1, 1, 1] and not any(t.calls for t in recording)
+    assert [t.observation_text.splitlines()[-1] for t in recording] == [
+        f"<tool_response>next: item 2 ({ready[0].context.splitlines()[1]}), 2 of 3 left</tool_response>",
+        f"<tool_response>next: item 3 ({ready[0].context.splitlines()[2]}), 1 of 3 left</tool_response>",
+        "<tool_response>all 3 recorded: answer to finish</tool_response>",
+    ]  # the policy opens each photo by the handle the last observation named
     right = sum(task_data.item_reward(ready[0], i + 1, t) for i, t in enumerate(episode.ledger))
     print(f"oracle audit of 3 real plates: {right:.0f} right in {episode.num_calls} calls")

@@ -11,9 +11,10 @@ plate_audit (N plate photos) and multihop_batch (K multihop questions) are bundl
 - `prepared`: the item family prepares the items (pages served, clips subtitled) and the bundle's context is
   rebuilt from what they became.
 - the expert: the item family's expert plays item 1, then item 2, ..., each on the turns since its item began;
-  when it would answer, the bundle expert records that answer instead (`<record item="i">...</record>`) and opens
-  the next item in the same turn; after the last it answers. The final answer is the ledger
-  (main_agent.rollout), so the closing `<answer>` only ends the episode.
+  when it would answer, the bundle expert records that answer instead (`<record item="i">...</record>`), alone in
+  its turn: the acknowledgement names the next item and its handle ("next: item 3 (Image 3: img_8bf8dd), 30 of
+  32 left"), which the next turn opens, or says every item is recorded, and the expert answers. The final answer
+  is the ledger (main_agent.rollout), so the closing `<answer>` only ends the episode.
 """
 
 from __future__ import annotations
@@ -125,28 +126,24 @@ def _with_items(task: Task, items: list[Task], item_lines: ItemLines) -> Task:
 
 
 def oracle_reply(task: Task, turns: list[Turn], item_family: ModuleType, *, trust_reference: bool) -> str:
-    """The item expert's next reply for the current item; its answer becomes a record, followed by the next
-    item's first reply (or, after the last item, the closing answer)."""
+    """The item expert's next reply for the current item; its answer becomes a record, alone in its turn (the
+    acknowledgement names the next item and its handle, or says every item is recorded); after the last, the
+    closing answer."""
     item, since = _current_item(turns)
-    reply, records = (
-        item_family.oracle_reply(task.items[item - 1], turns[since:], trust_reference=trust_reference),
-        "",
-    )
-    while reply.startswith(ANSWER_OPEN):
-        records += f'<record item="{item}">{_answer_of(reply)}</record>'
-        if item == len(task.items):
-            return records + answer_text("done")
-        item += 1
-        reply = item_family.oracle_reply(task.items[item - 1], [], trust_reference=trust_reference)
-    return records + reply
+    if item > len(task.items):
+        return answer_text("done")
+    reply = item_family.oracle_reply(task.items[item - 1], turns[since:], trust_reference=trust_reference)
+    if reply.startswith(ANSWER_OPEN):
+        return f'<record item="{item}">{_answer_of(reply)}</record>'
+    return reply
 
 
 def _current_item(turns: list[Turn]) -> tuple[int, int]:
-    """The item being worked on (one past the last recorded) and the index of the turn where it began (the
-    turn of that record, whose calls already serve the new item)."""
+    """The item being worked on (one past the last recorded) and the index of the turn where it began (the one
+    after that record's turn)."""
     for index in range(len(turns) - 1, -1, -1):
         if turns[index].records:
-            return max(r.item for r in turns[index].records) + 1, index
+            return max(r.item for r in turns[index].records) + 1, index + 1
     return 1, 0
 
 
