@@ -1,7 +1,7 @@
 """A learning curve that rises: plate_reading from its SFT warm start, outcome vs turn credit, 3 seeds.
 
-    python benchmarks/bench_learning.py                    # the study -> results/bench_learning.json and .png
-    python benchmarks/bench_learning.py --recorded         # the table and plot of the stages recorded so far
+    python benchmarks/bench_learning.py --sampler vllm     # the study (vLLM env) -> results/bench_learning.json, .png
+    python benchmarks/bench_learning.py --sampler vllm --recorded   # the table and plot of the stages recorded so far
     python benchmarks/bench_learning.py --steps 1 --seeds 1 --sweep-steps 1 --eval-n 2 --tag smoke \
         --cells full-lr1e-5 lora16-lr2e-4 --policy /abs/path/to/runs/sft-plates/model
 
@@ -28,9 +28,10 @@ Records: each finished stage writes results/bench_learning/<stage>.json: its set
 start's weights, the evaluation and the training summary. A stage with a record of the same settings and warm
 start is not run again; a run cut short resumes from its last checkpoint (`--resume`); a record from another warm
 start is reported and left out of the table (and run again unless `--recorded`). So the study spreads over
-sessions and machines. Time on 2 cores (transformers sampling, measured on this task): ~1.8 min a step of 8
-episodes, ~10 min an evaluation of 49 photos: warm 10 min, sweep ~30 min, each main stage ~46 min, ~5.2 h in all:
-two sessions of ~2.6 h (warm, sweep, seed 0 and seed 1 outcome; then the rest).
+sessions and machines. Time on 2 cores, measured on this task: with transformers sampling ~1.8 min a step of 8
+episodes and ~10 min an evaluation of 49 photos (~5.2 h in all); with vLLM (the recorded study; greedy dev
+success of the warm start is the same, 25 of 49) ~40-50 s of rollout plus ~25 s of update a step and ~5 min an
+evaluation: ~30 min a main stage, ~3.5 h in all.
 """
 
 from __future__ import annotations
