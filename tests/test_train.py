@@ -433,6 +433,7 @@ def check_run_trained(run_dir: Path, policy: Path, steps: int) -> list[dict[str,
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(math.isfinite(r["loss/pg"]) and r["update/skipped"] == 0.0 for r in rows)
     assert all(r["episodes/collected"] == 4 for r in rows)
+    assert all(0 < r["perf/rss_gb"] <= r["perf/peak_rss_gb"] * 1.01 for r in rows)  # memory, to see growth
     before = load_file(policy / "model.safetensors")
     after = final_weights(run_dir)
     assert any(not torch.equal(before[k], after[k]) for k in before)

@@ -23,6 +23,9 @@ Keys of a metrics row (`metrics.jsonl`, one row per step):
     branch/continuations, branch/sampled_tokens, branch/cache_hit_rate,  branch credit: what its continuations
     branch/infra_failed, time/branch                                     cost (time/rollout includes them)
     time/weight_sync                                                   pushing the weights to the sampler
+    perf/rss_gb, perf/peak_rss_gb                                      the training process's resident memory
+                                                                       now and at its peak (sampler processes
+                                                                       apart), to see growth before an OOM kill
 
 A mean over nothing (no valid episode, no turn) is NaN, written as JSON's NaN extension: an empty step must not
 look like a step that scored 0.
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -95,6 +99,17 @@ def reward_metrics(
         row["items/recorded"] = mean([recorded for recorded, _ in ledgers])
         row["items/right"] = mean([right for _, right in ledgers])
     return row
+
+
+def memory_metrics() -> dict[str, float]:
+    """The process's resident set now (Linux /proc; NaN elsewhere) and its peak so far, in GB."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        rss = pages * resource.getpagesize() / 1e9
+    except (OSError, IndexError, ValueError):
+        rss = math.nan
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return {"perf/rss_gb": rss, "perf/peak_rss_gb": peak_kib * 1024 / 1e9}
 
 
 def rollout_metrics(collected: Sequence[Episode], *, seconds: float) -> dict[str, float]:

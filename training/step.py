@@ -30,7 +30,7 @@ from training.advantages import BranchValues, EpisodeCredit, TurnCredit, branch_
 from training.branching import BranchStats
 from training.checkpoint import TrainState
 from training.config import TrainConfig
-from training.metrics import reward_metrics, rollout_metrics
+from training.metrics import memory_metrics, reward_metrics, rollout_metrics
 from training.rewards import (
     TurnFacts,
     TurnRewardParts,
@@ -295,4 +295,5 @@ def step_row(
         "time/train": seconds[0],
         "time/weight_sync": seconds[1],
         **(batch.branching.metrics() if batch.branching is not None else {}),
+        **memory_metrics(),
     }
