@@ -178,14 +178,20 @@ def render_segment_prompt(
 
 
 def next_item(context: str, ledger: Sequence[str | None]) -> str:
-    """'\nNext: item 3 (Image 3: img_8bf8dd)': the first unrecorded item and its line of the context (item
-    tasks list item i as "<Noun> i: ..."), so a folded segment never has to work out where it was; "" when
-    every item is recorded."""
+    """'\nNext: item 3 (Image 3: img_8bf8dd)': the first unrecorded item and its line of the context, so a folded
+    segment never has to work out where it was; "" when every item is recorded."""
+    pending = _first_pending(context, ledger)
+    return f"\nNext: {pending}" if pending else ""
+
+
+def _first_pending(context: str, ledger: Sequence[str | None]) -> str:
+    """'item 3 (Image 3: img_8bf8dd)': the first unrecorded item and its line of the context (item tasks list
+    item i as "<Noun> i: ..."); "" when every item is recorded."""
     pending = [i for i, text in enumerate(ledger, start=1) if text is None]
     if not pending:
         return ""
     line = next((x for x in context.splitlines() if re.match(rf"^\w+ {pending[0]}: ", x)), "")
-    return f"\nNext: item {pending[0]}" + (f" ({line})" if line else "")
+    return f"item {pending[0]}" + (f" ({line})" if line else "")
 
 
 def ledger_text(ledger: Sequence[str | None]) -> str:
@@ -219,7 +225,7 @@ def record_progress(context: str, ledger: Sequence[str | None]) -> str:
     left = sum(text is None for text in ledger)
     if not left:
         return f"all {len(ledger)} recorded: answer to finish"
-    return next_item(context, ledger).strip().replace("Next:", "next:", 1) + f", {left} of {len(ledger)} left"
+    return f"next: {_first_pending(context, ledger)}, {left} of {len(ledger)} left"
 
 
 def end_of_turn_id(tokenizer: ChatTokenizer) -> int:
@@ -228,24 +234,19 @@ def end_of_turn_id(tokenizer: ChatTokenizer) -> int:
 
 
 def observation_ids(
-    tokenizer: ChatTokenizer,
-    results: Sequence[ToolResult],
-    *,
-    completion_ids: Sequence[int],
-    parse_errors: Sequence[ParseError] = (),
-    records: Sequence[Record] = (),
-    progress: str = "",
+    tokenizer: ChatTokenizer, observation: str, *, completion_ids: Sequence[int]
 ) -> list[int]:
     """The exact ids to append after `completion_ids`: the rest of the assistant message's closing (all of it if
-    the completion stopped before the end-of-turn id), the observation message, and the next assistant header."""
+    the completion stopped before the end-of-turn id), the user message holding `observation` (as
+    `render_observation` wrote it), and the next assistant header."""
     closing = _closing_ids(tokenizer)
     if completion_ids and completion_ids[-1] == closing[0]:
         closing = closing[1:]
     answered = [*_HEAD, {"role": "assistant", "content": ""}]
-    content = render_observation(results, parse_errors=parse_errors, records=records, progress=progress)
-    observation = {"role": "user", "content": content}
     before = _render(tokenizer, answered, add_generation_prompt=False)
-    after = _render(tokenizer, [*answered, observation], add_generation_prompt=True)
+    after = _render(
+        tokenizer, [*answered, {"role": "user", "content": observation}], add_generation_prompt=True
+    )
     return closing + _suffix(before, after)
 
 

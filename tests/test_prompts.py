@@ -228,7 +228,7 @@ def check_token_append_identity(tokenizer, encode) -> None:
     for i, (completion, ended) in enumerate(turns):
         completion_ids = encode(completion) + ([eot] if ended else [])
         results = [result("search", f"passage {i}: 330 m")]
-        obs = observation_ids(tokenizer, results, completion_ids=completion_ids)
+        obs = observation_ids(tokenizer, render_observation(results), completion_ids=completion_ids)
         ids += completion_ids + obs
         messages += [
             {"role": "assistant", "content": completion},
