@@ -9,8 +9,8 @@ varies by the seed's training (sigma_seed, between seeds) and by the evaluation 
 accuracy p): var = sigma_seed^2 + p (1 - p) (1 + (N - 1) rho) / (K N), where rho is the correlation of two photos'
 outcomes within one audit (0: photos independent; 1: an audit is right or wrong as a whole). The difference of two
 modes' means has variance 2 var / S, and the minimum detectable difference at a two-sided alpha of 0.05 with
-power 0.8 is MDE = (1.96 + 0.84) sqrt(2 var / S) (the usual normal approximation; seeds few enough that a t
-quantile would widen it are flagged by S < 5).
+power 0.8 is MDE = (1.96 + 0.84) sqrt(2 var / S) (the usual normal approximation; with few seeds a t quantile
+would widen it).
 
 Where the numbers come from (nothing here trains or samples):
   p at each N: the records' mean per-item accuracy over modes and seeds (results/bench_horizon/*.json);
@@ -59,15 +59,19 @@ class Cell:
     audits: int
 
 
+def seed_variance(p: float, n: int, audits: int, sigma_seed: float, rho: float) -> float:
+    """The variance of one seed's final per-item accuracy: its training's spread plus its evaluation's noise."""
+    return sigma_seed**2 + p * (1 - p) * (1 + (n - 1) * rho) / (audits * n)
+
+
 def mde(p: float, n: int, audits: int, seeds: int, sigma_seed: float, rho: float) -> float:
     """The minimum detectable difference between two modes' seed means (see the module docstring)."""
-    var = sigma_seed**2 + p * (1 - p) * (1 + (n - 1) * rho) / (audits * n)
-    return Z * math.sqrt(2 * var / seeds)
+    return Z * math.sqrt(2 * seed_variance(p, n, audits, sigma_seed, rho) / seeds)
 
 
 def seeds_needed(p: float, n: int, audits: int, sigma_seed: float, rho: float, target: float) -> int:
     """The fewest seeds per mode with an MDE <= target, at `audits` audits per evaluation."""
-    var = sigma_seed**2 + p * (1 - p) * (1 + (n - 1) * rho) / (audits * n)
+    var = seed_variance(p, n, audits, sigma_seed, rho)
     return max(math.ceil(2 * var * (Z / target) ** 2), 2)  # a spread needs two seeds
 
 
@@ -78,10 +82,9 @@ def sizing_p(p: float) -> float:
 
 
 def horizon_cells(records: Path) -> tuple[list[Cell], dict]:
-    """Per N, from bench_horizon's stage records; and the size they ran at (steps, episodes, audits, seeds)."""
+    """Per N, from bench_horizon's stage records; and the size they ran at (steps, audits, seeds)."""
     by_n: dict[int, list[dict]] = defaultdict(list)
-    for path in sorted(records.glob("n*-*-s*.json")):
-        record = json.loads(path.read_text(encoding="utf-8"))
+    for _, record in _records(records, "n*-*-s*.json"):
         by_n[record["stage"]["n"]].append(record)
     cells, ran = [], {}
     for n, rows in sorted(by_n.items()):
@@ -111,24 +114,32 @@ def _seeds(rows: list[dict]) -> int:
     return min(per_mode.values())
 
 
+def _records(folder: Path, pattern: str) -> list[tuple[str, dict]]:
+    """(stage name without its seed, record) of every record file matching `pattern`, in name order."""
+    paths = sorted(folder.glob(pattern))
+    return [(p.stem.rsplit("-s", 1)[0], json.loads(p.read_text(encoding="utf-8"))) for p in paths]
+
+
 def seed_spread(learning: Path, horizon: Path) -> tuple[float, str]:
     """sigma_seed and where it came from (see the module docstring)."""
-    by_mode: dict[str, list[float]] = defaultdict(list)
-    for path in sorted(learning.glob("*-s*.json")):
-        record = json.loads(path.read_text(encoding="utf-8"))
-        if record.get("eval"):
-            by_mode[path.stem.rsplit("-s", 1)[0]].append(record["eval"]["success_rate"])
-    source = "bench_learning (final dev success, plate_reading)"
-    if not any(len(v) >= 2 for v in by_mode.values()):
-        by_mode.clear()
-        for path in sorted(horizon.glob("n*-*-s*.json")):
-            record = json.loads(path.read_text(encoding="utf-8"))
-            by_mode[path.stem.rsplit("-s", 1)[0]].append(record["eval"]["items_right"])
-        source = "bench_horizon (final dev per-item accuracy, repeated seeds)"
-    spreads = [statistics.stdev(v) for v in by_mode.values() if len(v) >= 2]
-    if not spreads:
-        return 0.0, "none recorded: 0 (evaluation noise alone; the MDE is a lower bound)"
-    return math.sqrt(statistics.mean(s * s for s in spreads)), source  # pooled over modes
+    sources = (
+        (learning, "*-s*.json", "success_rate", "bench_learning (final dev success, plate_reading)"),
+        (
+            horizon,
+            "n*-*-s*.json",
+            "items_right",
+            "bench_horizon (final dev per-item accuracy, repeated seeds)",
+        ),
+    )
+    for folder, pattern, key, source in sources:
+        by_mode: dict[str, list[float]] = defaultdict(list)
+        for mode, record in _records(folder, pattern):
+            if record.get("eval"):
+                by_mode[mode].append(record["eval"][key])
+        spreads = [statistics.stdev(v) for v in by_mode.values() if len(v) >= 2]
+        if spreads:
+            return math.sqrt(statistics.mean(x * x for x in spreads)), source  # pooled over modes
+    return 0.0, "none recorded: 0 (evaluation noise alone; the MDE is a lower bound)"
 
 
 def study_hours(cells: list[Cell], audits: list[int], seeds: list[int], steps: int, episodes: int) -> float:
