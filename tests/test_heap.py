@@ -8,18 +8,16 @@ import sys
 
 import pytest
 
-# Run in a child: mallopt changes the whole process's allocator, and the test reads its resident memory.
+# Run in a child: the test reads a fresh process's resident memory, untouched by other tests' tensors.
 CHILD = """
 import sys
 from pathlib import Path
 import torch
-from conductor.heap import bound_heap
+from conductor.heap import trim_heap
 
 def rss_mb():
     return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
 
-if sys.argv[1] == "bound":
-    assert bound_heap()
 freed = torch.ones(16 << 20, dtype=torch.uint8)  # a freed 16 MiB mapping: glibc's threshold rises to it
 del freed
 base = rss_mb()
@@ -28,6 +26,8 @@ for i in range(100):  # a backward pass's pattern: activations of a few MiB, sma
     blocks.append(torch.ones((3 << 20) + 4096 * i, dtype=torch.uint8))
     pins.append(torch.ones(1024, dtype=torch.uint8))
 del blocks
+if sys.argv[1] == "trim":
+    assert trim_heap()
 print(rss_mb() - base)
 """
 
@@ -40,9 +40,9 @@ def _retained_mb(mode: str) -> float:
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the mmap threshold is glibc's")
-def test_bound_heap_returns_freed_activations() -> None:
-    """After bound_heap, ~300 MB of freed multi-MiB tensors interleaved with live small ones leave the process's
+def test_trim_heap_returns_freed_activations() -> None:
+    """After trim_heap, ~300 MB of freed multi-MiB tensors interleaved with live small ones leave the process's
     resident memory; without it glibc keeps them in its heap (the growth that killed RL runs at 14 GB)."""
-    kept, bounded = _retained_mb("default"), _retained_mb("bound")
+    kept, trimmed = _retained_mb("keep"), _retained_mb("trim")
     assert kept > 250, f"glibc kept only {kept:.0f} MB: the scenario no longer reproduces the growth"
-    assert bounded < 30, f"{bounded:.0f} MB of freed tensors still resident after bound_heap"
+    assert trimmed < 30, f"{trimmed:.0f} MB of freed tensors still resident after trim_heap"

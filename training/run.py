@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from conductor.heap import bound_heap
 from conductor.models import native_bf16
 from main_agent.backends import load_policy
 from main_agent.policy import SamplingConfig
@@ -116,9 +115,7 @@ class Trainable:
 
 def load_learner(cfg: TrainConfig) -> Trainable:
     """The policy on its device (LoRA adapters drawn from `cfg.run.seed`, so every process draws the same ones),
-    its frozen reference when kl_coef > 0, AdamW and the linear warm-up schedule. The process's freed activations
-    go back to the system from here on (conductor/heap.py: otherwise its heap grows by gigabytes a step)."""
-    bound_heap()
+    its frozen reference when kl_coef > 0, AdamW and the linear warm-up schedule."""
     torch.manual_seed(cfg.run.seed)  # LoRA initialisation draws from it
     in_process = SamplingConfig(backend="transformers")  # the trained weights live here; cfg.sampling samples
     learner, tokenizer = load_policy(cfg.run.policy, in_process, lora_rank=cfg.lora_rank, device=cfg.device)

@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from conductor.heap import bound_heap
 from conductor.models import portable_adapter
 from conductor.settings import load_settings, shared
 from main_agent.backends import load_policy
@@ -304,7 +303,6 @@ async def _demonstrate_and_learn(cfg: SFTConfig, policy: TransformersPolicy, tok
 def run_sft(cfg: SFTConfig) -> SFTReport:
     """The `conductor sft` entry point: the fine-tuned checkpoint goes to `<out_dir>/model`, the report beside
     it (`sft_report.json`)."""
-    bound_heap()  # freed activations go back to the system (conductor/heap.py)
     torch.manual_seed(cfg.run.seed)
     # In process: SFT trains these weights; the before/after evaluations decode them greedily.
     sampling = SamplingConfig(backend="transformers", temperature=0.0)

@@ -7,7 +7,8 @@ Without a KL term a sequence whose every advantage is 0 (a group whose rewards a
 or whose turn advantages all cancel) has no gradient: its clipped surrogate is 0 whatever the ratio. Such
 sequences are left out of the forward and backward (`with_signal`) but still count in the loss's normaliser, so
 the loss and the gradient are the whole step's; a step with no other sequence skips the optimizer step (no
-momentum-only move of the weights, no weight push).
+momentum-only move of the weights, no weight push). The step's freed activations go back to the system after it
+(conductor/heap.py: glibc would keep them, and a run grew ~3 GB a step).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from conductor.heap import trim_heap
 from main_agent.tokens import Batch, TrainSequence, collate, micro_batches
 from training.config import TrainConfig
 from training.loss import LossOutput, batch_logprobs, policy_loss
@@ -94,18 +96,21 @@ def update(
     idle = n_tokens - masked_tokens(live)
     if not live:
         return _skip("every advantage is 0: no gradient", tokens_skipped=idle)
-    sums = accumulate_gradients(model, live, cfg, ref_model=ref_model, dp=dp, normalizer=n_tokens)
-    if sums is None:
+    try:
+        sums = accumulate_gradients(model, live, cfg, ref_model=ref_model, dp=dp, normalizer=n_tokens)
+        if sums is None:
+            optimizer.zero_grad(set_to_none=True)
+            return _skip("non-finite loss")
+        params = [p for p in model.parameters() if p.requires_grad]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+        if not math.isfinite(grad_norm):
+            optimizer.zero_grad(set_to_none=True)
+            return _skip("non-finite gradient")
+        optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return _skip("non-finite loss")
-    params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-    if not math.isfinite(grad_norm):
-        optimizer.zero_grad(set_to_none=True)
-        return _skip("non-finite gradient")
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return UpdateStats(sums["pg"], sums["kl"], sums["clip"], sums["ratio"], grad_norm, n_tokens, idle)
+        return UpdateStats(sums["pg"], sums["kl"], sums["clip"], sums["ratio"], grad_norm, n_tokens, idle)
+    finally:
+        trim_heap()  # the micro-batches' activations go back to the system, else the process grows every step
 
 
 def with_signal(sequences: Sequence[TrainSequence], cfg: TrainConfig) -> list[TrainSequence]:
