@@ -97,20 +97,36 @@ def update(
     if not live:
         return _skip("every advantage is 0: no gradient", tokens_skipped=idle)
     try:
-        sums = accumulate_gradients(model, live, cfg, ref_model=ref_model, dp=dp, normalizer=n_tokens)
-        if sums is None:
-            optimizer.zero_grad(set_to_none=True)
-            return _skip("non-finite loss")
-        params = [p for p in model.parameters() if p.requires_grad]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-        if not math.isfinite(grad_norm):
-            optimizer.zero_grad(set_to_none=True)
-            return _skip("non-finite gradient")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return UpdateStats(sums["pg"], sums["kl"], sums["clip"], sums["ratio"], grad_norm, n_tokens, idle)
+        return _step(model, optimizer, live, cfg, ref_model=ref_model, dp=dp, n_tokens=n_tokens, idle=idle)
     finally:
         trim_heap()  # the micro-batches' activations go back to the system, else the process grows every step
+
+
+def _step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    live: Sequence[TrainSequence],
+    cfg: TrainConfig,
+    *,
+    ref_model: nn.Module | None,
+    dp: DataParallel | None,
+    n_tokens: int,
+    idle: int,
+) -> UpdateStats:
+    """Backward over the sequences with a gradient, then the optimizer step unless a loss or the gradient is not
+    finite (`n_tokens`: the step's, the loss's normaliser; `idle`: the tokens left out)."""
+    sums = accumulate_gradients(model, live, cfg, ref_model=ref_model, dp=dp, normalizer=n_tokens)
+    if sums is None:
+        optimizer.zero_grad(set_to_none=True)
+        return _skip("non-finite loss")
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return _skip("non-finite gradient")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return UpdateStats(sums["pg"], sums["kl"], sums["clip"], sums["ratio"], grad_norm, n_tokens, idle)
 
 
 def with_signal(sequences: Sequence[TrainSequence], cfg: TrainConfig) -> list[TrainSequence]:
