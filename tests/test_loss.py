@@ -227,7 +227,7 @@ def episodes_with_a_shared_prompt() -> list:
     return sequences
 
 
-def loss_and_grads(model, sequences, *, share_prefix: bool, max_tokens: int):
+def loss_and_grads(model, sequences, *, share_prefix: bool, max_tokens: int, temperature: float = 1.0):
     """The step's loss summed over micro-batches, and every parameter's gradient, as `update` computes them."""
     from main_agent.tokens import collate, micro_batches
     from training.loss import batch_logprobs
@@ -237,7 +237,7 @@ def loss_and_grads(model, sequences, *, share_prefix: bool, max_tokens: int):
     total = 0.0
     for chunk in micro_batches(sequences, max_tokens=max_tokens, share_prefix=share_prefix):
         batch = collate(chunk, pad_id=0, share_prefix=share_prefix)
-        logprobs = batch_logprobs(model, batch)
+        logprobs = batch_logprobs(model, batch, temperature=temperature)
         out = policy_loss(
             logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, normalizer=n_tokens
         )
@@ -249,17 +249,25 @@ def loss_and_grads(model, sequences, *, share_prefix: bool, max_tokens: int):
 
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("max_tokens", [10_000, 60])
-def test_the_shared_prefix_update_equals_running_every_whole_sequence(lora: bool, max_tokens: int) -> None:
+@pytest.mark.parametrize("temperature", [1.0, 1.7])
+def test_the_shared_prefix_update_equals_running_every_whole_sequence(
+    lora: bool, max_tokens: int, temperature: float
+) -> None:
     """Same batch both ways, one micro-batch or several: the loss and every parameter's gradient of the
-    shared-prefix path equal the unshared computation at fp32 tolerance, for full fine-tuning and LoRA."""
+    shared-prefix path equal the unshared computation at fp32 tolerance, for full fine-tuning and LoRA, at the
+    sampler's temperature or not."""
     model = tiny_llama().train()
     if lora:
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     sequences = episodes_with_a_shared_prompt()
-    plain, plain_grads = loss_and_grads(model, sequences, share_prefix=False, max_tokens=max_tokens)
-    shared, shared_grads = loss_and_grads(model, sequences, share_prefix=True, max_tokens=max_tokens)
+    plain, plain_grads = loss_and_grads(
+        model, sequences, share_prefix=False, max_tokens=max_tokens, temperature=temperature
+    )
+    shared, shared_grads = loss_and_grads(
+        model, sequences, share_prefix=True, max_tokens=max_tokens, temperature=temperature
+    )
     assert shared == pytest.approx(plain, rel=1e-5, abs=1e-7)
     assert plain_grads.keys() == shared_grads.keys() and plain_grads
     for name, grad in plain_grads.items():
@@ -284,3 +292,19 @@ def test_shared_batches_run_the_prompt_once_and_never_share_a_trained_token() ->
     assert bool((first.loss_mask[:, 0] == 1).all())  # the first trained id is the first of the rest
     unshared = micro_batches(sequences, max_tokens=12 + 3 * 15, share_prefix=False)
     assert len(unshared) > len(batches)  # the same budget holds fewer whole sequences
+
+
+def test_tempered_logprobs_are_the_log_softmax_of_the_scaled_logits() -> None:
+    """token_logprobs at temperature T is log softmax(logits / T) of each next token, with and without a loss
+    mask (the distribution a sampler at T draws from, whose log-probs it reports)."""
+    model = tiny_llama().eval()
+    ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(3))
+    attention = torch.ones_like(ids)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention).logits
+        expected = torch.log_softmax(logits[:, :-1] / 1.7, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+        full = token_logprobs(model, ids, attention, temperature=1.7)
+        sparse = token_logprobs(model, ids, attention, loss_mask=attention, temperature=1.7)
+    torch.testing.assert_close(full[:, 1:], expected)
+    torch.testing.assert_close(sparse[:, 1:], expected)
+    assert not torch.allclose(token_logprobs(model, ids, attention)[:, 1:], expected)

@@ -27,19 +27,21 @@ def prompt_ids(tokenizer, question: str) -> list[int]:
 
 
 @pytest.mark.slow
-async def test_sampler_logprobs_match_a_recompute(smollm2):
-    """The log-probs the policy reports are the model's log-probs of the sampled ids (the ratio starts at 1)."""
+@pytest.mark.parametrize("temperature", [1.0, 1.5])
+async def test_sampler_logprobs_match_a_recompute(smollm2, temperature: float):
+    """The log-probs the policy reports are the model's log-probs of the sampled ids at its temperature, as the
+    update recomputes them (the ratio starts at 1)."""
     import torch
 
     from training.loss import token_logprobs
 
     model, tokenizer = smollm2
-    policy = TransformersPolicy(model, tokenizer, cfg=SamplingConfig(temperature=1.0))
+    policy = TransformersPolicy(model, tokenizer, cfg=SamplingConfig(temperature=temperature))
     prompt = prompt_ids(tokenizer, "Name a colour.")
     sample = await policy.sample(prompt, max_new_tokens=12)
     await policy.aclose()
     ids = torch.tensor([prompt + sample.ids])
-    recomputed = token_logprobs(model, ids, torch.ones_like(ids))[0, len(prompt) :]
+    recomputed = token_logprobs(model, ids, torch.ones_like(ids), temperature=temperature)[0, len(prompt) :]
     assert torch.allclose(recomputed, torch.tensor(sample.logprobs), atol=2e-3), (recomputed, sample.logprobs)
 
 

@@ -196,14 +196,15 @@ def test_drop_stale_counts_the_episodes_of_stale_groups() -> None:
 # ---------------------------------------------------------------- the optimizer step
 
 
-def byte_sequences(model, n: int = 4, length: int = 24) -> list[TrainSequence]:
-    """Random byte sequences whose last 16 tokens are 'sampled', with the model's own log-probs as old ones."""
+def byte_sequences(model, n: int = 4, length: int = 24, temperature: float = 1.0) -> list[TrainSequence]:
+    """Random byte sequences whose last 16 tokens are 'sampled', with the model's own log-probs (at `temperature`)
+    as old ones."""
     from training.loss import token_logprobs
 
     torch.manual_seed(1)
     ids = torch.randint(0, 256, (n, length))
     with torch.no_grad():
-        logprobs = token_logprobs(model, ids, torch.ones_like(ids))
+        logprobs = token_logprobs(model, ids, torch.ones_like(ids), temperature=temperature)
     sequences = []
     for i in range(n):
         mask = [0] * (length - 16) + [1] * 16
@@ -224,6 +225,20 @@ def test_update_moves_the_weights_with_a_finite_loss() -> None:
     assert stats.ratio_mean == pytest.approx(1.0, abs=1e-5)
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_update_trains_the_distribution_the_sampler_drew_from() -> None:
+    """With `sampling.temperature` T the update's log-probs are the tempered ones the sampler reported, so the
+    on-policy ratio is 1; read at temperature 1 the same sequences would start off-policy."""
+    from main_agent.policy import SamplingConfig
+
+    model = tiny_llama(258)
+    sequences = byte_sequences(model, temperature=2.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
+    tempered = TrainConfig(micro_batch_tokens=48, sampling=SamplingConfig(temperature=2.0))
+    assert update(model, optimizer, sequences, tempered).ratio_mean == pytest.approx(1.0, abs=1e-5)
+    plain = update(model, optimizer, sequences, TrainConfig(micro_batch_tokens=48))
+    assert abs(plain.ratio_mean - 1.0) > 1e-2, plain.ratio_mean
 
 
 def test_a_bf16_update_stays_close_to_the_float32_one() -> None:

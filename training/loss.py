@@ -126,9 +126,15 @@ def _check_args(
 
 
 def token_logprobs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, loss_mask: Tensor | None = None
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    loss_mask: Tensor | None = None,
+    temperature: float = 1.0,
 ) -> Tensor:
-    """log p(x_t | x_<t) for every position of a right-padded batch: [B, T], position 0 and padding get 0.
+    """log p(x_t | x_<t) for every position of a right-padded batch: [B, T], position 0 and padding get 0; p is
+    the softmax of the logits over `temperature`, the distribution a sampler at that temperature draws from.
 
     `model` is a causal LM returning `.logits` [B, T, V] (a transformers model). Left padding would shift the
     positions a Llama-style model sees, so batches must be right-padded.
@@ -139,22 +145,21 @@ def token_logprobs(
     """
     if loss_mask is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, T, V]
-        return logprobs_from_logits(logits, input_ids, attention_mask)
+        return logprobs_from_logits(logits, input_ids, attention_mask, temperature=temperature)
     keep = loss_mask[:, 1:].bool().any(dim=0).nonzero().squeeze(-1)  # [K]: position t predicts token t + 1
     logits = model(
         input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep
     ).logits  # [B, K, V]
-    pred = logits.float()
-    target = input_ids[:, keep + 1]  # [B, K]
-    logp = pred.gather(-1, target.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(pred, dim=-1)  # [B, K]
+    logp = _chosen(logits, input_ids[:, keep + 1], temperature)  # [B, K]
     logp = torch.where(attention_mask[:, keep + 1].bool(), logp, 0.0)
     out = torch.zeros(input_ids.shape, dtype=logp.dtype, device=logp.device)  # [B, T]
     out[:, keep + 1] = logp
     return out
 
 
-def batch_logprobs(model: nn.Module, batch: Batch) -> Tensor:
-    """log p of every trained token of a micro-batch, [B, T] over the rest after its prefix (0 elsewhere).
+def batch_logprobs(model: nn.Module, batch: Batch, *, temperature: float = 1.0) -> Tensor:
+    """log p of every trained token of a micro-batch, [B, T] over the rest after its prefix (0 elsewhere), p at
+    the sampler's `temperature` (token_logprobs).
 
     Without a prefix this is `token_logprobs`. With one, the prefix runs once, its keys and values are repeated
     for the B rows (`batch_repeat_interleave`: autograd sums the rows' gradients back into the one prefix), and
@@ -163,7 +168,9 @@ def batch_logprobs(model: nn.Module, batch: Batch) -> Tensor:
     tokens instead of B x (P + T).
     """
     if batch.prefix_ids.numel() == 0:
-        return token_logprobs(model, batch.input_ids, batch.attention_mask, loss_mask=batch.loss_mask)
+        return token_logprobs(
+            model, batch.input_ids, batch.attention_mask, loss_mask=batch.loss_mask, temperature=temperature
+        )
     from transformers.cache_utils import DynamicCache
 
     rows, width = batch.input_ids.shape
@@ -188,8 +195,8 @@ def batch_logprobs(model: nn.Module, batch: Batch) -> Tensor:
             position_ids=positions,
         )  # [B, K, V]
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)  # [B, T]
-    out[:, keep + 1] = _chosen(rest, batch.input_ids[:, keep + 1])
-    out[:, 0] = _chosen(head.expand(rows, -1, -1), batch.input_ids[:, :1])[:, 0]
+    out[:, keep + 1] = _chosen(rest, batch.input_ids[:, keep + 1], temperature)
+    out[:, 0] = _chosen(head.expand(rows, -1, -1), batch.input_ids[:, :1], temperature)[:, 0]
     return torch.where(batch.attention_mask.bool(), out, 0.0)
 
 
@@ -199,24 +206,33 @@ def _forward(model: nn.Module, input_ids: Tensor, *, cache, logits_to_keep, **kw
     ).logits
 
 
-def _chosen(logits: Tensor, targets: Tensor) -> Tensor:
-    """log-softmax of `targets` under `logits` ([B, K, V] x [B, K] -> [B, K]), in float32."""
-    pred = logits.float()
+def _chosen(logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    """log-softmax of `targets` under `logits` / `temperature` ([B, K, V] x [B, K] -> [B, K]), in float32."""
+    pred = _tempered(logits, temperature)
     return pred.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(pred, dim=-1)
 
 
-def logprobs_from_logits(logits: Tensor, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+def logprobs_from_logits(
+    logits: Tensor, input_ids: Tensor, attention_mask: Tensor, *, temperature: float = 1.0
+) -> Tensor:
     """Log-prob of each token under the logits of the position before it: [B, T, V] x [B, T] -> [B, T].
 
     Computed as the chosen logit minus logsumexp over the vocabulary, so no full [B, T, V] log-softmax is kept.
     Upcast to float32 first: bf16 log-probs (8 bits of mantissa) are too coarse for importance ratios near 1.
     """
-    pred = logits[:, :-1].float()  # [B, T-1, V]: position t-1 predicts token t
+    pred = _tempered(logits[:, :-1], temperature)  # [B, T-1, V]: position t-1 predicts token t
     target = input_ids[:, 1:]  # [B, T-1]
     chosen = pred.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # [B, T-1]
     logp = chosen - torch.logsumexp(pred, dim=-1)  # [B, T-1]
     logp = torch.where(attention_mask[:, 1:].bool(), logp, 0.0)
     return F.pad(logp, (1, 0), value=0.0)  # [B, T]: the first token has no prefix
+
+
+def _tempered(logits: Tensor, temperature: float) -> Tensor:
+    """The logits in float32 over `temperature`; at 1 no copy beyond the upcast (the logits are most of the
+    update's activation memory)."""
+    pred = logits.float()
+    return pred if temperature == 1.0 else pred / temperature
 
 
 def all_finite(*tensors: Tensor) -> bool:

@@ -220,11 +220,12 @@ def micro_batch_loss(
     (`n_tokens`)."""
     device = next(model.parameters()).device.type
     with torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
-        logprobs = batch_logprobs(model, batch)  # [B, T], float32 whatever the matmuls ran in
+        # [B, T], float32 whatever the matmuls ran in; at the sampler's temperature, as its old log-probs are
+        logprobs = batch_logprobs(model, batch, temperature=cfg.sampling.temperature)
         ref = None
         if ref_model is not None and cfg.kl_coef > 0:
             with torch.no_grad():
-                ref = batch_logprobs(ref_model, batch)
+                ref = batch_logprobs(ref_model, batch, temperature=cfg.sampling.temperature)
     return policy_loss(
         logprobs,
         batch.old_logprobs,
