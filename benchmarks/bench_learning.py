@@ -48,8 +48,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cli_stages import conductor, train_to, warm_start_sha  # noqa: E402
-from benchmarks.learning_summary import choose, plot, summarise, table, training_summary  # noqa: E402
+from benchmarks.learning_summary import choose, moved, plot, summarise, table, training_summary  # noqa: E402
 from training.checkpoint import find_latest  # noqa: E402
+from training.tasks import load_family  # noqa: E402
 
 CONFIG = ROOT / "examples" / "train_plates.toml"
 TASK = "plate_reading"
@@ -116,6 +117,11 @@ def evaluate(policy: str, out: Path, opts: Options) -> dict:
         args += ["--set", f"sampling.backend={opts.sampler}"]
         conductor(*args, "--out", str(out), log=out.with_suffix(".log"))
     return json.loads(out.read_text(encoding="utf-8"))
+
+
+def episodes_of(out: Path) -> Path:
+    """The episodes `conductor eval --out X.json` writes beside its report."""
+    return out.with_name(f"{out.stem}.episodes.jsonl")
 
 
 def read_record(path: Path, settings: dict, sha: str | None, opts: Options) -> dict | None:
@@ -191,7 +197,11 @@ def main_run(credit: str, seed: int, cell: str, opts: Options) -> dict | None:
         latest = find_latest(run_dir)
         assert latest is not None, f"{run_dir} has no checkpoint after training"
         out = run_dir / f"eval-dev-{latest.name}-first{opts.eval_n}.json"
-        return evaluate(str(latest / "model"), out, opts), training_summary(run_dir)
+        evaluation = evaluate(str(latest / "model"), out, opts)
+        warm_out = opts.runs / f"eval-warm-first{opts.eval_n}.json"
+        dev = load_family(TASK, "dev", limit=opts.eval_n)
+        vs_warm = moved(episodes_of(warm_out), episodes_of(out), dev)
+        return evaluation | {"vs_warm": vs_warm}, training_summary(run_dir)
 
     return stage(f"{credit}-s{seed}", opts.settings("main", cell), make, opts)
 

@@ -4,6 +4,7 @@ the sweep's choice, the per-mode summary, the table and the plot.
     training_summary(run_dir) -> dict       curves (graded reward, success), sampled tokens and seconds per step
     choose(cells, default=...) -> dict      the sweep cell with the steepest reward rise per CPU-hour
     summarise(warm_eval, cells, choice, runs) -> dict   per credit mode: reward first vs last steps, dev success
+    moved(warm_episodes, episodes) -> dict  how many greedy dev episodes differ from the warm start's, and how
 
 Spread over seeds is the sample standard deviation (NaN with one seed). "Rises" means every seed's mean reward
 of its last K steps is above that of its first K (K = 5, or half the steps of a shorter run); the dev gain is
@@ -18,7 +19,9 @@ import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from main_agent.types import Episode
 from training.metrics import read_metrics
+from training.tasks import Task, success
 
 K = 5
 """Steps averaged at each end of a curve."""
@@ -105,6 +108,26 @@ def choose(cells: Mapping[str, Mapping], *, default: str) -> dict:
     return {"cell": best, "why": f"highest reward slope per CPU-hour ({gaining[best]:.3f}/h)"} | record
 
 
+def moved(warm_episodes: Path, episodes: Path, tasks: Sequence[Task]) -> dict:
+    """Whether training moved the greedy policy: of `tasks` (both evaluations played them), how many episodes
+    differ from the warm start's in any sampled token, and how many of those turned a miss into a success or
+    back (tasks.success of the answers)."""
+    warm, now = _by_task(warm_episodes), _by_task(episodes)
+    changed = [t for t in tasks if _sampled(warm[t.task_id]) != _sampled(now[t.task_id])]
+    flips = [success(t, now[t.task_id].answer) - success(t, warm[t.task_id].answer) for t in changed]
+    won, lost = flips.count(1), flips.count(-1)
+    return {"tasks": len(tasks), "changed": len(changed), "won": won, "lost": lost}
+
+
+def _by_task(path: Path) -> dict[str, Episode]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return {e.task_id: e for e in (Episode.from_json(line) for line in lines if line.strip())}
+
+
+def _sampled(episode: Episode) -> list[list[int]]:
+    return [turn.completion_ids for turn in episode.turns]
+
+
 def spread(values: Sequence[float]) -> float:
     """Sample standard deviation over seeds; NaN for fewer than two."""
     return statistics.stdev(values) if len(values) >= 2 else math.nan
@@ -125,6 +148,7 @@ def mode_summary(records: Sequence[Mapping], warm_success: float) -> dict:
         "rises": bool(trained) and all(b > a for a, b in zip(first, last, strict=True)),
         "dev_success": _mean(dev), "dev_success_spread": spread(dev), "dev_per_seed": dev,
         "dev_gain": gain, "gain_outside_spread": bool(gain > spread(dev)),
+        "dev_changed": [r["eval"].get("vs_warm", {}).get("changed", math.nan) for r in records],
         "sampled_tokens_per_step": _mean([x for t in trained for x in t["sampled_tokens"]]),
         "step_s": _mean([x for t in trained for x in t["step_s"]]),
         "zero_variance_share": _share(trained),
@@ -170,14 +194,16 @@ def table(report: Mapping) -> str:
         )
     lines += [
         "",
-        "mode | seeds | reward first5 -> last5 (spread) | rises | dev success (spread) | gain | tokens/step",
+        "mode | seeds | reward first5 -> last5 (spread) | rises | dev success (spread) | gain | dev episodes"
+        " changed per seed | tokens/step",
     ]
     for mode, m in report["modes"].items():
         lines.append(
             f"{mode} | {m['seeds']} | {m['reward_first']:.3f} ({m['reward_first_spread']:.3f}) -> "
             f"{m['reward_last']:.3f} ({m['reward_last_spread']:.3f}) | {'yes' if m['rises'] else 'no'} | "
             f"{m['dev_success']:.3f} ({m['dev_success_spread']:.3f}) | {m['dev_gain']:+.3f}"
-            f"{' *' if m['gain_outside_spread'] else ''} | {m['sampled_tokens_per_step']:.0f}"
+            f"{' *' if m['gain_outside_spread'] else ''} | {' '.join(f'{c:.0f}' for c in m['dev_changed'])} | "
+            f"{m['sampled_tokens_per_step']:.0f}"
         )
     return "\n".join(lines)
 

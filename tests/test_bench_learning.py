@@ -131,3 +131,36 @@ def test_summary_table_and_plot_from_records(tmp_path: Path) -> None:
     assert report["sweep"]["full-lr1e-5"]["zero_variance_share"] == 0.5
     assert "full-lr1e-5 |" in ls.table(report) and " <-" in ls.table(report)
     assert ls.plot(report, tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_moved_counts_changed_greedy_episodes_and_the_successes_they_turned(tmp_path: Path) -> None:
+    """A dev episode counts as changed when any sampled token differs from the warm start's; of those, a miss
+    turned right is won and a success turned wrong is lost; an unchanged episode counts in neither."""
+    from main_agent.types import Episode, Turn
+    from training.tasks import Task, TaskMeta
+
+    def episode(task_id: str, ids: list[int], answer: str) -> str:
+        turn = Turn(ids, [0.0] * len(ids), [], "", "", [], [], [], 0, 0.0, 0.0)
+        return Episode(task_id, "?", [1], [turn], answer, "answer", 0, 1.0, 0.5, 0.5).to_json()
+
+    tasks = [
+        Task(f"p{i}", "plate_reading", "?", ("image_ops",), "YG9X2G", meta=TaskMeta(split="dev"))
+        for i in range(4)
+    ]
+    warm = [
+        episode("p0", [5], "YG9X2G"),
+        episode("p1", [5], "AB"),
+        episode("p2", [5], "YG9X2G"),
+        episode("p3", [5], "AB"),
+    ]
+    now = [
+        episode("p0", [5], "YG9X2G"),
+        episode("p1", [6], "YG9X2G"),
+        episode("p2", [6], "AB"),
+        episode("p3", [7], "CD"),
+    ]
+    (tmp_path / "warm.jsonl").write_text("\n".join(warm) + "\n")
+    (tmp_path / "now.jsonl").write_text("\n".join(now) + "\n")
+    assert ls.moved(tmp_path / "warm.jsonl", tmp_path / "now.jsonl", tasks) == {
+        "tasks": 4, "changed": 3, "won": 1, "lost": 1,
+    }  # fmt: skip
