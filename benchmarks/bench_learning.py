@@ -31,7 +31,7 @@ start is reported and left out of the table (and run again unless `--recorded`).
 sessions and machines. Time on 2 cores, measured on this task: with transformers sampling ~1.8 min a step of 8
 episodes and ~10 min an evaluation of 49 photos (~5.2 h in all); with vLLM (the recorded study; greedy dev
 success of the warm start is the same, 25 of 49) ~40-50 s of rollout plus ~25 s of update a step and ~5 min an
-evaluation: ~30 min a main stage, ~3.5 h in all.
+evaluation: ~38 min a main stage (seed 0: 32-33 min of 20 steps, 5-6 min of evaluation), ~4.5 h in all.
 """
 
 from __future__ import annotations
