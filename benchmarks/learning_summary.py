@@ -1,10 +1,11 @@
 """The maths of benchmarks/bench_learning.py, on records alone (no training): a run's curves from its metrics,
-the sweep's choice, the per-mode summary, the table and the plot.
+the sweep's choice, the per-mode summary, the table and the plot; and, once per main run, how far it moved the
+greedy policy (from its evaluation episodes, into the record).
 
     training_summary(run_dir) -> dict       curves (graded reward, success), sampled tokens and seconds per step
     choose(cells, default=...) -> dict      the sweep cell with the steepest reward rise per CPU-hour
     summarise(warm_eval, cells, choice, runs) -> dict   per credit mode: reward first vs last steps, dev success
-    moved(warm_episodes, episodes) -> dict  how many greedy dev episodes differ from the warm start's, and how
+    moved(warm_episodes, episodes, tasks) -> dict   greedy dev episodes changed from the warm start's, won, lost
 
 Spread over seeds is the sample standard deviation (NaN with one seed). "Rises" means every seed's mean reward
 of its last K steps is above that of its first K (K = 5, or half the steps of a shorter run); the dev gain is
