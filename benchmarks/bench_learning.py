@@ -178,9 +178,15 @@ def weights_sha(policy: str) -> str:
     return warm_start_sha(policy, made_by=CONFIG.name)
 
 
+def warm_out(opts: Options) -> Path:
+    """Where the warm start's evaluation report goes (its episodes beside it: `episodes_of`)."""
+    return opts.runs / f"eval-warm-first{opts.eval_n}.json"
+
+
 def warm(opts: Options) -> dict | None:
-    out = opts.runs / f"eval-warm-first{opts.eval_n}.json"
-    return stage("warm", opts.settings("warm"), lambda: (evaluate(opts.policy, out, opts), None), opts)
+    return stage(
+        "warm", opts.settings("warm"), lambda: (evaluate(opts.policy, warm_out(opts), opts), None), opts
+    )
 
 
 def sweep_cell(cell: str, opts: Options) -> dict | None:
@@ -198,9 +204,8 @@ def main_run(credit: str, seed: int, cell: str, opts: Options) -> dict | None:
         assert latest is not None, f"{run_dir} has no checkpoint after training"
         out = run_dir / f"eval-dev-{latest.name}-first{opts.eval_n}.json"
         evaluation = evaluate(str(latest / "model"), out, opts)
-        warm_out = opts.runs / f"eval-warm-first{opts.eval_n}.json"
         dev = load_family(TASK, "dev", limit=opts.eval_n)
-        vs_warm = moved(episodes_of(warm_out), episodes_of(out), dev)
+        vs_warm = moved(episodes_of(warm_out(opts)), episodes_of(out), dev)
         return evaluation | {"vs_warm": vs_warm}, training_summary(run_dir)
 
     return stage(f"{credit}-s{seed}", opts.settings("main", cell), make, opts)

@@ -256,12 +256,10 @@ async def play_turn(
     if answer is not None and task.items:
         answer = ledger_answer(ledger, answer)
     progress = record_progress(task.context, ledger) if records else ""
-    text = (
-        ""
-        if answer is not None
-        else render_observation(results, parse_errors=errors, records=records, progress=progress)
-    )
-    obs_ids = [] if answer is not None else observation_ids(tokenizer, text, completion_ids=sample.ids)
+    text, obs_ids = "", []
+    if answer is None:  # the episode goes on: the observation follows the completion
+        text = render_observation(results, parse_errors=errors, records=records, progress=progress)
+        obs_ids = observation_ids(tokenizer, text, completion_ids=sample.ids)
     turn = Turn(
         completion_ids=list(sample.ids),
         completion_logprobs=list(sample.logprobs),
