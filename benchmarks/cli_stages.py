@@ -15,7 +15,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from training.checkpoint import find_latest
+from training.checkpoint import changed_settings, find_latest, saved_config
+from training.config import config_to_dict, load_train_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,13 +35,24 @@ def conductor(*args: str, log: Path) -> float:
 
 def train_to(config: Path, run_dir: Path, sets: Sequence[str], steps: int) -> Path:
     """`conductor train config --set ...` until `run_dir` holds step `steps` (`sets` name it and `run_dir`):
-    trained, resumed from its last checkpoint when cut short, or reused when finished."""
+    trained, resumed from its last checkpoint when cut short, or reused when finished. Exits, naming the
+    differences, when the run there was trained with other `sets` (a stage must not take another stage's run)."""
     latest = find_latest(run_dir) if run_dir.exists() else None
+    if latest is not None and (changed := run_differs(latest, config, sets)):
+        sys.exit(f"{run_dir} was trained with other settings ({'; '.join(changed)}): move it away first")
     if latest is None or latest.name != f"step_{steps}":
         resume = ("--resume", str(run_dir)) if latest is not None else ()
         args = ["train", str(config), *[a for s in sets for a in ("--set", s)], *resume]
         conductor(*args, log=run_dir.with_suffix(".log"))
     return run_dir
+
+
+def run_differs(checkpoint: Path, config: Path, sets: Sequence[str]) -> list[str]:
+    """The settings of `sets` that the checkpoint's run was not trained with, as "key: then -> now"; but for
+    `steps` (a longer run continues a shorter one) and `run_dir` (a run moved is the same run)."""
+    keys = [k for k, _ in (s.split("=", 1) for s in sets) if k not in ("steps", "run_dir")]
+    wanted = config_to_dict(load_train_config(config, sets))
+    return changed_settings(saved_config(checkpoint), wanted, keys)
 
 
 def warm_start_sha(policy: str, *, made_by: str) -> str:

@@ -33,7 +33,7 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -348,11 +348,17 @@ def _lookup(config: dict, dotted: str) -> str:
     return repr(value)
 
 
-def check_resume_compatible(saved: dict, new: dict, *, force: bool, keys: tuple[str, ...]) -> None:
-    """Refuse to resume when any of `keys` (dotted paths into the config dicts, e.g. "model.name") changed;
-    the error names each change. With `force` the changes are logged and the resume goes ahead."""
+def changed_settings(saved: dict, new: dict, keys: Sequence[str]) -> list[str]:
+    """Each of `keys` (dotted paths into the config dicts, e.g. "model.name") whose value differs between the
+    `saved` and the `new` config, as "key: old -> new"."""
     values = [(key, _lookup(saved, key), _lookup(new, key)) for key in keys]
-    changed = [f"{key}: {old} -> {now}" for key, old, now in values if old != now]
+    return [f"{key}: {old} -> {now}" for key, old, now in values if old != now]
+
+
+def check_resume_compatible(saved: dict, new: dict, *, force: bool, keys: tuple[str, ...]) -> None:
+    """Refuse to resume when any of `keys` changed (`changed_settings`); the error names each change. With
+    `force` the changes are logged and the resume goes ahead."""
+    changed = changed_settings(saved, new, keys)
     if not changed:
         return
     message = "config changed since the checkpoint: " + "; ".join(changed)
