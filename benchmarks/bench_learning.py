@@ -13,9 +13,13 @@ through the `conductor` CLI as a user would, and writes a record (below):
   2. sweep: short runs (`--sweep-steps` steps, outcome credit, seed 0) of a few cells of the settings that set
      learning per CPU-hour (SWEEP: learning rate, LoRA vs full, group size at equal episodes per step, and the
      exact reward beside the graded one); `choose` picks the cell of the main runs from their records
-  3. main: for each seed and credit mode (outcome; turn with the anchor baseline, the best per-call mode of
-     bench_horizon), `conductor train` for `--steps` steps with the chosen cell, then `conductor eval` of its last
-     checkpoint on the same dev photos as the warm start
+  3. exploration: for each of `--temperatures`, one step of 16 groups at learning rate 0 (EXPLORE): how many
+     groups have reward variance to learn from, how many are token for token the same, how sure the sampler is;
+     `choose_temperature` picks the coolest at which fewer than 1/3 of the groups lack signal, without longer
+     episodes (the warm start is near-deterministic: at 1.0 the seed-0 runs trained on nothing in 21-24 of 40)
+  4. main: for each seed and credit mode (outcome; turn with the anchor baseline, the best per-call mode of
+     bench_horizon), `conductor train` for `--steps` steps with the chosen cell and temperature, then
+     `conductor eval` of its last checkpoint (greedy) on the same dev photos as the warm start
 
 Rewards: the graded plate score (`reward_kind = "graded"`: 1 - normalised edit distance) trains; success (exact)
 is logged beside it. Groups whose rewards are all equal train on nothing and are counted (`groups/*`).
@@ -48,7 +52,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cli_stages import conductor, train_to, warm_start_sha  # noqa: E402
-from benchmarks.learning_summary import choose, moved, plot, summarise, table, training_summary  # noqa: E402
+from benchmarks.learning_summary import (  # noqa: E402
+    choose,
+    choose_temperature,
+    exploration_summary,
+    moved,
+    plot,
+    summarise,
+    table,
+    training_summary,
+)
 from training.checkpoint import find_latest  # noqa: E402
 from training.tasks import load_family  # noqa: E402
 
@@ -68,6 +81,12 @@ SWEEP = {  # cell -> its settings; every cell plays 8 episodes a step
     "full-lr1e-5-g8": ("lr=1e-5", "group_size=8", "batch_tasks=1"),
     "full-lr1e-5-exact": ("lr=1e-5", "reward_kind=task"),  # what the graded reward buys: groups with signal
 }
+TEMPERATURES = (1.0, 1.15, 1.3)
+"""Sampling temperatures the exploration stage measures: the sampler's own distribution and two hotter ones (the
+warm start draws 98 % of its tokens with p > 0.99 at 1.0, so half its groups carry no signal)."""
+EXPLORE = ("lr=0", "batch_tasks=16", *CREDITS["outcome"])
+"""One step of 16 groups of 4 that learns nothing (lr 0): what a temperature gives the update before any training
+(a share of groups moves by 1/16)."""
 DEFAULT_CELL = "full-lr1e-5"
 CANDIDATES = ("full-lr1e-5", "full-lr3e-5", "lora16-lr2e-4", "full-lr1e-5-g8")
 """Cells `choose` may pick; the exact-reward cell measures the reward, whose kind the issue fixes (graded)."""
@@ -86,17 +105,21 @@ class Options:
     records: Path
     recorded_only: bool
 
-    def settings(self, kind: str, cell: str | None = None) -> dict:
-        """What a stage's record must match to be reused: its kind's sizes and the cell it trained."""
+    def settings(self, kind: str, cell: str | None = None, temperature: float = 1.0) -> dict:
+        """What a stage's record must match to be reused: its kind's sizes, the cell it trained and the
+        temperature it sampled at."""
         common = {"sampler": self.sampler, "base": list(BASE)}
         if kind == "warm":
             return {"eval_n": self.eval_n, "sampler": self.sampler}
+        if kind == "explore":
+            return common | {"steps": 1, "explore": list(EXPLORE), "temperature": temperature}
         if kind == "sweep":
             return common | {"steps": self.sweep_steps, "cell": list(SWEEP[cell or DEFAULT_CELL])}
         return common | {
             "steps": self.steps,
             "eval_n": self.eval_n,
             "cell": list(SWEEP[cell or DEFAULT_CELL]),
+            "temperature": temperature,
         }
 
 
@@ -189,6 +212,14 @@ def warm(opts: Options) -> dict | None:
     )
 
 
+def explore(temperature: float, opts: Options) -> dict | None:
+    def make() -> tuple[None, dict]:
+        sets = (*EXPLORE, f"sampling.temperature={temperature}")
+        return None, exploration_summary(train(f"explore-t{temperature:g}", sets, 1, 0, opts))
+
+    return stage(f"explore-t{temperature:g}", opts.settings("explore", temperature=temperature), make, opts)
+
+
 def sweep_cell(cell: str, opts: Options) -> dict | None:
     def make() -> tuple[None, dict]:
         run_dir = train(f"sweep-{cell}", (*CREDITS["outcome"], *SWEEP[cell]), opts.sweep_steps, 0, opts)
@@ -197,9 +228,17 @@ def sweep_cell(cell: str, opts: Options) -> dict | None:
     return stage(f"sweep-{cell}", opts.settings("sweep", cell), make, opts)
 
 
-def main_run(credit: str, seed: int, cell: str, opts: Options) -> dict | None:
+def run_name(credit: str, seed: int, temperature: float) -> str:
+    """A main run's stage and run directory: credit mode and seed, and the temperature unless it is 1.0."""
+    return f"{credit}-s{seed}" + (f"-t{temperature:g}" if temperature != 1.0 else "")
+
+
+def main_run(credit: str, seed: int, cell: str, temperature: float, opts: Options) -> dict | None:
+    name = run_name(credit, seed, temperature)
+
     def make() -> tuple[dict, dict]:
-        run_dir = train(f"{credit}-s{seed}", (*CREDITS[credit], *SWEEP[cell]), opts.steps, seed, opts)
+        sets = (*CREDITS[credit], *SWEEP[cell], f"sampling.temperature={temperature}")
+        run_dir = train(name, sets, opts.steps, seed, opts)
         latest = find_latest(run_dir)
         assert latest is not None, f"{run_dir} has no checkpoint after training"
         out = run_dir / f"eval-dev-{latest.name}-first{opts.eval_n}.json"
@@ -208,22 +247,25 @@ def main_run(credit: str, seed: int, cell: str, opts: Options) -> dict | None:
         vs_warm = moved(episodes_of(warm_out(opts)), episodes_of(out), dev)
         return evaluation | {"vs_warm": vs_warm}, training_summary(run_dir)
 
-    return stage(f"{credit}-s{seed}", opts.settings("main", cell), make, opts)
+    return stage(name, opts.settings("main", cell, temperature), make, opts)
 
 
 def study(args: argparse.Namespace, opts: Options) -> dict:
-    """Every stage in order (warm, sweep, then seed by seed each credit mode), then the summary."""
+    """Every stage in order (warm, sweep, exploration, then seed by seed each credit mode), then the summary."""
     warm_record = warm(opts)
     cells = {c: r for c in args.cells if (r := sweep_cell(c, opts)) is not None}
     choice = choose({c: r["training"] for c, r in cells.items() if c in CANDIDATES}, default=DEFAULT_CELL)
     print(f"chosen cell: {choice['cell']} ({choice['why']})", flush=True)
+    explored = {t: r["training"] for t in args.temperatures if (r := explore(t, opts)) is not None}
+    heat = choose_temperature(explored)
+    print(f"chosen temperature: {heat['temperature']:g} ({heat['why']})", flush=True)
     runs: dict[str, list[dict]] = {c: [] for c in args.credits}
     for seed in range(args.seeds):  # seed by seed: a study cut short has every mode at the same seeds
         for credit in args.credits:
-            if (r := main_run(credit, seed, choice["cell"], opts)) is not None:
+            if (r := main_run(credit, seed, choice["cell"], heat["temperature"], opts)) is not None:
                 runs[credit].append(r)
     warm_eval = warm_record["eval"] if warm_record else None
-    return summarise(warm_eval, cells, choice, runs)
+    return summarise(warm_eval, cells, choice, heat, runs)
 
 
 def main() -> None:
@@ -233,6 +275,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per credit mode")
     parser.add_argument("--sweep-steps", type=int, default=3, help="RL steps of each sweep cell")
     parser.add_argument("--cells", nargs="+", default=list(SWEEP), choices=list(SWEEP), help="sweep cells")
+    parser.add_argument("--temperatures", nargs="+", type=float, default=list(TEMPERATURES),
+                        help="sampling temperatures the exploration stage measures")  # fmt: skip
     parser.add_argument("--credits", nargs="+", default=list(CREDITS), choices=list(CREDITS))
     parser.add_argument("--eval-n", type=int, default=49, help="dev photos per evaluation (the first ones)")
     parser.add_argument("--sampler", default="transformers", choices=("transformers", "vllm", "auto"))

@@ -4,7 +4,9 @@ greedy policy (from its evaluation episodes, into the record).
 
     training_summary(run_dir) -> dict       curves (graded reward, success), sampled tokens and seconds per step
     choose(cells, default=...) -> dict      the sweep cell with the steepest reward rise per CPU-hour
-    summarise(warm_eval, cells, choice, runs) -> dict   per credit mode: reward first vs last steps, dev success
+    exploration_summary(run_dir) -> dict    one step's groups without signal, identical groups, confident tokens
+    choose_temperature(explored) -> dict    the coolest temperature whose groups mostly carry signal
+    summarise(warm_eval, cells, choice, heat, runs) -> dict   per credit mode: reward first vs last, dev success
     moved(warm_episodes, episodes, tasks) -> dict   greedy dev episodes changed from the warm start's, won, lost
 
 Spread over seeds is the sample standard deviation (NaN with one seed). "Rises" means every seed's mean reward
@@ -26,6 +28,15 @@ from training.tasks import Task, success
 
 K = 5
 """Steps averaged at each end of a curve."""
+CONFIDENT = 0.99
+"""A sampled token drawn with at least this probability could hardly have been another: the share of such tokens
+says how little a temperature explores (the warm start at 1.0: 98 %)."""
+MOST_WITHOUT_SIGNAL = 1 / 3
+"""A temperature that leaves this share of its groups without reward variance or more explores too little: those
+groups train on nothing (at 1.0 the seed-0 runs lost 21-24 of 40)."""
+LONGER = 1.25
+"""Episodes longer than this many times the coolest temperature's (in sampled tokens) cost that much more per
+step, and a hotter sampler's extra length is its own tokens' noise (calls that miss, answers that ramble)."""
 
 
 def training_summary(run_dir: Path) -> dict:
@@ -129,6 +140,47 @@ def _sampled(episode: Episode) -> list[list[int]]:
     return [turn.completion_ids for turn in episode.turns]
 
 
+def exploration_summary(run_dir: Path) -> dict:
+    """What one step's sampling gave to learn from (its metrics row and rollouts/step_1.jsonl): its groups, those
+    without reward variance and those whose episodes are token for token the same, the share of sampled tokens
+    drawn with a probability above CONFIDENT, sampled tokens and turns per episode, and the rollout's seconds."""
+    row = read_metrics(run_dir / "metrics.jsonl")[0]
+    lines = (run_dir / "rollouts" / "step_1.jsonl").read_text(encoding="utf-8").splitlines()
+    episodes = [Episode.from_json(line) for line in lines if line.strip()]
+    groups: dict[str, set] = {}
+    for e in episodes:
+        groups.setdefault(e.task_id, set()).add(tuple(map(tuple, _sampled(e))))
+    logprobs = [lp for e in episodes for turn in e.turns for lp in turn.completion_logprobs]
+    return {
+        "groups": row["groups/total"],
+        "groups_zero_variance": row["groups/zero_variance"],
+        "groups_identical": sum(len(drawn) == 1 for drawn in groups.values()),
+        "confident_share": sum(lp > math.log(CONFIDENT) for lp in logprobs) / len(logprobs),
+        "tokens_per_episode": len(logprobs) / len(episodes),
+        "turns_per_episode": statistics.mean(len(e.turns) for e in episodes),
+        "reward": row["reward/final"],
+        "success": row["success"],
+        "rollout_s": row["time/rollout"],
+    }
+
+
+def choose_temperature(explored: Mapping[float, Mapping]) -> dict:
+    """The coolest sampling temperature at which fewer than MOST_WITHOUT_SIGNAL of the groups lack reward
+    variance, among those whose episodes are not LONGER than at the coolest one measured; when none is, the one
+    of those with the fewest such groups. 1.0 (the sampler's own distribution) when nothing was measured."""
+    if not explored:
+        return {"temperature": 1.0, "why": "nothing explored: the sampler's own distribution", "explored": {}}
+    base = explored[min(explored)]["tokens_per_episode"]
+    short = sorted(t for t, e in explored.items() if e["tokens_per_episode"] <= LONGER * base)
+    without = {t: e["groups_zero_variance"] / e["groups"] for t, e in explored.items()}
+    signal = [t for t in short if without[t] < MOST_WITHOUT_SIGNAL]
+    best = signal[0] if signal else min(short, key=lambda t: (without[t], t))
+    why = f"{without[best]:.2f} of its groups had no reward variance"
+    why += " (the coolest under 1/3)" if signal else " (none was under 1/3: the fewest)"
+    explored_by_name = {f"{t:g}": dict(explored[t]) for t in sorted(explored)}
+    return {"temperature": best, "why": why, "explored": explored_by_name}
+
+
 def spread(values: Sequence[float]) -> float:
     """Sample standard deviation over seeds; NaN for fewer than two."""
     return statistics.stdev(values) if len(values) >= 2 else math.nan
@@ -161,9 +213,11 @@ def summarise(
     warm_eval: Mapping | None,
     cells: Mapping[str, Mapping],
     choice: Mapping,
+    heat: Mapping,
     runs: Mapping[str, Sequence[Mapping]],
 ) -> dict:
-    """The study's report: the warm start's dev success, the sweep and its choice, each credit mode's summary."""
+    """The study's report: the warm start's dev success, the sweep and its choice, the temperatures explored and
+    the one chosen (`choose_temperature`), each credit mode's summary."""
     warm_success = warm_eval["success_rate"] if warm_eval else math.nan
     sweep = {
         cell: {
@@ -176,7 +230,10 @@ def summarise(
         for cell, r in cells.items()
     }
     modes = {mode: mode_summary(records, warm_success) for mode, records in runs.items() if records}
-    return {"warm_success": warm_success, "sweep": sweep, "choice": dict(choice), "modes": modes}
+    return {
+        "warm_success": warm_success, "sweep": sweep, "choice": dict(choice), "exploration": dict(heat),
+        "modes": modes,
+    }  # fmt: skip
 
 
 def table(report: Mapping) -> str:
@@ -193,8 +250,8 @@ def table(report: Mapping) -> str:
             f"{s['step_s']:6.0f} | "
             f"{s['zero_variance_share']:8.2f}{mark}"
         )
+    lines += ["", *exploration_table(report["exploration"]), ""]
     lines += [
-        "",
         "mode | seeds | reward first5 -> last5 (spread) | rises | dev success (spread) | gain | dev episodes"
         " changed per seed | tokens/step",
     ]
@@ -207,6 +264,19 @@ def table(report: Mapping) -> str:
             f"{m['sampled_tokens_per_step']:.0f}"
         )
     return "\n".join(lines)
+
+
+def exploration_table(heat: Mapping) -> list[str]:
+    """One row per temperature explored, the chosen one marked."""
+    lines = ["temperature | groups without signal | identical | p>.99 | tokens/episode | turns | reward"]
+    for t, e in heat["explored"].items():
+        mark = " <-" if float(t) == heat["temperature"] else ""
+        lines.append(
+            f"{t} | {e['groups_zero_variance']}/{e['groups']} | {e['groups_identical']} | "
+            f"{e['confident_share']:.3f} | {e['tokens_per_episode']:.0f} | {e['turns_per_episode']:.1f} | "
+            f"{e['reward']:.3f}{mark}"
+        )
+    return lines + [f"chosen temperature: {heat['temperature']:g} ({heat['why']})"]
 
 
 def plot(report: Mapping, out: Path) -> Path:

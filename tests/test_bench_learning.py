@@ -108,6 +108,70 @@ def test_a_mode_rises_when_every_seed_does_and_gains_outside_the_spread() -> Non
     assert math.isnan(ls.mode_summary(seeds[:1], warm_success=0.51)["dev_success_spread"])
 
 
+def explored(zero: int, *, tokens: float = 300.0, groups: int = 16) -> dict:
+    return {
+        "groups": groups, "groups_zero_variance": zero, "groups_identical": zero // 2, "confident_share": 0.98,
+        "tokens_per_episode": tokens, "turns_per_episode": 2.0, "reward": 0.5, "success": 0.4, "rollout_s": 400.0,
+    }  # fmt: skip
+
+
+def test_the_coolest_temperature_with_signal_in_two_thirds_of_its_groups_is_chosen() -> None:
+    """Of the temperatures whose episodes are not much longer than the coolest's, the coolest with fewer than
+    1/3 of its groups without reward variance; else the one with the fewest such groups; 1.0 with none."""
+    pick = ls.choose_temperature
+    assert pick({1.0: explored(8), 1.15: explored(5), 1.3: explored(2)})["temperature"] == 1.15
+    assert pick({1.0: explored(5), 1.15: explored(2)})["temperature"] == 1.0  # 5/16 < 1/3 already
+    assert pick({1.0: explored(8), 1.15: explored(7), 1.3: explored(7)})["temperature"] == 1.15  # the fewest
+    longer = {1.0: explored(8), 1.15: explored(6), 1.3: explored(1, tokens=400.0)}
+    assert pick(longer)["temperature"] == 1.15  # 1.3 gives signal but 1.33x longer episodes
+    assert pick({})["temperature"] == 1.0 and pick({1.0: explored(8)})["explored"]["1"]["groups"] == 16
+
+
+def test_exploration_summary_reads_groups_and_the_sampled_tokens(tmp_path: Path) -> None:
+    """From one step's metrics and rollouts: groups without variance (metrics), groups whose episodes are
+    token for token the same, the share of tokens drawn with p > 0.99, sampled tokens and turns per episode."""
+    from main_agent.types import Episode, Turn
+
+    def episode(task_id: str, logprobs: list[float]) -> str:
+        ids = list(range(len(logprobs)))
+        turn = Turn(ids, logprobs, [], "", "", [], [], [], 0, 0.0, 0.0)
+        return Episode(task_id, "?", [1], [turn, turn], "A", "answer", 0, 1.0, 0.5, 0.5).to_json()
+
+    sure = [-0.001, -0.001]
+    lines = [episode("a", sure), episode("a", sure), episode("b", sure), episode("b", [-0.001, -2.0, -0.5])]
+    (tmp_path / "rollouts").mkdir()
+    (tmp_path / "rollouts" / "step_1.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    row = {"groups/total": 2, "groups/zero_variance": 1, "reward/final": 0.5, "success": 0.5}
+    row |= {"time/rollout": 9.0, "step": 1}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(row) + "\n", encoding="utf-8")
+    e = ls.exploration_summary(tmp_path)
+    assert (e["groups"], e["groups_zero_variance"], e["groups_identical"]) == (2, 1, 1)
+    assert e["confident_share"] == pytest.approx(14 / 18) and e["tokens_per_episode"] == 4.5
+    assert e["turns_per_episode"] == 2
+
+
+def test_a_stage_never_takes_a_run_trained_with_other_settings(tmp_path: Path, monkeypatch) -> None:
+    """A run directory whose checkpoint was trained with other settings (here another temperature) stops the
+    stage with the difference named, instead of being reused as if it were this stage's; a longer run of the
+    same settings, or the same run moved, is no difference. The main runs at another temperature are named apart."""
+    from benchmarks import cli_stages
+    from training.config import config_to_dict, load_train_config
+
+    sets = ("seed=0", "steps=5", f"run_dir={tmp_path / 'old'}", "lr=0")
+    ckpt = tmp_path / "run" / "step_5"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text(json.dumps(config_to_dict(load_train_config(bl.CONFIG, sets))))
+    again = ("seed=0", "steps=20", f"run_dir={tmp_path / 'run'}", "lr=0")
+    assert cli_stages.run_differs(ckpt, bl.CONFIG, again) == []
+    hotter = (*again, "sampling.temperature=1.3")
+    assert cli_stages.run_differs(ckpt, bl.CONFIG, hotter) == ["sampling.temperature: 1.0 -> 1.3"]
+    monkeypatch.setattr(cli_stages, "find_latest", lambda run_dir: ckpt)
+    monkeypatch.setattr(cli_stages, "conductor", lambda *a, **k: pytest.fail("nothing trains"))
+    with pytest.raises(SystemExit, match="sampling.temperature: 1.0 -> 1.3"):
+        cli_stages.train_to(bl.CONFIG, tmp_path / "run", hotter, 20)
+    assert bl.run_name("turn", 2, 1.0) == "turn-s2" and bl.run_name("turn", 2, 1.15) == "turn-s2-t1.15"
+
+
 def test_training_summary_reads_the_curves_from_metrics(tmp_path: Path) -> None:
     """Per step: graded reward, success, sampled tokens, wall seconds (rollout + train + sync); groups summed."""
     rows = [
@@ -126,10 +190,12 @@ def test_summary_table_and_plot_from_records(tmp_path: Path) -> None:
     cells = {"full-lr1e-5": {"training": trained([0.1, 0.2, 0.3], zero=3)}}
     choice = ls.choose({c: r["training"] for c, r in cells.items()}, default="full-lr1e-5")
     runs = {"outcome": [{"training": trained([0.2, 0.4]), "eval": {"success_rate": 0.6}}], "turn": []}
-    report = ls.summarise({"success_rate": 0.51}, cells, choice, runs)
-    assert list(report["modes"]) == ["outcome"]
+    heat = ls.choose_temperature({1.0: explored(8), 1.3: explored(4)})
+    report = ls.summarise({"success_rate": 0.51}, cells, choice, heat, runs)
+    assert list(report["modes"]) == ["outcome"] and report["exploration"]["temperature"] == 1.3
     assert report["sweep"]["full-lr1e-5"]["zero_variance_share"] == 0.5
-    assert "full-lr1e-5 |" in ls.table(report) and " <-" in ls.table(report)
+    assert "full-lr1e-5 |" in ls.table(report) and "1.3 | 4/16 | 2 |" in ls.table(report)
+    assert ls.table(report).count(" <-") == 2
     assert ls.plot(report, tmp_path / "curves.png").stat().st_size > 0
 
 
