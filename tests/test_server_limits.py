@@ -428,6 +428,16 @@ def raw_socket(port: int, *, source: str = "127.0.0.1") -> socket.socket:
     return sock
 
 
+def first_bytes(sock: socket.socket) -> bytes:
+    """The first bytes the server sent on `sock`; b"" when it closed the socket unanswered, whether by FIN or,
+    when it evicted the socket before reading the request that had arrived, by reset (the kernel's answer to a
+    close with unread data: seen under load)."""
+    try:
+        return sock.recv(200)
+    except ConnectionResetError:
+        return b""
+
+
 def request_bytes(port: int, method: str, path: str, body: bytes = b"", **headers: str) -> bytes:
     head = [f"{method} {path} HTTP/1.1", f"Host: 127.0.0.1:{port}", f"Content-Length: {len(body)}"]
     head += [f"{name.replace('_', '-')}: {value}" for name, value in headers.items()]
@@ -483,7 +493,7 @@ def test_streams_idle_sockets_and_kept_alive_pollers_cannot_fill_the_connection_
                 for sock in held:
                     sock.sendall(first.replace(b"Host: 127.0.0.1:0", f"Host: 127.0.0.1:{port}".encode()))
                 if first:  # answered at once (b"": evicted, idle after its answer or before its request)
-                    answers = [sock.recv(200) for sock in held[-CAP:]]
+                    answers = [first_bytes(sock) for sock in held[-CAP:]]
                     expected = b"HTTP/1.1 405" if name == "mcp_streams" else b"HTTP/1.1 200"
                     assert all(a.startswith(expected) or a == b"" for a in answers), answers[:2]
                     assert sum(a.startswith(expected) for a in answers) >= CAP // 2, answers[:2]
