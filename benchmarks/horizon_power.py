@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -115,9 +116,10 @@ def _seeds(rows: list[dict]) -> int:
 
 
 def _records(folder: Path, pattern: str) -> list[tuple[str, dict]]:
-    """(stage name without its seed, record) of every record file matching `pattern`, in name order."""
+    """(stage name without its seed, record) of every record file matching `pattern`, in name order; what follows
+    the seed stays (bench_learning's "outcome-s1-t1.15" is "outcome-t1.15": another temperature, not a seed)."""
     paths = sorted(folder.glob(pattern))
-    return [(p.stem.rsplit("-s", 1)[0], json.loads(p.read_text(encoding="utf-8"))) for p in paths]
+    return [(re.sub(r"-s\d+(?=-|$)", "", p.stem), json.loads(p.read_text(encoding="utf-8"))) for p in paths]
 
 
 def seed_spread(learning: Path, horizon: Path) -> tuple[float, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,16 @@ def test_report_reads_accuracy_cost_and_seed_spread_from_the_records(tmp_path: P
     (needed,) = rep["needed"]
     assert needed["audits"] == [hp.DEV_PHOTOS // 4]
     assert needed["seeds"] == [hp.seeds_needed(0.3, 4, 12, rep["sigma_seed"], 0.0, 0.1)]
+
+
+def test_bench_learning_seeds_are_pooled_per_mode_and_temperature(tmp_path: Path) -> None:
+    """bench_learning's "outcome-s0" (temperature 1) and "outcome-s1-t1.15" are different studies: their seeds'
+    spread is taken apart, never across temperatures (which would add the temperature's effect to the seeds')."""
+    learning = tmp_path / "bench_learning"
+    learning.mkdir()
+    dev = {"outcome-s0": 0.9, "outcome-s0-t1.15": 0.1, "outcome-s1-t1.15": 0.3, "explore-t1.15": None}
+    for stage, success in dev.items():
+        record = {"eval": {"success_rate": success} if success is not None else None}
+        (learning / f"{stage}.json").write_text(json.dumps(record), encoding="utf-8")
+    sigma, source = hp.seed_spread(learning, tmp_path / "bench_horizon")
+    assert sigma == pytest.approx(statistics.stdev([0.1, 0.3])) and source.startswith("bench_learning")
