@@ -43,7 +43,7 @@ def train_to(config: Path, run_dir: Path, sets: Sequence[str], steps: int) -> Pa
     if latest is None or latest.name != f"step_{steps}":
         resume = ("--resume", str(run_dir)) if latest is not None else ()
         args = ["train", str(config), *[a for s in sets for a in ("--set", s)], *resume]
-        conductor(*args, log=run_dir.with_suffix(".log"))
+        conductor(*args, log=run_dir.parent / f"{run_dir.name}.log")  # not with_suffix: "x-t1.15" has a dot
     return run_dir
 
 

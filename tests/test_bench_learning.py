@@ -172,6 +172,17 @@ def test_a_stage_never_takes_a_run_trained_with_other_settings(tmp_path: Path, m
     assert bl.run_name("turn", 2, 1.0) == "turn-s2" and bl.run_name("turn", 2, 1.15) == "turn-s2-t1.15"
 
 
+def test_a_run_with_a_temperature_in_its_name_logs_under_its_whole_name(tmp_path: Path, monkeypatch) -> None:
+    """The log of run "turn-s0-t1.15" is turn-s0-t1.15.log, not turn-s0-t1.log (shared with "turn-s0-t1.3")."""
+    from benchmarks import cli_stages
+
+    logs = []
+    monkeypatch.setattr(cli_stages, "conductor", lambda *args, log: logs.append(log.name))
+    for name in ("turn-s0-t1.15", "turn-s0-t1.3"):
+        cli_stages.train_to(bl.CONFIG, tmp_path / name, ("seed=0",), 20)
+    assert logs == ["turn-s0-t1.15.log", "turn-s0-t1.3.log"]
+
+
 def test_training_summary_reads_the_curves_from_metrics(tmp_path: Path) -> None:
     """Per step: graded reward, success, sampled tokens, wall seconds (rollout + train + sync); groups summed."""
     rows = [
