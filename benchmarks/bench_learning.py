@@ -212,6 +212,13 @@ def warm(opts: Options) -> dict | None:
     )
 
 
+def warm_episodes(opts: Options) -> Path:
+    """The warm start's greedy dev episodes, evaluated again where its record came from another machine or
+    session (records are committed; runs/ is not)."""
+    evaluate(opts.policy, warm_out(opts), opts)
+    return episodes_of(warm_out(opts))
+
+
 def explore(temperature: float, opts: Options) -> dict | None:
     def make() -> tuple[None, dict]:
         sets = (*EXPLORE, f"sampling.temperature={temperature}")
@@ -244,7 +251,7 @@ def main_run(credit: str, seed: int, cell: str, temperature: float, opts: Option
         out = run_dir / f"eval-dev-{latest.name}-first{opts.eval_n}.json"
         evaluation = evaluate(str(latest / "model"), out, opts)
         dev = load_family(TASK, "dev", limit=opts.eval_n)
-        vs_warm = moved(episodes_of(warm_out(opts)), episodes_of(out), dev)
+        vs_warm = moved(warm_episodes(opts), episodes_of(out), dev)
         return evaluation | {"vs_warm": vs_warm}, training_summary(run_dir)
 
     return stage(name, opts.settings("main", cell, temperature), make, opts)

@@ -241,3 +241,24 @@ def test_moved_counts_changed_greedy_episodes_and_the_successes_they_turned(tmp_
     assert ls.moved(tmp_path / "warm.jsonl", tmp_path / "now.jsonl", tasks) == {
         "tasks": 4, "changed": 3, "won": 1, "lost": 1,
     }  # fmt: skip
+
+
+def test_the_warm_starts_episodes_are_evaluated_again_where_only_its_record_came(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A clean checkout has the warm stage's record but not its episodes (runs/ is not committed): a main stage
+    evaluates the warm start again before comparing with it, once, and reuses the episodes after."""
+    opts = options(tmp_path)
+    evals = []
+
+    def fake_conductor(*args: str, log: Path) -> float:
+        out = Path(args[args.index("--out") + 1])
+        out.write_text("{}", encoding="utf-8")
+        bl.episodes_of(out).write_text("", encoding="utf-8")
+        evals.append(args[args.index("--policy") + 1])
+        return 0.0
+
+    monkeypatch.setattr(bl, "conductor", fake_conductor)
+    opts.runs.mkdir(parents=True)
+    assert bl.warm_episodes(opts) == bl.episodes_of(bl.warm_out(opts)) and evals == [opts.policy]
+    assert bl.warm_episodes(opts).exists() and evals == [opts.policy]
