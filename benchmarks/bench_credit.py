@@ -9,7 +9,7 @@ one fixed policy, scored against Monte Carlo advantages from exact replays (Vine
 The policy (`--policy`) stays fixed. Its default is the plate_audit warm start, runs/sft-audit/model, made by the
 SFT command in examples/train_audit.toml's comments (29 min on 2 cores); any reference the project loads works
 (`conductor-default`, `smollm2-135m-instruct`, a checkpoint). It samples as training does: the rollout budgets,
-sampling (temperature 1), turn rewards and credit settings of `--config` (examples/train_audit.toml), the family
+sampling (temperature 1; `--set sampling.temperature=T` for another), turn rewards and credit settings of `--config` (examples/train_audit.toml), the family
 and N from the flags. For every N (`--n-items`: photos per plate_audit episode, or questions per multihop_batch
 episode with `--family multihop_batch`), four stages:
 
@@ -46,9 +46,12 @@ smoke runs sampled 5-7 tokens/s on 2 cores shared with a training run, at nice 1
 transformers, bench_ray; ~3x that with vLLM, bench_sampler). With the warm start's T ≈ 2 + 4N and ~50 tokens a
 turn (bench_horizon), the full study (24 episodes, N 1 2 4 8, 16 replays, every turn) is ~18M tokens: ~35 days
 at 6 tokens/s, ~16 at 13, ~5 with vLLM: a GPU's study. Two 3-hour sessions hold ~0.28M tokens at 13/s, ~0.85M
-with vLLM: `--n-items 1 2 4 --episodes 12 --truth-turns 2 --set sampling.backend=vllm` (~0.84M; 24 scored turns
-and 12 within-episode pairs per N, intervals of about ±0.3) or, with transformers, `--n-items 1 2 --episodes 8
---truth-turns 2` (~0.26M). Before its truth stage each N prints the forecast from its own episodes.
+with vLLM: `--n-items 1 2 4 --episodes 12 --truth-turns 2 --set sampling.backend=vllm --set
+sampling.temperature=1.15` (~0.84M; 24 scored turns and 12 within-episode pairs per N, intervals of about ±0.3)
+or, with transformers, `--n-items 1 2 --episodes 8 --truth-turns 2 --set sampling.temperature=1.15` (~0.26M).
+The temperature is bench_learning's choice: at 1.0 an SFT warm start's groups come out identical (the smoke runs:
+every truth 0, every score undefined), and what training samples at is what its credit must be graded on. Before
+its truth stage each N prints the forecast from its own episodes.
 """
 
 from __future__ import annotations
