@@ -19,7 +19,8 @@ through the `conductor` CLI as a user would, and writes a record (below):
      episodes (the warm start is near-deterministic: at 1.0 the seed-0 runs trained on nothing in 21-24 of 40)
   4. main: for each seed and credit mode (outcome; turn with the anchor baseline, the best per-call mode of
      bench_horizon), `conductor train` for `--steps` steps with the chosen cell and temperature, then
-     `conductor eval` of its last checkpoint (greedy) on the same dev photos as the warm start
+     `conductor eval` of its last checkpoint (greedy) on the same dev photos as the warm start; and per seed its
+     control (CONTROL): the same run at learning rate 0, whose curve is the photo order's alone
 
 Rewards: the graded plate score (`reward_kind = "graded"`: 1 - normalised edit distance) trains; success (exact)
 is logged beside it. Groups whose rewards are all equal train on nothing and are counted (`groups/*`).
@@ -89,6 +90,10 @@ warm start draws 98 % of its tokens with p > 0.99 at 1.0, so half its groups car
 EXPLORE = ("lr=0", "batch_tasks=16", *CREDITS["outcome"])
 """One step of 16 groups of 4 that learns nothing (lr 0): what a temperature gives the update before any training
 (a share of groups moves by 1/16)."""
+CONTROL = ("lr=0",)
+"""A main run's settings at learning rate 0: the same photos in the same seeded order at the same temperature,
+sampled from the warm start throughout. Its curve is what the main runs' would be had nothing been learned (which
+photos came up, and the sampler's luck); the main runs' reward over it is what training added."""
 DEFAULT_CELL = "full-lr1e-5"
 CANDIDATES = ("full-lr1e-5", "full-lr3e-5", "lora16-lr2e-4", "full-lr1e-5-g8")
 """Cells `choose` may pick; the exact-reward cell measures the reward, whose kind the issue fixes (graded)."""
@@ -117,6 +122,14 @@ class Options:
             return common | {"steps": 1, "explore": list(EXPLORE), "temperature": temperature}
         if kind == "sweep":
             return common | {"steps": self.sweep_steps, "cell": list(SWEEP[cell or DEFAULT_CELL])}
+        if kind == "control":
+            cells = list(SWEEP[cell or DEFAULT_CELL])
+            return common | {
+                "steps": self.steps,
+                "cell": cells,
+                "temperature": temperature,
+                "control": list(CONTROL),
+            }
         return common | {
             "steps": self.steps,
             "eval_n": self.eval_n,
@@ -259,6 +272,18 @@ def main_run(credit: str, seed: int, cell: str, temperature: float, opts: Option
     return stage(name, opts.settings("main", cell, temperature), make, opts)
 
 
+def control_run(seed: int, cell: str, temperature: float, opts: Options) -> dict | None:
+    """The main runs' control at `seed` (CONTROL): their photos and temperature, nothing learned; not evaluated
+    (its policy is the warm start)."""
+    name = "control-" + run_name("outcome", seed, temperature).removeprefix("outcome-")
+
+    def make() -> tuple[None, dict]:
+        sets = (*CREDITS["outcome"], *SWEEP[cell], *CONTROL, f"sampling.temperature={temperature}")
+        return None, training_summary(train(name, sets, opts.steps, seed, opts))
+
+    return stage(name, opts.settings("control", cell, temperature), make, opts)
+
+
 def study(args: argparse.Namespace, opts: Options) -> dict:
     """Every stage in order (warm, sweep, exploration, then seed by seed each credit mode), then the summary."""
     warm_record = warm(opts)
@@ -269,12 +294,15 @@ def study(args: argparse.Namespace, opts: Options) -> dict:
     heat = choose_temperature(explored)
     print(f"chosen temperature: {heat['temperature']:g} ({heat['why']})", flush=True)
     runs: dict[str, list[dict]] = {c: [] for c in args.credits}
+    controls: dict[int, list[float]] = {}
     for seed in range(args.seeds):  # seed by seed: a study cut short has every mode at the same seeds
         for credit in args.credits:
             if (r := main_run(credit, seed, choice["cell"], heat["temperature"], opts)) is not None:
-                runs[credit].append(r)
+                runs[credit].append(r | {"seed": seed})
+        if (c := control_run(seed, choice["cell"], heat["temperature"], opts)) is not None:
+            controls[seed] = c["training"]["reward"]
     warm_eval = warm_record["eval"] if warm_record else None
-    return summarise(warm_eval, cells, choice, heat, runs)
+    return summarise(warm_eval, cells, choice, heat, runs, controls)
 
 
 def main() -> None:

@@ -6,13 +6,15 @@ greedy policy (from its evaluation episodes, into the record).
     choose(cells, default=...) -> dict      the sweep cell with the steepest reward rise per CPU-hour
     exploration_summary(run_dir) -> dict    one step's groups without signal, identical groups, confident tokens
     choose_temperature(explored) -> dict    the coolest temperature whose groups mostly carry signal
-    summarise(warm_eval, cells, choice, heat, runs) -> dict   per credit mode: reward first vs last, dev success
+    summarise(warm_eval, cells, choice, heat, runs, controls) -> dict   per credit mode: reward first vs last,
+                                            over the control's at the same seed, dev success
     moved(warm_episodes, episodes, tasks) -> dict   greedy dev episodes changed from the warm start's, won, lost
 
 Spread over seeds is the sample standard deviation (NaN with one seed). "Rises" means every seed's mean reward
-of its last K steps is above that of its first K (K = 5, or half the steps of a shorter run); the dev gain is
-"outside the spread" when the mean over seeds of final dev success minus the warm start's exceeds the seeds'
-spread of it.
+of its last K steps is above that of its first K (K = 5, or half the steps of a shorter run); "rises over
+control" the same of the reward minus its seed's control's, step by step (the control samples the same photos
+from the untrained warm start, so the difference leaves out which photos came up); the dev gain is "outside the
+spread" when the mean over seeds of final dev success minus the warm start's exceeds the seeds' spread of it.
 """
 
 from __future__ import annotations
@@ -186,8 +188,31 @@ def spread(values: Sequence[float]) -> float:
     return statistics.stdev(values) if len(values) >= 2 else math.nan
 
 
-def mode_summary(records: Sequence[Mapping], warm_success: float) -> dict:
-    """One credit mode over its seeds' records: reward and success first vs last K steps, dev success."""
+def over_control(records: Sequence[Mapping], controls: Mapping[int, Sequence[float]]) -> dict:
+    """Each run's reward minus its seed's control's, step by step (runs with a control of as many steps): the
+    first and last K steps of that difference, and of the controls themselves, over seeds."""
+    pairs = [
+        (r["training"]["reward"], controls[r["seed"]])
+        for r in records
+        if r.get("seed") in controls and len(controls[r["seed"]]) == len(r["training"]["reward"])
+    ]
+    over = [ends([a - b for a, b in zip(run, control, strict=True)]) for run, control in pairs]
+    first, last = zip(*over, strict=True) if over else ((), ())
+    c_first, c_last = zip(*(ends(control) for _, control in pairs), strict=True) if pairs else ((), ())
+    return {
+        "controlled_seeds": len(pairs),
+        "control_first": _mean(c_first), "control_last": _mean(c_last),
+        "over_control_first": _mean(first), "over_control_last": _mean(last),
+        "over_control_last_spread": spread(last),
+        "rises_over_control": bool(pairs) and all(b > a for a, b in zip(first, last, strict=True)),
+    }  # fmt: skip
+
+
+def mode_summary(
+    records: Sequence[Mapping], warm_success: float, controls: Mapping[int, Sequence[float]] | None = None
+) -> dict:
+    """One credit mode over its seeds' records: reward and success first vs last K steps, the same over the
+    control at each seed (`over_control`), dev success."""
     trained = [r["training"] for r in records]
     first, last = zip(*(ends(t["reward"]) for t in trained), strict=True) if trained else ((), ())
     s_first, s_last = zip(*(ends(t["success"]) for t in trained), strict=True) if trained else ((), ())
@@ -206,7 +231,7 @@ def mode_summary(records: Sequence[Mapping], warm_success: float) -> dict:
         "step_s": _mean([x for t in trained for x in t["step_s"]]),
         "zero_variance_share": _share(trained),
         "curves": [t["reward"] for t in trained],
-    }  # fmt: skip
+    } | over_control(records, controls or {})  # fmt: skip
 
 
 def summarise(
@@ -215,9 +240,11 @@ def summarise(
     choice: Mapping,
     heat: Mapping,
     runs: Mapping[str, Sequence[Mapping]],
+    controls: Mapping[int, Sequence[float]] | None = None,
 ) -> dict:
     """The study's report: the warm start's dev success, the sweep and its choice, the temperatures explored and
-    the one chosen (`choose_temperature`), each credit mode's summary."""
+    the one chosen (`choose_temperature`), each credit mode's summary (over the controls' reward curves, by
+    seed, where recorded)."""
     warm_success = warm_eval["success_rate"] if warm_eval else math.nan
     sweep = {
         cell: {
@@ -229,10 +256,10 @@ def summarise(
         }
         for cell, r in cells.items()
     }
-    modes = {mode: mode_summary(records, warm_success) for mode, records in runs.items() if records}
+    modes = {mode: mode_summary(records, warm_success, controls) for mode, records in runs.items() if records}
     return {
         "warm_success": warm_success, "sweep": sweep, "choice": dict(choice), "exploration": dict(heat),
-        "modes": modes,
+        "modes": modes, "controls": {str(seed): list(curve) for seed, curve in (controls or {}).items()},
     }  # fmt: skip
 
 
@@ -252,13 +279,16 @@ def table(report: Mapping) -> str:
         )
     lines += ["", *exploration_table(report["exploration"]), ""]
     lines += [
-        "mode | seeds | reward first5 -> last5 (spread) | rises | dev success (spread) | gain | dev episodes"
-        " changed per seed | tokens/step",
+        "mode | seeds | reward first5 -> last5 (spread) | rises | control first5 -> last5 | over control first5"
+        " -> last5 (spread) | rises | dev success (spread) | gain | dev episodes changed per seed | tokens/step",
     ]
     for mode, m in report["modes"].items():
         lines.append(
             f"{mode} | {m['seeds']} | {m['reward_first']:.3f} ({m['reward_first_spread']:.3f}) -> "
             f"{m['reward_last']:.3f} ({m['reward_last_spread']:.3f}) | {'yes' if m['rises'] else 'no'} | "
+            f"{m['control_first']:.3f} -> {m['control_last']:.3f} | {m['over_control_first']:+.3f} -> "
+            f"{m['over_control_last']:+.3f} ({m['over_control_last_spread']:.3f}) | "
+            f"{'yes' if m['rises_over_control'] else 'no'} of {m['controlled_seeds']} | "
             f"{m['dev_success']:.3f} ({m['dev_success_spread']:.3f}) | {m['dev_gain']:+.3f}"
             f"{' *' if m['gain_outside_spread'] else ''} | {' '.join(f'{c:.0f}' for c in m['dev_changed'])} | "
             f"{m['sampled_tokens_per_step']:.0f}"
@@ -280,7 +310,7 @@ def exploration_table(heat: Mapping) -> list[str]:
 
 
 def plot(report: Mapping, out: Path) -> Path:
-    """The training reward (graded) per step, one line per seed, a colour per credit mode."""
+    """The training reward (graded) per step, one line per seed, a colour per credit mode; the controls dashed."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only
@@ -292,6 +322,14 @@ def plot(report: Mapping, out: Path) -> Path:
     ):
         for seed, curve in enumerate(m["curves"]):
             ax.plot(range(1, len(curve) + 1), curve, color=colour, alpha=0.8, label=f"{mode} (seed {seed})")
+    for seed, curve in report.get("controls", {}).items():
+        ax.plot(
+            range(1, len(curve) + 1),
+            curve,
+            color="grey",
+            linestyle="--",
+            label=f"control, lr 0 (seed {seed})",
+        )
     if not math.isnan(report["warm_success"]):
         ax.axhline(report["warm_success"], color="grey", linestyle=":", label="warm start, dev success")
     ax.set(title="plate_reading: graded reward while training", xlabel="step", ylabel="reward (graded)")

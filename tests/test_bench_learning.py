@@ -262,3 +262,44 @@ def test_the_warm_starts_episodes_are_evaluated_again_where_only_its_record_came
     opts.runs.mkdir(parents=True)
     assert bl.warm_episodes(opts) == bl.episodes_of(bl.warm_out(opts)) and evals == [opts.policy]
     assert bl.warm_episodes(opts).exists() and evals == [opts.policy]
+
+
+def test_the_reward_over_the_control_leaves_out_which_photos_came_up() -> None:
+    """A run whose curve is its control's plus a constant rises with its photos but not over its control; one
+    that pulls away from its control rises over it; a run whose seed has no control is left out of the
+    comparison, not compared with another seed's."""
+    control = [0.2, 0.2, 0.8, 0.8]
+    same = {"seed": 0, "training": trained([0.3, 0.3, 0.9, 0.9])}
+    away = {"seed": 1, "training": trained([0.2, 0.3, 0.9, 1.0])}
+    alone = {"seed": 2, "training": trained([0.0, 0.0, 1.0, 1.0])}
+    flat = ls.over_control([same, alone], {0: control})
+    assert flat["controlled_seeds"] == 1 and not flat["rises_over_control"]
+    assert flat["over_control_first"] == pytest.approx(0.1) and flat["over_control_last"] == pytest.approx(
+        0.1
+    )
+    assert flat["control_first"] == pytest.approx(0.2) and flat["control_last"] == pytest.approx(0.8)
+    rising = ls.over_control([away], {1: control})
+    assert rising["rises_over_control"] and rising["over_control_last"] == pytest.approx(0.15)
+    assert ls.over_control([same], {})["controlled_seeds"] == 0
+
+
+def test_the_control_is_the_main_run_at_learning_rate_0_named_by_its_seed(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Each seed's control trains the main runs' settings with lr 0 last (so it wins over the cell's), at their
+    temperature, under its own name and record."""
+    opts = options(tmp_path)
+    trained_with = []
+
+    def fake_train(name: str, sets: tuple[str, ...], steps: int, seed: int, o: bl.Options) -> Path:
+        trained_with.append((name, sets, steps, seed))
+        return tmp_path
+
+    monkeypatch.setattr(bl, "train", fake_train)
+    monkeypatch.setattr(bl, "training_summary", lambda run_dir: trained([0.5, 0.5]))
+    record = bl.control_run(1, "full-lr1e-5", 1.15, opts)
+    ((name, sets, steps, seed),) = trained_with
+    assert name == "control-s1-t1.15" and steps == 20 and seed == 1
+    assert sets.index("lr=0") > sets.index("lr=1e-5") and "sampling.temperature=1.15" in sets
+    assert record is not None and record["settings"]["control"] == ["lr=0"]
+    assert (opts.records / "control-s1-t1.15.json").exists()
