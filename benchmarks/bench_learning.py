@@ -35,10 +35,12 @@ start is not run again; a run cut short resumes from its last checkpoint (`--res
 start is reported and left out of the table (and run again unless `--recorded`). So the study spreads over
 sessions and machines: on a new machine the SFT command of examples/train_plates.toml remakes the warm start bit
 for bit (the same SHA-256; ~20 min on 2 cores), and the first main stage evaluates it again for the episodes its
-record does not hold (runs/ is not committed; ~5 min). Time on 2 cores, measured on this task: with transformers sampling ~1.8 min a step of 8
-episodes and ~10 min an evaluation of 49 photos (~5.2 h in all); with vLLM (the recorded study; greedy dev
+record does not hold (runs/ is not committed; ~5 min). Time on 2 cores, measured on this task: with
+transformers sampling ~1.8 min a step of 8 episodes and ~10 min an evaluation of 49 photos (~5.2 h in all); with
+vLLM (the recorded study; greedy dev
 success of the warm start is the same, 25 of 49) ~40-50 s of rollout plus ~25 s of update a step and ~5 min an
-evaluation: ~38 min a main stage (seed 0: 32-33 min of 20 steps, 5-6 min of evaluation), ~4.5 h in all.
+evaluation: ~38 min a main stage (seed 0: 32-33 min of 20 steps, 5-6 min of evaluation), ~4.5 h in all;
+at 1.15 a main stage took 28-38 min and a control (20 steps, no evaluation) 26 min.
 """
 
 from __future__ import annotations
