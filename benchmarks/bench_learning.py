@@ -287,7 +287,8 @@ def control_run(seed: int, cell: str, temperature: float, opts: Options) -> dict
 
 
 def study(args: argparse.Namespace, opts: Options) -> dict:
-    """Every stage in order (warm, sweep, exploration, then seed by seed each credit mode), then the summary."""
+    """Every stage in order (warm, sweep, exploration, then seed by seed each credit mode and the control), then
+    the summary."""
     warm_record = warm(opts)
     cells = {c: r for c in args.cells if (r := sweep_cell(c, opts)) is not None}
     choice = choose({c: r["training"] for c, r in cells.items() if c in CANDIDATES}, default=DEFAULT_CELL)
