@@ -9,8 +9,8 @@ one fixed policy, scored against Monte Carlo advantages from exact replays (Vine
 The policy (`--policy`) stays fixed. Its default is the plate_audit warm start, runs/sft-audit/model, made by the
 SFT command in examples/train_audit.toml's comments (29 min on 2 cores); any reference the project loads works
 (`conductor-default`, `smollm2-135m-instruct`, a checkpoint). It samples as training does: the rollout budgets,
-sampling (temperature 1; `--set sampling.temperature=T` for another), turn rewards and credit settings of `--config` (examples/train_audit.toml), the family
-and N from the flags. For every N (`--n-items`: photos per plate_audit episode, or questions per multihop_batch
+sampling (temperature 1; `--set sampling.temperature=T` for another), turn rewards and credit settings of
+`--config` (examples/train_audit.toml), the family and N from the flags. For every N (`--n-items`: photos per plate_audit episode, or questions per multihop_batch
 episode with `--family multihop_batch`), four stages:
 
   1. episodes: `--episodes` episodes in groups of `--group-size` on the first tasks of the split (training.play)

@@ -37,10 +37,9 @@ sessions and machines: on a new machine the SFT command of examples/train_plates
 for bit (the same SHA-256; ~20 min on 2 cores), and the first main stage evaluates it again for the episodes its
 record does not hold (runs/ is not committed; ~5 min). Time on 2 cores, measured on this task: with
 transformers sampling ~1.8 min a step of 8 episodes and ~10 min an evaluation of 49 photos (~5.2 h in all); with
-vLLM (the recorded study; greedy dev
-success of the warm start is the same, 25 of 49) ~40-50 s of rollout plus ~25 s of update a step and ~5 min an
-evaluation: ~38 min a main stage (seed 0: 32-33 min of 20 steps, 5-6 min of evaluation), ~4.5 h in all;
-at 1.15 a main stage took 28-38 min and a control (20 steps, no evaluation) 26 min.
+vLLM (the recorded study; greedy dev success of the warm start is the same, 25 of 49) ~40-50 s of rollout plus
+~25 s of update a step and ~5 min an evaluation: ~38 min a main stage (seed 0: 32-33 min of 20 steps, 5-6 min of
+evaluation), ~4.5 h in all; at 1.15 a main stage took 33-38 min and a control (20 steps, no evaluation) 26 min.
 """
 
 from __future__ import annotations
@@ -124,20 +123,12 @@ class Options:
             return common | {"steps": 1, "explore": list(EXPLORE), "temperature": temperature}
         if kind == "sweep":
             return common | {"steps": self.sweep_steps, "cell": list(SWEEP[cell or DEFAULT_CELL])}
-        if kind == "control":
-            cells = list(SWEEP[cell or DEFAULT_CELL])
-            return common | {
-                "steps": self.steps,
-                "cell": cells,
-                "temperature": temperature,
-                "control": list(CONTROL),
-            }
-        return common | {
+        run = common | {
             "steps": self.steps,
-            "eval_n": self.eval_n,
             "cell": list(SWEEP[cell or DEFAULT_CELL]),
             "temperature": temperature,
         }
+        return run | ({"control": list(CONTROL)} if kind == "control" else {"eval_n": self.eval_n})
 
 
 def train(name: str, sets: tuple[str, ...], steps: int, seed: int, opts: Options) -> Path:
@@ -252,9 +243,10 @@ def sweep_cell(cell: str, opts: Options) -> dict | None:
     return stage(f"sweep-{cell}", opts.settings("sweep", cell), make, opts)
 
 
-def run_name(credit: str, seed: int, temperature: float) -> str:
-    """A main run's stage and run directory: credit mode and seed, and the temperature unless it is 1.0."""
-    return f"{credit}-s{seed}" + (f"-t{temperature:g}" if temperature != 1.0 else "")
+def run_name(kind: str, seed: int, temperature: float) -> str:
+    """A main run's or control's stage and run directory: credit mode (or "control") and seed, and the temperature
+    unless it is 1.0."""
+    return f"{kind}-s{seed}" + (f"-t{temperature:g}" if temperature != 1.0 else "")
 
 
 def main_run(credit: str, seed: int, cell: str, temperature: float, opts: Options) -> dict | None:
@@ -277,7 +269,7 @@ def main_run(credit: str, seed: int, cell: str, temperature: float, opts: Option
 def control_run(seed: int, cell: str, temperature: float, opts: Options) -> dict | None:
     """The main runs' control at `seed` (CONTROL): their photos and temperature, nothing learned; not evaluated
     (its policy is the warm start)."""
-    name = "control-" + run_name("outcome", seed, temperature).removeprefix("outcome-")
+    name = run_name("control", seed, temperature)
 
     def make() -> tuple[None, dict]:
         sets = (*CREDITS["outcome"], *SWEEP[cell], *CONTROL, f"sampling.temperature={temperature}")
