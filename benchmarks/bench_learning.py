@@ -21,6 +21,10 @@ through the `conductor` CLI as a user would, and writes a record (below):
      bench_horizon), `conductor train` for `--steps` steps with the chosen cell and temperature, then
      `conductor eval` of its last checkpoint (greedy) on the same dev photos as the warm start; and per seed its
      control (CONTROL): the same run at learning rate 0, whose curve is the photo order's alone
+  5. sampled: `conductor eval` with `--set samples=SAMPLES` at the chosen temperature, of the warm start (once)
+     and of each main run's last checkpoint, on the same dev photos: whether what training adds to the sampler's
+     reward on its own photos (over the control) carries to photos it never saw, where the greedy policy has not
+     moved (`learning_summary.sampled_summary`, photo by photo)
 
 Rewards: the graded plate score (`reward_kind = "graded"`: 1 - normalised edit distance) trains; success (exact)
 is logged beside it. Groups whose rewards are all equal train on nothing and are counted (`groups/*`).
@@ -62,6 +66,8 @@ from benchmarks.learning_summary import (  # noqa: E402
     exploration_summary,
     moved,
     plot,
+    sampled_scores,
+    sampled_summary,
     summarise,
     table,
     training_summary,
@@ -95,6 +101,9 @@ CONTROL = ("lr=0",)
 """A main run's settings at learning rate 0: the same photos in the same seeded order at the same temperature,
 sampled from the warm start throughout. Its curve is what the main runs' would be had nothing been learned (which
 photos came up, and the sampler's luck); the main runs' reward over it is what training added."""
+SAMPLES = 4
+"""Episodes per dev photo in the sampled evaluations: 196 on the 49 photos, enough that a gain of the size
+measured on the training photos over the control (+0.08 a step) is about 2-3 standard errors, paired by photo."""
 DEFAULT_CELL = "full-lr1e-5"
 CANDIDATES = ("full-lr1e-5", "full-lr3e-5", "lora16-lr2e-4", "full-lr1e-5-g8")
 """Cells `choose` may pick; the exact-reward cell measures the reward, whose kind the issue fixes (graded)."""
@@ -119,6 +128,13 @@ class Options:
         common = {"sampler": self.sampler, "base": list(BASE)}
         if kind == "warm":
             return {"eval_n": self.eval_n, "sampler": self.sampler}
+        if kind == "sampled":
+            return {
+                "eval_n": self.eval_n,
+                "sampler": self.sampler,
+                "samples": SAMPLES,
+                "temperature": temperature,
+            }
         if kind == "explore":
             return common | {"steps": 1, "explore": list(EXPLORE), "temperature": temperature}
         if kind == "sweep":
@@ -141,11 +157,12 @@ def train(name: str, sets: tuple[str, ...], steps: int, seed: int, opts: Options
     return train_to(CONFIG, run_dir, sets, steps)
 
 
-def evaluate(policy: str, out: Path, opts: Options) -> dict:
-    """`conductor eval` of `policy`, greedy, on the first `eval_n` dev photos (reused when present)."""
+def evaluate(policy: str, out: Path, opts: Options, *sets: str) -> dict:
+    """`conductor eval` of `policy` on the first `eval_n` dev photos, greedy unless `sets` say otherwise (reused
+    when present)."""
     if not out.exists():
         args = ["eval", "--policy", policy, "--task", TASK, "--split", "dev", "--n", str(opts.eval_n)]
-        args += ["--set", f"sampling.backend={opts.sampler}"]
+        args += [arg for x in (f"sampling.backend={opts.sampler}", *sets) for arg in ("--set", x)]
         conductor(*args, "--out", str(out), log=out.with_suffix(".log"))
     return json.loads(out.read_text(encoding="utf-8"))
 
@@ -174,14 +191,17 @@ def read_record(path: Path, settings: dict, sha: str | None, opts: Options) -> d
 
 def stage(name: str, settings: dict, make, opts: Options) -> dict | None:
     """The record of stage `name`: read when it matches, else made by `make()` -> (eval or None, training
-    summary or None) and written (None when only recorded stages are wanted)."""
+    summary or None) and written (None when only recorded stages are wanted, or when `make()` returns None)."""
     path = opts.records / f"{name}.json"
     sha = reference_sha(opts)
     record = read_record(path, settings, sha, opts)
     if record is not None or opts.recorded_only:
         return record
     sha = weights_sha(opts.policy)  # before running, so that a missing warm start stops the study at once
-    evaluation, trained = make()
+    made = make()
+    if made is None:  # what it needs is not here (it said what)
+        return None
+    evaluation, trained = made
     record = {
         "stage": name,
         "settings": settings,
@@ -278,9 +298,53 @@ def control_run(seed: int, cell: str, temperature: float, opts: Options) -> dict
     return stage(name, opts.settings("control", cell, temperature), make, opts)
 
 
+def sampled_eval(policy: str, out: Path, temperature: float, opts: Options) -> dict:
+    """`conductor eval` of `policy` with SAMPLES episodes per dev photo at `temperature`, and its scores photo by
+    photo (`sampled_scores`)."""
+    evaluation = evaluate(policy, out, opts, f"samples={SAMPLES}", f"sampling.temperature={temperature}")
+    dev = load_family(TASK, "dev", limit=opts.eval_n)
+    return evaluation | {"per_task": sampled_scores(episodes_of(out), dev)}
+
+
+def sampled_name(temperature: float, opts: Options) -> str:
+    """The sampled evaluations' report name: temperature, samples per photo, photos."""
+    return f"eval-dev-sampled-t{temperature:g}x{SAMPLES}-first{opts.eval_n}.json"
+
+
+def sampled_warm(temperature: float, opts: Options) -> dict | None:
+    """The warm start's sampled dev evaluation at `temperature`."""
+    out = opts.runs / f"warm-{sampled_name(temperature, opts)}"
+
+    def make() -> tuple[dict, None]:
+        return sampled_eval(opts.policy, out, temperature, opts), None
+
+    return stage(
+        f"sampled-warm-t{temperature:g}", opts.settings("sampled", temperature=temperature), make, opts
+    )
+
+
+def sampled_run(credit: str, seed: int, cell: str, temperature: float, opts: Options) -> dict | None:
+    """The sampled dev evaluation of a main run's last checkpoint; it waits (None) where the run's checkpoints are
+    not on this machine (records are committed, runs/ is not), rather than training the run again."""
+    name = run_name(credit, seed, temperature)
+    settings = opts.settings("sampled", temperature=temperature) | {
+        "run": opts.settings("main", cell, temperature)
+    }
+
+    def make() -> tuple[dict, None] | None:
+        latest = find_latest(opts.runs / name)
+        if latest is None:
+            print(f"sampled-{name}: no checkpoint of {name} here; its sampled evaluation waits", flush=True)
+            return None
+        out = opts.runs / name / f"{latest.name}-{sampled_name(temperature, opts)}"
+        return sampled_eval(str(latest / "model"), out, temperature, opts), None
+
+    return stage(f"sampled-{name}", settings, make, opts)
+
+
 def study(args: argparse.Namespace, opts: Options) -> dict:
-    """Every stage in order (warm, sweep, exploration, then seed by seed each credit mode and the control), then
-    the summary."""
+    """Every stage in order (warm, sweep, exploration, the warm start sampled, then seed by seed each credit mode,
+    the control and the modes' sampled evaluations), then the summary."""
     warm_record = warm(opts)
     cells = {c: r for c in args.cells if (r := sweep_cell(c, opts)) is not None}
     choice = choose({c: r["training"] for c, r in cells.items() if c in CANDIDATES}, default=DEFAULT_CELL)
@@ -288,16 +352,25 @@ def study(args: argparse.Namespace, opts: Options) -> dict:
     explored = {t: r["training"] for t in args.temperatures if (r := explore(t, opts)) is not None}
     heat = choose_temperature(explored)
     print(f"chosen temperature: {heat['temperature']:g} ({heat['why']})", flush=True)
+    cell, temperature = choice["cell"], heat["temperature"]
+    warm_sampled = sampled_warm(temperature, opts)
     runs: dict[str, list[dict]] = {c: [] for c in args.credits}
+    sampled: dict[str, list[dict]] = {c: [] for c in args.credits}
     controls: dict[int, list[float]] = {}
     for seed in range(args.seeds):  # seed by seed: a study cut short has every mode at the same seeds
         for credit in args.credits:
-            if (r := main_run(credit, seed, choice["cell"], heat["temperature"], opts)) is not None:
+            if (r := main_run(credit, seed, cell, temperature, opts)) is not None:
                 runs[credit].append(r | {"seed": seed})
-        if (c := control_run(seed, choice["cell"], heat["temperature"], opts)) is not None:
+        if (c := control_run(seed, cell, temperature, opts)) is not None:
             controls[seed] = c["training"]["reward"]
+        for credit in args.credits:
+            if (r := sampled_run(credit, seed, cell, temperature, opts)) is not None:
+                sampled[credit].append({"seed": seed, "per_task": r["eval"]["per_task"]})
     warm_eval = warm_record["eval"] if warm_record else None
-    return summarise(warm_eval, cells, choice, heat, runs, controls)
+    how = f"T {temperature:g}, {SAMPLES} per photo"
+    return summarise(warm_eval, cells, choice, heat, runs, controls) | {
+        "sampled": sampled_summary(warm_sampled["eval"]["per_task"] if warm_sampled else None, sampled, how)
+    }
 
 
 def main() -> None:

@@ -9,12 +9,17 @@ greedy policy (from its evaluation episodes, into the record).
     summarise(warm_eval, cells, choice, heat, runs, controls) -> dict   per credit mode: reward first vs last,
                                             over the control's at the same seed, dev success
     moved(warm_episodes, episodes, tasks) -> dict   greedy dev episodes changed from the warm start's, won, lost
+    sampled_scores(episodes, tasks) -> dict   per dev photo, the mean success and graded reward of its samples
+    sampled_summary(warm, runs) -> dict     per credit mode: sampled dev scores over the warm start's, photo by photo
 
 Spread over seeds is the sample standard deviation (NaN with one seed). "Rises" means every seed's mean reward
 of its last K steps is above that of its first K (K = 5, or half the steps of a shorter run); "rises over
 control" the same of the reward minus its seed's control's, step by step (the control samples the same photos
 from the untrained warm start, so the difference leaves out which photos came up); the dev gain is "outside the
 spread" when the mean over seeds of final dev success minus the warm start's exceeds the seeds' spread of it.
+The sampled dev evaluation (several episodes per photo at the training temperature) is compared photo by photo:
+each seed's mean over photos of its score minus the warm start's, with the standard error of that mean over the
+photos (the two evaluations' sampling noise and the photos' together).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from pathlib import Path
 
 from main_agent.types import Episode
 from training.metrics import read_metrics
-from training.tasks import Task, success
+from training.tasks import Task, reward_for, success
 
 K = 5
 """Steps averaged at each end of a curve."""
@@ -134,8 +139,64 @@ def moved(warm_episodes: Path, episodes: Path, tasks: Sequence[Task]) -> dict:
 
 
 def _by_task(path: Path) -> dict[str, Episode]:
+    return {e.task_id: e for e in _episodes(path)}
+
+
+def _episodes(path: Path) -> list[Episode]:
     lines = path.read_text(encoding="utf-8").splitlines()
-    return {e.task_id: e for e in (Episode.from_json(line) for line in lines if line.strip())}
+    return [Episode.from_json(line) for line in lines if line.strip()]
+
+
+def sampled_scores(episodes: Path, tasks: Sequence[Task]) -> dict:
+    """Per task of `tasks`, in order, the mean exact success and graded reward of its episodes in `episodes`
+    (an evaluation with samples > 1: several per task); episodes the tools failed are left out, not scored 0."""
+    played: dict[str, list[Episode]] = {}
+    for e in _episodes(episodes):
+        if e.stop_reason != "infra_failed":
+            played.setdefault(e.task_id, []).append(e)
+    return {
+        "task_ids": [t.task_id for t in tasks],
+        "samples": [len(played.get(t.task_id, [])) for t in tasks],
+        "success": [_mean([float(success(t, e.answer)) for e in played.get(t.task_id, [])]) for t in tasks],
+        "graded": [
+            _mean([reward_for(t, e.answer, kind="graded") for e in played.get(t.task_id, [])]) for t in tasks
+        ],
+    }
+
+
+def over_warm(warm: Mapping, scores: Mapping, key: str) -> tuple[float, float]:
+    """Photo by photo, `scores[key]` minus the warm start's on the same photos: the mean and its standard error
+    over the photos both scored."""
+    assert scores["task_ids"] == warm["task_ids"], "sampled evaluations of different dev photos"
+    diffs = [
+        a - b for a, b in zip(scores[key], warm[key], strict=True) if not (math.isnan(a) or math.isnan(b))
+    ]
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) >= 2 else math.nan
+    return _mean(diffs), se
+
+
+def sampled_summary(warm: Mapping | None, runs: Mapping[str, Sequence[Mapping]], how: str) -> dict:
+    """The sampled dev evaluations (`sampled_scores` of the warm start and of each run's last checkpoint, made
+    as `how` says): per credit mode, each seed's success and graded reward over the warm start's (mean, standard
+    error), their mean over seeds and its spread."""
+    if warm is None:
+        return {}
+    modes = {}
+    for mode, records in runs.items():
+        gains = {key: [over_warm(warm, r["per_task"], key) for r in records] for key in ("success", "graded")}
+        modes[mode] = {
+            "seeds": [r["seed"] for r in records],
+            "success": _mean([_mean(r["per_task"]["success"]) for r in records]),
+            "graded": _mean([_mean(r["per_task"]["graded"]) for r in records]),
+        } | {
+            f"over_warm_{key}": {
+                "per_seed": [g for g, _ in pairs], "se_per_seed": [se for _, se in pairs],
+                "mean": _mean([g for g, _ in pairs]), "spread": spread([g for g, _ in pairs]),
+            }
+            for key, pairs in gains.items()
+        }  # fmt: skip
+    scores = {"success": _mean(warm["success"]), "graded": _mean(warm["graded"])}
+    return {"how": how, "warm": scores, "modes": modes}
 
 
 def _sampled(episode: Episode) -> list[list[int]]:
@@ -293,7 +354,30 @@ def table(report: Mapping) -> str:
             f"{' *' if m['gain_outside_spread'] else ''} | {' '.join(f'{c:.0f}' for c in m['dev_changed'])} | "
             f"{m['sampled_tokens_per_step']:.0f}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + sampled_table(report.get("sampled", {})))
+
+
+def sampled_table(sampled: Mapping) -> list[str]:
+    """The sampled dev evaluations: the warm start's scores, then per credit mode its scores and the gain over
+    the warm start per seed (standard error over photos) and over seeds (spread)."""
+    if not sampled:
+        return []
+    w = sampled["warm"]
+    lines = ["", f"dev, sampled ({sampled['how']}) | seeds | success | graded | over warm: success per seed (se)"
+             " -> mean (spread) | graded per seed (se) -> mean (spread)",
+             f"warm start | - | {w['success']:.3f} | {w['graded']:.3f} | - | -"]  # fmt: skip
+    for mode, m in sampled["modes"].items():
+        cells = []
+        for key in ("success", "graded"):
+            g = m[f"over_warm_{key}"]
+            seeds = " ".join(
+                f"{x:+.3f} ({se:.3f})" for x, se in zip(g["per_seed"], g["se_per_seed"], strict=True)
+            )
+            cells.append(f"{seeds} -> {g['mean']:+.3f} ({g['spread']:.3f})")
+        lines.append(
+            f"{mode} | {len(m['seeds'])} | {m['success']:.3f} | {m['graded']:.3f} | {' | '.join(cells)}"
+        )
+    return lines
 
 
 def exploration_table(heat: Mapping) -> list[str]:

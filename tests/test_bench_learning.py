@@ -11,6 +11,8 @@ import pytest
 
 from benchmarks import bench_learning as bl
 from benchmarks import learning_summary as ls
+from main_agent.types import Episode, Turn
+from training.tasks import Task, TaskMeta
 
 
 def options(tmp_path: Path, *, recorded_only: bool = False) -> bl.Options:
@@ -210,20 +212,24 @@ def test_summary_table_and_plot_from_records(tmp_path: Path) -> None:
     assert ls.plot(report, tmp_path / "curves.png").stat().st_size > 0
 
 
+def episode(task_id: str, ids: list[int], answer: str, stop_reason: str = "answer") -> str:
+    """One episode's JSON line: one turn that sampled `ids`, then `answer`."""
+    turn = Turn(ids, [0.0] * len(ids), [], "", "", [], [], [], 0, 0.0, 0.0)
+    return Episode(task_id, "?", [1], [turn], answer, stop_reason, 0, 1.0, 0.5, 0.5).to_json()  # type: ignore[arg-type]
+
+
+def dev_photos(n: int) -> list[Task]:
+    """n dev plate photos p0..p{n-1}, all of the plate YG9X2G."""
+    return [
+        Task(f"p{i}", "plate_reading", "?", ("image_ops",), "YG9X2G", meta=TaskMeta(split="dev"))
+        for i in range(n)
+    ]
+
+
 def test_moved_counts_changed_greedy_episodes_and_the_successes_they_turned(tmp_path: Path) -> None:
     """A dev episode counts as changed when any sampled token differs from the warm start's; of those, a miss
     turned right is won and a success turned wrong is lost; an unchanged episode counts in neither."""
-    from main_agent.types import Episode, Turn
-    from training.tasks import Task, TaskMeta
-
-    def episode(task_id: str, ids: list[int], answer: str) -> str:
-        turn = Turn(ids, [0.0] * len(ids), [], "", "", [], [], [], 0, 0.0, 0.0)
-        return Episode(task_id, "?", [1], [turn], answer, "answer", 0, 1.0, 0.5, 0.5).to_json()
-
-    tasks = [
-        Task(f"p{i}", "plate_reading", "?", ("image_ops",), "YG9X2G", meta=TaskMeta(split="dev"))
-        for i in range(4)
-    ]
+    tasks = dev_photos(4)
     warm = [
         episode("p0", [5], "YG9X2G"),
         episode("p1", [5], "AB"),
@@ -303,3 +309,63 @@ def test_the_control_is_the_main_run_at_learning_rate_0_named_by_its_seed(
     assert sets.index("lr=0") > sets.index("lr=1e-5") and "sampling.temperature=1.15" in sets
     assert record is not None and record["settings"]["control"] == ["lr=0"]
     assert (opts.records / "control-s1-t1.15.json").exists()
+
+
+def test_sampled_scores_average_each_photos_samples_and_compare_photo_by_photo(tmp_path: Path) -> None:
+    """Each dev photo's score is the mean over its samples (an episode the tools failed left out, not scored 0);
+    a run's gain over the warm start is the mean over photos of the paired difference, with its standard error
+    over photos; the table shows both."""
+    tasks = dev_photos(2)
+    warm = [episode("p0", [1], "YG9X2G"), episode("p0", [2], "AB"), episode("p1", [1], "YG9X2Z"),
+            episode("p1", [2], "YG9X2G", stop_reason="infra_failed")]  # fmt: skip
+    now = [episode("p0", [1], "YG9X2G"), episode("p0", [1], "YG9X2G"), episode("p1", [3], "YG9X2G"),
+           episode("p1", [4], "AB")]  # fmt: skip
+    (tmp_path / "warm.jsonl").write_text("\n".join(warm) + "\n")
+    (tmp_path / "now.jsonl").write_text("\n".join(now) + "\n")
+    w = ls.sampled_scores(tmp_path / "warm.jsonl", tasks)
+    assert w["samples"] == [2, 1] and w["success"] == [0.5, 0.0]
+    assert w["graded"] == pytest.approx([0.5 + 0.5 * 0.0, 5 / 6])  # AB: 0 of 6; YG9X2Z: one edit of 6
+    n = ls.sampled_scores(tmp_path / "now.jsonl", tasks)
+    assert n["success"] == [1.0, 0.5]
+    summary = ls.sampled_summary(w, {"outcome": [{"seed": 0, "per_task": n}]}, "T 1.15, 2 per photo")
+    gain = summary["modes"]["outcome"]["over_warm_success"]
+    assert gain["per_seed"] == [pytest.approx(0.5)] and gain["se_per_seed"] == [pytest.approx(0.0)]
+    assert math.isnan(gain["spread"])  # one seed
+    assert summary["warm"]["success"] == 0.25 and summary["modes"]["outcome"]["success"] == 0.75
+    lines = ls.sampled_table(summary)
+    assert "T 1.15, 2 per photo" in lines[1] and lines[-1].startswith("outcome | 1 | 0.750 |")
+
+
+def test_a_sampled_evaluation_waits_for_its_runs_checkpoint_and_never_trains(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Where a main run's checkpoints are not here (a clean checkout has its record only), its sampled
+    evaluation is reported as waiting and writes no record; with the checkpoint it evaluates the last one with
+    SAMPLES episodes per photo at the run's temperature."""
+    opts = options(tmp_path)
+    monkeypatch.setattr(bl, "train", lambda *a: pytest.fail("a sampled evaluation must not train"))
+    assert bl.sampled_run("outcome", 0, "full-lr1e-5", 1.15, opts) is None
+    assert "waits" in capsys.readouterr().out and not opts.records.exists()
+    model = opts.runs / "outcome-s0-t1.15" / "step_20" / "model"
+    model.mkdir(parents=True)
+    monkeypatch.setattr(
+        bl, "find_latest", lambda run_dir: model.parent
+    )  # a checkpoint's files: test_checkpoint
+    evals = []
+
+    def fake_conductor(*args: str, log: Path) -> float:
+        evals.append(args)
+        out = Path(args[args.index("--out") + 1])
+        out.write_text(json.dumps({"success_rate": 1.0}), encoding="utf-8")
+        lines = [episode(f"p{i}", [1], "YG9X2G") for i in range(2) for _ in range(bl.SAMPLES)]
+        bl.episodes_of(out).write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return 0.0
+
+    monkeypatch.setattr(bl, "conductor", fake_conductor)
+    monkeypatch.setattr(bl, "load_family", lambda task, split, limit: dev_photos(2))
+    record = bl.sampled_run("outcome", 0, "full-lr1e-5", 1.15, opts)
+    assert record is not None and record["eval"]["per_task"]["success"] == [1.0, 1.0]
+    ((args),) = evals
+    assert args[args.index("--policy") + 1] == str(model)
+    assert f"samples={bl.SAMPLES}" in args and "sampling.temperature=1.15" in args
+    assert record["settings"]["run"] == opts.settings("main", "full-lr1e-5", 1.15)

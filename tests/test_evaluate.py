@@ -6,10 +6,20 @@ import dataclasses
 import json
 import math
 
+import pytest
+
+from conductor.settings import ConfigError
 from main_agent.types import Episode, ToolCall, ToolResult, Turn
 from tests.fakes import ByteChatTokenizer, ScriptedPolicy, call_text, fake_tool_server, ok_result
 from tool_server.client import ToolClient
-from training.evaluate import EvalConfig, evaluate_policy, evidence_read, format_table, summarise
+from training.evaluate import (
+    EvalConfig,
+    evaluate_policy,
+    evidence_read,
+    format_table,
+    load_eval_config,
+    summarise,
+)
 from training.tasks import Task, TaskMeta
 
 FRANCE = Task("t-france", "multihop_pages", "What is the capital of France?", ("search",), "Paris")
@@ -39,17 +49,11 @@ async def handler(name: str, arguments: dict[str, object]) -> dict[str, object]:
     return ok_result("Paris is the capital of France.", tokens_read=120)
 
 
-async def run_eval(tasks: list[Task]) -> tuple:
+async def run_eval(tasks: list[Task], cfg: EvalConfig | None = None) -> tuple:
+    cfg = cfg or EvalConfig(max_concurrent_episodes=2)
     policy = ScriptedPolicy(reply, ByteChatTokenizer())
     async with ToolClient("http://tools", transport=fake_tool_server(handler), deadline_s=5.0) as tools:
-        return await evaluate_policy(
-            policy,
-            policy.tokenizer,
-            tasks,
-            tools=tools,
-            cfg=EvalConfig(max_concurrent_episodes=2),
-            label="scripted",
-        )
+        return await evaluate_policy(policy, policy.tokenizer, tasks, tools=tools, cfg=cfg, label="scripted")
 
 
 async def test_report_counts_success_format_calls_errors_and_tokens():
@@ -74,6 +78,26 @@ async def test_episodes_come_back_in_task_order_whatever_finishes_first():
     """The i-th episode belongs to the i-th task, so reports pair answers with the right references."""
     _, episodes = await run_eval([HAMLET, FRANCE, HAMLET])
     assert [e.task_id for e in episodes] == ["t-hamlet", "t-france", "t-hamlet"]
+
+
+async def test_samples_play_each_task_that_many_times_and_score_them_all():
+    """With samples = 3 every task is played 3 times, its episodes together in task order, and every measure is
+    over all 6 episodes (the sampler's success on the split, not one draw's)."""
+    cfg = load_eval_config(None, ["samples=3", "sampling.temperature=1.15", "max_concurrent_episodes=4"])
+    report, episodes = await run_eval([HAMLET, FRANCE], cfg)
+    assert [e.task_id for e in episodes] == ["t-hamlet"] * 3 + ["t-france"] * 3
+    assert (report.n, report.success_rate, report.answer_rate) == (6, 0.5, 1.0)
+    assert report.calls_per_tool == {"page_qa": 0.5, "search": 0.5}
+
+
+def test_samples_of_a_greedy_policy_are_refused():
+    """samples > 1 at temperature 0 would score one episode several times: a clear error, not a silent repeat;
+    samples < 1 too."""
+    with pytest.raises(ConfigError, match="temperature > 0 with samples > 1"):
+        load_eval_config(None, ["samples=4"])
+    with pytest.raises(ConfigError, match="samples >= 1"):
+        load_eval_config(None, ["samples=0", "sampling.temperature=1.0"])
+    assert load_eval_config(None, ["samples=4", "sampling.temperature=1.15"]).samples == 4
 
 
 def episode(task_id: str, *, stop_reason: str, answer: str | None) -> Episode:

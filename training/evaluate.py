@@ -1,11 +1,14 @@
 """Evaluate a policy on a task split: one greedy episode per task, one table, one JSON report.
 
     conductor eval --policy CKPT --task plate_reading --split dev --n 100 [--out report.json] [--set key=value]
+    conductor eval ... --set samples=4 --set sampling.temperature=1.15     # the sampler's success, 4 per task
 
 Every policy sees the same task instances: the first `limit` tasks of the split in the loader's fixed order (`--n`),
 played with temperature 0 (greedy decoding) and torch seeded from `seed`, so two checkpoints are compared on
 identical questions. Greedy decoding is deterministic given the weights; batched generation may still differ in
-the last bits when episodes are batched differently (padding changes the matmul shapes).
+the last bits when episodes are batched differently (padding changes the matmul shapes). With `samples` > 1 and a
+temperature, each task is played `samples` times and every measure is over all of them: what the policy does when
+it samples as training does, on tasks training never saw (the episodes file holds them task by task).
 
 What the report measures, over the episodes that did not fail for infrastructure reasons (those are counted in
 `n_infra_failed` and excluded: an unreachable tool server says nothing about the policy):
@@ -41,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from conductor.settings import load_settings, shared
+from conductor.settings import ConfigError, load_settings, shared
 from main_agent.backends import load_policy
 from main_agent.policy import Policy, SamplingConfig
 from main_agent.rollout import RolloutConfig
@@ -73,6 +76,9 @@ class EvalConfig:
     """Task family (a key of `training.tasks.FAMILIES`)."""
     items: int | None = None
     """Item families (plate_audit, multihop_batch): items per task; None: the family's default (4)."""
+    samples: int = 1
+    """Episodes per task. Greedy episodes of one task are all the same, so more than 1 asks for a sampling
+    temperature (`sampling.temperature`)."""
     max_concurrent_episodes: int = 8
     """Episodes in flight at once; the in-process policy batches their turns into one generate."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -83,6 +89,17 @@ class EvalConfig:
     vLLM engine (the `vllm` extra; dense checkpoints only)."""
     tools: ToolAccess = field(default_factory=ToolAccess)
     """The tool server (`[tools]`): a running one, or one in this process."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "samples >= 1": self.samples >= 1,
+            "sampling.temperature > 0 with samples > 1 (greedy samples of a task are one episode)": (
+                self.samples == 1 or self.sampling.temperature > 0
+            ),
+        }
+        failed = [rule for rule, ok in checks.items() if not ok]
+        if failed:
+            raise ConfigError(f"invalid evaluation settings, need: {', '.join(failed)}")
 
 
 @dataclass(frozen=True)
@@ -233,7 +250,8 @@ def format_table(reports: Sequence[EvalReport]) -> str:
 async def evaluate_policy(
     policy: Policy, tokenizer, tasks: Sequence[Task], *, tools: ToolClient, cfg: EvalConfig, label: str
 ) -> tuple[EvalReport, list[Episode]]:
-    """Play every task once with `policy` (already set to greedy decoding) and summarise."""
+    """Play every task `cfg.samples` times with `policy` (set to decode as `cfg.sampling` says) and summarise;
+    the episodes come back task by task, each task's samples together."""
     torch.manual_seed(cfg.run.seed)
     start = time.monotonic()
     groups = await play(
@@ -242,10 +260,12 @@ async def evaluate_policy(
         tools=tools,
         tokenizer=tokenizer,
         cfg=cfg.rollout,
+        group_size=cfg.samples,
         max_concurrent=cfg.max_concurrent_episodes,
     )
-    episodes = [group[0] for group in groups]
-    return summarise(tasks, episodes, policy=label, wall_s=time.monotonic() - start), episodes
+    played = [t for t in tasks for _ in range(cfg.samples)]
+    episodes = [e for group in groups for e in group]
+    return summarise(played, episodes, policy=label, wall_s=time.monotonic() - start), episodes
 
 
 async def evaluate(
