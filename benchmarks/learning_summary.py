@@ -154,13 +154,18 @@ def sampled_scores(episodes: Path, tasks: Sequence[Task]) -> dict:
     for e in _episodes(episodes):
         if e.stop_reason != "infra_failed":
             played.setdefault(e.task_id, []).append(e)
+
+    def graded(task: Task, answer: str | None) -> float:
+        return reward_for(task, answer, kind="graded")
+
+    def mean_of(score, task: Task) -> float:
+        return _mean([float(score(task, e.answer)) for e in played.get(task.task_id, [])])
+
     return {
         "task_ids": [t.task_id for t in tasks],
         "samples": [len(played.get(t.task_id, [])) for t in tasks],
-        "success": [_mean([float(success(t, e.answer)) for e in played.get(t.task_id, [])]) for t in tasks],
-        "graded": [
-            _mean([reward_for(t, e.answer, kind="graded") for e in played.get(t.task_id, [])]) for t in tasks
-        ],
+        "success": [mean_of(success, t) for t in tasks],
+        "graded": [mean_of(graded, t) for t in tasks],
     }
 
 
