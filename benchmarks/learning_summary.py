@@ -149,11 +149,12 @@ def _episodes(path: Path) -> list[Episode]:
 
 def sampled_scores(episodes: Path, tasks: Sequence[Task]) -> dict:
     """Per task of `tasks`, in order, the mean exact success and graded reward of its episodes in `episodes`
-    (an evaluation with samples > 1: several per task); episodes the tools failed are left out, not scored 0."""
+    (an evaluation with samples > 1: several per task), and over them all `how_sure` the sampler was; episodes
+    the tools failed are left out, not scored 0."""
+    kept = [e for e in _episodes(episodes) if e.stop_reason != "infra_failed"]
     played: dict[str, list[Episode]] = {}
-    for e in _episodes(episodes):
-        if e.stop_reason != "infra_failed":
-            played.setdefault(e.task_id, []).append(e)
+    for e in kept:
+        played.setdefault(e.task_id, []).append(e)
 
     def graded(task: Task, answer: str | None) -> float:
         return reward_for(task, answer, kind="graded")
@@ -166,6 +167,7 @@ def sampled_scores(episodes: Path, tasks: Sequence[Task]) -> dict:
         "samples": [len(played.get(t.task_id, [])) for t in tasks],
         "success": [mean_of(success, t) for t in tasks],
         "graded": [mean_of(graded, t) for t in tasks],
+        **how_sure(kept),
     }
 
 
@@ -182,8 +184,8 @@ def over_warm(warm: Mapping, scores: Mapping, key: str) -> tuple[float, float]:
 
 def sampled_summary(warm: Mapping | None, runs: Mapping[str, Sequence[Mapping]], how: str) -> dict:
     """The sampled dev evaluations (`sampled_scores` of the warm start and of each run's last checkpoint, made
-    as `how` says): per credit mode, each seed's success and graded reward over the warm start's (mean, standard
-    error), their mean over seeds and its spread."""
+    as `how` says): per credit mode its scores (`_sampled_means`), each seed's success and graded reward over
+    the warm start's (mean, standard error), their mean over seeds and its spread."""
     if warm is None:
         return {}
     modes = {}
@@ -191,21 +193,42 @@ def sampled_summary(warm: Mapping | None, runs: Mapping[str, Sequence[Mapping]],
         gains = {key: [over_warm(warm, r["per_task"], key) for r in records] for key in ("success", "graded")}
         modes[mode] = {
             "seeds": [r["seed"] for r in records],
-            "success": _mean([_mean(r["per_task"]["success"]) for r in records]),
-            "graded": _mean([_mean(r["per_task"]["graded"]) for r in records]),
-        } | {
-            f"over_warm_{key}": {
+            **_sampled_means([r["per_task"] for r in records]),
+        }
+        for key, pairs in gains.items():
+            modes[mode][f"over_warm_{key}"] = {
                 "per_seed": [g for g, _ in pairs], "se_per_seed": [se for _, se in pairs],
                 "mean": _mean([g for g, _ in pairs]), "spread": spread([g for g, _ in pairs]),
-            }
-            for key, pairs in gains.items()
-        }  # fmt: skip
-    scores = {"success": _mean(warm["success"]), "graded": _mean(warm["graded"])}
-    return {"how": how, "warm": scores, "modes": modes}
+            }  # fmt: skip
+    return {"how": how, "warm": _sampled_means([warm]), "modes": modes}
+
+
+def _sampled_means(scores: Sequence[Mapping]) -> dict:
+    """Over seeds, the mean of each sampled evaluation's success, graded reward and `how_sure` measures."""
+    return {
+        "success": _mean([_mean(s["success"]) for s in scores]),
+        "graded": _mean([_mean(s["graded"]) for s in scores]),
+        "confident_share": _mean([s.get("confident_share", math.nan) for s in scores]),
+        "photos_identical": _mean([s.get("groups_identical", math.nan) for s in scores]),
+    }
 
 
 def _sampled(episode: Episode) -> list[list[int]]:
     return [turn.completion_ids for turn in episode.turns]
+
+
+def how_sure(episodes: Sequence[Episode]) -> dict:
+    """How little a sampler explored: tasks whose episodes all came out token for token the same, the share of
+    sampled tokens drawn with a probability above CONFIDENT, and sampled tokens per episode."""
+    groups: dict[str, set] = {}
+    for e in episodes:
+        groups.setdefault(e.task_id, set()).add(tuple(map(tuple, _sampled(e))))
+    logprobs = [lp for e in episodes for turn in e.turns for lp in turn.completion_logprobs]
+    return {
+        "groups_identical": sum(len(drawn) == 1 for drawn in groups.values()),
+        "confident_share": sum(lp > math.log(CONFIDENT) for lp in logprobs) / len(logprobs),
+        "tokens_per_episode": len(logprobs) / len(episodes),
+    }
 
 
 def exploration_summary(run_dir: Path) -> dict:
@@ -213,18 +236,11 @@ def exploration_summary(run_dir: Path) -> dict:
     without reward variance and those whose episodes are token for token the same, the share of sampled tokens
     drawn with a probability above CONFIDENT, sampled tokens and turns per episode, and the rollout's seconds."""
     row = read_metrics(run_dir / "metrics.jsonl")[0]
-    lines = (run_dir / "rollouts" / "step_1.jsonl").read_text(encoding="utf-8").splitlines()
-    episodes = [Episode.from_json(line) for line in lines if line.strip()]
-    groups: dict[str, set] = {}
-    for e in episodes:
-        groups.setdefault(e.task_id, set()).add(tuple(map(tuple, _sampled(e))))
-    logprobs = [lp for e in episodes for turn in e.turns for lp in turn.completion_logprobs]
+    episodes = _episodes(run_dir / "rollouts" / "step_1.jsonl")
     return {
         "groups": row["groups/total"],
         "groups_zero_variance": row["groups/zero_variance"],
-        "groups_identical": sum(len(drawn) == 1 for drawn in groups.values()),
-        "confident_share": sum(lp > math.log(CONFIDENT) for lp in logprobs) / len(logprobs),
-        "tokens_per_episode": len(logprobs) / len(episodes),
+        **how_sure(episodes),
         "turns_per_episode": statistics.mean(len(e.turns) for e in episodes),
         "reward": row["reward/final"],
         "success": row["success"],
@@ -367,22 +383,26 @@ def sampled_table(sampled: Mapping) -> list[str]:
     the warm start per seed (standard error over photos) and over seeds (spread)."""
     if not sampled:
         return []
-    w = sampled["warm"]
-    lines = ["", f"dev, sampled ({sampled['how']}) | seeds | success | graded | over warm: success per seed (se)"
-             " -> mean (spread) | graded per seed (se) -> mean (spread)",
-             f"warm start | - | {w['success']:.3f} | {w['graded']:.3f} | - | -"]  # fmt: skip
-    for mode, m in sampled["modes"].items():
-        cells = []
-        for key in ("success", "graded"):
-            g = m[f"over_warm_{key}"]
-            seeds = " ".join(
-                f"{x:+.3f} ({se:.3f})" for x, se in zip(g["per_seed"], g["se_per_seed"], strict=True)
-            )
-            cells.append(f"{seeds} -> {g['mean']:+.3f} ({g['spread']:.3f})")
+    lines = ["", f"dev, sampled ({sampled['how']}) | seeds | success | graded | p>.99 | photos identical | over warm:"
+             " success per seed (se) -> mean (spread) | graded per seed (se) -> mean (spread)"]  # fmt: skip
+    for mode, m in {"warm start": sampled["warm"], **sampled["modes"]}.items():
+        gains = " | ".join(_gain_cell(m.get(f"over_warm_{key}")) for key in ("success", "graded"))
         lines.append(
-            f"{mode} | {len(m['seeds'])} | {m['success']:.3f} | {m['graded']:.3f} | {' | '.join(cells)}"
+            f"{mode} | {len(m.get('seeds', [])) or '-'} | {m['success']:.3f} | {m['graded']:.3f} | "
+            f"{m['confident_share']:.3f} | {m['photos_identical']:.1f} | {gains}"
         )
     return lines
+
+
+def _gain_cell(gain: Mapping | None) -> str:
+    """A mode's gain over the warm start: each seed's (standard error), then the mean (spread); "-" for none."""
+    if gain is None:
+        return "-"
+    pairs = zip(gain["per_seed"], gain["se_per_seed"], strict=True)
+    return (
+        " ".join(f"{x:+.3f} ({se:.3f})" for x, se in pairs)
+        + f" -> {gain['mean']:+.3f} ({gain['spread']:.3f})"
+    )
 
 
 def exploration_table(heat: Mapping) -> list[str]:

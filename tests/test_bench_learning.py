@@ -312,9 +312,9 @@ def test_the_control_is_the_main_run_at_learning_rate_0_named_by_its_seed(
 
 
 def test_sampled_scores_average_each_photos_samples_and_compare_photo_by_photo(tmp_path: Path) -> None:
-    """Each dev photo's score is the mean over its samples (an episode the tools failed left out, not scored 0);
-    a run's gain over the warm start is the mean over photos of the paired difference, with its standard error
-    over photos; the table shows both."""
+    """Each dev photo's score is the mean over its samples (an episode the tools failed left out, not scored 0),
+    with how sure the sampler was over them all; a run's gain over the warm start is the mean over photos of the
+    paired difference, with its standard error over photos; the table shows both."""
     tasks = dev_photos(2)
     warm = [episode("p0", [1], "YG9X2G"), episode("p0", [2], "AB"), episode("p1", [1], "YG9X2Z"),
             episode("p1", [2], "YG9X2G", stop_reason="infra_failed")]  # fmt: skip
@@ -332,8 +332,14 @@ def test_sampled_scores_average_each_photos_samples_and_compare_photo_by_photo(t
     assert gain["per_seed"] == [pytest.approx(0.5)] and gain["se_per_seed"] == [pytest.approx(0.0)]
     assert math.isnan(gain["spread"])  # one seed
     assert summary["warm"]["success"] == 0.25 and summary["modes"]["outcome"]["success"] == 0.75
+    assert (w["groups_identical"], w["confident_share"], w["tokens_per_episode"]) == (
+        1,
+        1.0,
+        1.0,
+    )  # p1: 1 kept
     lines = ls.sampled_table(summary)
-    assert "T 1.15, 2 per photo" in lines[1] and lines[-1].startswith("outcome | 1 | 0.750 |")
+    assert "T 1.15, 2 per photo" in lines[1] and lines[2].startswith("warm start | - | 0.250 |")
+    assert lines[-1].startswith("outcome | 1 | 0.750 |") and "+0.500 (0.000) -> +0.500 (nan)" in lines[-1]
 
 
 def test_a_sampled_evaluation_waits_for_its_runs_checkpoint_and_never_trains(
