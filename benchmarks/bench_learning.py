@@ -61,13 +61,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cli_stages import conductor, train_to, warm_start_sha  # noqa: E402
+from benchmarks.episode_stats import moved, sampled_scores  # noqa: E402
 from benchmarks.learning_summary import (  # noqa: E402
     choose,
     choose_temperature,
     exploration_summary,
-    moved,
     plot,
-    sampled_scores,
     sampled_summary,
     summarise,
     table,

@@ -1,6 +1,6 @@
 """The maths of benchmarks/bench_learning.py, on records alone (no training): a run's curves from its metrics,
-the sweep's choice, the per-mode summary, the table and the plot; and, once per main run, how far it moved the
-greedy policy (from its evaluation episodes, into the record).
+the sweep's choice, the per-mode summary, the table and the plot (what the episode files say is
+benchmarks/episode_stats.py's, and goes into the records).
 
     training_summary(run_dir) -> dict       curves (graded reward, success), sampled tokens and seconds per step
     choose(cells, default=...) -> dict      the sweep cell with the steepest reward rise per CPU-hour
@@ -8,9 +8,8 @@ greedy policy (from its evaluation episodes, into the record).
     choose_temperature(explored) -> dict    the coolest temperature whose groups mostly carry signal
     summarise(warm_eval, cells, choice, heat, runs, controls) -> dict   per credit mode: reward first vs last,
                                             over the control's at the same seed, dev success
-    moved(warm_episodes, episodes, tasks) -> dict   greedy dev episodes changed from the warm start's, won, lost
-    sampled_scores(episodes, tasks) -> dict   per dev photo, the mean success and graded reward of its samples
-    sampled_summary(warm, runs) -> dict     per credit mode: sampled dev scores over the warm start's, photo by photo
+    sampled_summary(warm, runs, how) -> dict   per credit mode: sampled dev scores over the warm start's, photo by
+                                            photo (each from episode_stats.sampled_scores)
 
 Spread over seeds is the sample standard deviation (NaN with one seed). "Rises" means every seed's mean reward
 of its last K steps is above that of its first K (K = 5, or half the steps of a shorter run); "rises over
@@ -29,15 +28,11 @@ import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from main_agent.types import Episode
+from benchmarks.episode_stats import how_sure, read_episodes
 from training.metrics import read_metrics
-from training.tasks import Task, reward_for, success
 
 K = 5
 """Steps averaged at each end of a curve."""
-CONFIDENT = 0.99
-"""A sampled token drawn with at least this probability could hardly have been another: the share of such tokens
-says how little a temperature explores (the warm start at 1.0: 98 %)."""
 MOST_WITHOUT_SIGNAL = 1 / 3
 """A temperature that leaves this share of its groups without reward variance or more explores too little: those
 groups train on nothing (at 1.0 the seed-0 runs lost 21-24 of 40)."""
@@ -127,50 +122,6 @@ def choose(cells: Mapping[str, Mapping], *, default: str) -> dict:
     return {"cell": best, "why": f"highest reward slope per CPU-hour ({gaining[best]:.3f}/h)"} | record
 
 
-def moved(warm_episodes: Path, episodes: Path, tasks: Sequence[Task]) -> dict:
-    """Whether training moved the greedy policy: of `tasks` (both evaluations played them), how many episodes
-    differ from the warm start's in any sampled token, and how many of those turned a miss into a success or
-    back (tasks.success of the answers)."""
-    warm, now = _by_task(warm_episodes), _by_task(episodes)
-    changed = [t for t in tasks if _sampled(warm[t.task_id]) != _sampled(now[t.task_id])]
-    flips = [success(t, now[t.task_id].answer) - success(t, warm[t.task_id].answer) for t in changed]
-    won, lost = flips.count(1), flips.count(-1)
-    return {"tasks": len(tasks), "changed": len(changed), "won": won, "lost": lost}
-
-
-def _by_task(path: Path) -> dict[str, Episode]:
-    return {e.task_id: e for e in _episodes(path)}
-
-
-def _episodes(path: Path) -> list[Episode]:
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [Episode.from_json(line) for line in lines if line.strip()]
-
-
-def sampled_scores(episodes: Path, tasks: Sequence[Task]) -> dict:
-    """Per task of `tasks`, in order, the mean exact success and graded reward of its episodes in `episodes`
-    (an evaluation with samples > 1: several per task), and over them all `how_sure` the sampler was; episodes
-    the tools failed are left out, not scored 0."""
-    kept = [e for e in _episodes(episodes) if e.stop_reason != "infra_failed"]
-    played: dict[str, list[Episode]] = {}
-    for e in kept:
-        played.setdefault(e.task_id, []).append(e)
-
-    def graded(task: Task, answer: str | None) -> float:
-        return reward_for(task, answer, kind="graded")
-
-    def mean_of(score, task: Task) -> float:
-        return _mean([float(score(task, e.answer)) for e in played.get(task.task_id, [])])
-
-    return {
-        "task_ids": [t.task_id for t in tasks],
-        "samples": [len(played.get(t.task_id, [])) for t in tasks],
-        "success": [mean_of(success, t) for t in tasks],
-        "graded": [mean_of(graded, t) for t in tasks],
-        **how_sure(kept),
-    }
-
-
 def over_warm(warm: Mapping, scores: Mapping, key: str) -> tuple[float, float]:
     """Photo by photo, `scores[key]` minus the warm start's on the same photos: the mean and its standard error
     over the photos both scored."""
@@ -213,30 +164,12 @@ def _sampled_means(scores: Sequence[Mapping]) -> dict:
     }
 
 
-def _sampled(episode: Episode) -> list[list[int]]:
-    return [turn.completion_ids for turn in episode.turns]
-
-
-def how_sure(episodes: Sequence[Episode]) -> dict:
-    """How little a sampler explored: tasks whose episodes all came out token for token the same, the share of
-    sampled tokens drawn with a probability above CONFIDENT, and sampled tokens per episode."""
-    groups: dict[str, set] = {}
-    for e in episodes:
-        groups.setdefault(e.task_id, set()).add(tuple(map(tuple, _sampled(e))))
-    logprobs = [lp for e in episodes for turn in e.turns for lp in turn.completion_logprobs]
-    return {
-        "groups_identical": sum(len(drawn) == 1 for drawn in groups.values()),
-        "confident_share": sum(lp > math.log(CONFIDENT) for lp in logprobs) / len(logprobs),
-        "tokens_per_episode": len(logprobs) / len(episodes),
-    }
-
-
 def exploration_summary(run_dir: Path) -> dict:
     """What one step's sampling gave to learn from (its metrics row and rollouts/step_1.jsonl): its groups, those
     without reward variance and those whose episodes are token for token the same, the share of sampled tokens
-    drawn with a probability above CONFIDENT, sampled tokens and turns per episode, and the rollout's seconds."""
+    drawn with a probability above episode_stats.CONFIDENT, sampled tokens and turns per episode, and the rollout's seconds."""
     row = read_metrics(run_dir / "metrics.jsonl")[0]
-    episodes = _episodes(run_dir / "rollouts" / "step_1.jsonl")
+    episodes = read_episodes(run_dir / "rollouts" / "step_1.jsonl")
     return {
         "groups": row["groups/total"],
         "groups_zero_variance": row["groups/zero_variance"],

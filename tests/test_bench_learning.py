@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_learning as bl
+from benchmarks import episode_stats as es
 from benchmarks import learning_summary as ls
 from main_agent.types import Episode, Turn
 from training.tasks import Task, TaskMeta
@@ -244,7 +245,7 @@ def test_moved_counts_changed_greedy_episodes_and_the_successes_they_turned(tmp_
     ]
     (tmp_path / "warm.jsonl").write_text("\n".join(warm) + "\n")
     (tmp_path / "now.jsonl").write_text("\n".join(now) + "\n")
-    assert ls.moved(tmp_path / "warm.jsonl", tmp_path / "now.jsonl", tasks) == {
+    assert es.moved(tmp_path / "warm.jsonl", tmp_path / "now.jsonl", tasks) == {
         "tasks": 4, "changed": 3, "won": 1, "lost": 1,
     }  # fmt: skip
 
@@ -322,10 +323,10 @@ def test_sampled_scores_average_each_photos_samples_and_compare_photo_by_photo(t
            episode("p1", [4], "AB")]  # fmt: skip
     (tmp_path / "warm.jsonl").write_text("\n".join(warm) + "\n")
     (tmp_path / "now.jsonl").write_text("\n".join(now) + "\n")
-    w = ls.sampled_scores(tmp_path / "warm.jsonl", tasks)
+    w = es.sampled_scores(tmp_path / "warm.jsonl", tasks)
     assert w["samples"] == [2, 1] and w["success"] == [0.5, 0.0]
     assert w["graded"] == pytest.approx([0.5 + 0.5 * 0.0, 5 / 6])  # AB: 0 of 6; YG9X2Z: one edit of 6
-    n = ls.sampled_scores(tmp_path / "now.jsonl", tasks)
+    n = es.sampled_scores(tmp_path / "now.jsonl", tasks)
     assert n["success"] == [1.0, 0.5]
     summary = ls.sampled_summary(w, {"outcome": [{"seed": 0, "per_task": n}]}, "T 1.15, 2 per photo")
     gain = summary["modes"]["outcome"]["over_warm_success"]
