@@ -43,6 +43,9 @@ Z = 1.96 + 0.84
 """z_(1 - alpha/2) + z_power at alpha 0.05 (two-sided) and power 0.8."""
 DEV_PHOTOS = 49
 """plate_reading's dev split (hashed file names of the shared US and EU sets); plate_audit bundles it by N."""
+SAMPLED = "sampled-"
+"""bench_learning's sampled dev evaluations (several episodes per photo at the training temperature): not the
+greedy final success whose spread over seeds this needs."""
 MODES = 3
 """Credit modes of the study (outcome, turn, branch)."""
 
@@ -136,7 +139,7 @@ def seed_spread(learning: Path, horizon: Path) -> tuple[float, str]:
     for folder, pattern, key, source in sources:
         by_mode: dict[str, list[float]] = defaultdict(list)
         for mode, record in _records(folder, pattern):
-            if record.get("eval"):
+            if record.get("eval") and not mode.startswith(SAMPLED):
                 by_mode[mode].append(record["eval"][key])
         spreads = [statistics.stdev(v) for v in by_mode.values() if len(v) >= 2]
         if spreads:

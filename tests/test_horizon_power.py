@@ -67,10 +67,13 @@ def test_report_reads_accuracy_cost_and_seed_spread_from_the_records(tmp_path: P
 
 def test_bench_learning_seeds_are_pooled_per_mode_and_temperature(tmp_path: Path) -> None:
     """bench_learning's "outcome-s0" (temperature 1) and "outcome-s1-t1.15" are different studies: their seeds'
-    spread is taken apart, never across temperatures (which would add the temperature's effect to the seeds')."""
+    spread is taken apart, never across temperatures (which would add the temperature's effect to the seeds').
+    The sampled evaluations ("sampled-outcome-s0-t1.15") measure another thing than the greedy success and are
+    left out."""
     learning = tmp_path / "bench_learning"
     learning.mkdir()
     dev = {"outcome-s0": 0.9, "outcome-s0-t1.15": 0.1, "outcome-s1-t1.15": 0.3, "explore-t1.15": None}
+    dev |= {"sampled-outcome-s0-t1.15": 0.2, "sampled-outcome-s1-t1.15": 0.9, "sampled-turn-s1-t1.15": 0.0}
     for stage, success in dev.items():
         record = {"eval": {"success_rate": success} if success is not None else None}
         (learning / f"{stage}.json").write_text(json.dumps(record), encoding="utf-8")
