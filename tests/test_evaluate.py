@@ -60,6 +60,7 @@ async def test_report_counts_success_format_calls_errors_and_tokens():
     """Every measure of the report matches what the scripted episodes did."""
     report, episodes = await run_eval([FRANCE, HAMLET])
     assert [e.answer for e in episodes] == ["Paris", "Christopher Marlowe"]
+    assert [e.reward for e in episodes] == [1.0, 0.0]  # the episodes file carries what the report scored
     assert (report.n, report.n_infra_failed, report.success_rate) == (2, 0, 0.5)
     assert report.mean_reward == 0.5  # token F1: 1 for Paris, 0 for a disjoint name
     assert report.format_validity == 4 / 5  # France 2 clean turns; Hamlet 1 bad turn of 3

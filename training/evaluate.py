@@ -251,7 +251,8 @@ async def evaluate_policy(
     policy: Policy, tokenizer, tasks: Sequence[Task], *, tools: ToolClient, cfg: EvalConfig, label: str
 ) -> tuple[EvalReport, list[Episode]]:
     """Play every task `cfg.samples` times with `policy` (set to decode as `cfg.sampling` says) and summarise;
-    the episodes come back task by task, each task's samples together."""
+    the episodes come back task by task, each task's samples together, each with the reward the report gave it
+    (None where the tools failed: not scored)."""
     torch.manual_seed(cfg.run.seed)
     start = time.monotonic()
     groups = await play(
@@ -265,6 +266,11 @@ async def evaluate_policy(
     )
     played = [t for t in tasks for _ in range(cfg.samples)]
     episodes = [e for group in groups for e in group]
+    for task, episode in zip(
+        played, episodes, strict=True
+    ):  # the episodes file carries what the report scored
+        if episode.stop_reason != "infra_failed":
+            episode.reward = task_data.reward_for(task, episode.answer)
     return summarise(played, episodes, policy=label, wall_s=time.monotonic() - start), episodes
 
 
