@@ -122,36 +122,44 @@ def choose(cells: Mapping[str, Mapping], *, default: str) -> dict:
     return {"cell": best, "why": f"highest reward slope per CPU-hour ({gaining[best]:.3f}/h)"} | record
 
 
-def over_warm(warm: Mapping, scores: Mapping, key: str) -> tuple[float, float]:
-    """Photo by photo, `scores[key]` minus the warm start's on the same photos: the mean and its standard error
-    over the photos both scored."""
-    assert scores["task_ids"] == warm["task_ids"], "sampled evaluations of different dev photos"
+def paired_gain(reference: Mapping, scores: Mapping, key: str) -> tuple[float, float]:
+    """Photo by photo, `scores[key]` minus the reference's (a sampled evaluation of the warm start) on the same
+    photos: the mean and its standard error over the photos both scored."""
+    assert scores["task_ids"] == reference["task_ids"], "sampled evaluations of different dev photos"
     diffs = [
-        a - b for a, b in zip(scores[key], warm[key], strict=True) if not (math.isnan(a) or math.isnan(b))
+        a - b
+        for a, b in zip(scores[key], reference[key], strict=True)
+        if not (math.isnan(a) or math.isnan(b))
     ]
     se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) >= 2 else math.nan
     return _mean(diffs), se
 
 
-def sampled_summary(warm: Mapping | None, runs: Mapping[str, Sequence[Mapping]], how: str) -> dict:
-    """The sampled dev evaluations (`sampled_scores` of the warm start and of each run's last checkpoint, made
-    as `how` says): per credit mode its scores (`_sampled_means`), each seed's success and graded reward over
-    the warm start's (mean, standard error), their mean over seeds and its spread."""
-    if warm is None:
+def sampled_summary(
+    references: Mapping[str, Mapping], runs: Mapping[str, Sequence[Mapping]], how: str
+) -> dict:
+    """The sampled dev evaluations (`episode_stats.sampled_scores`) of each run's last checkpoint, made as `how`
+    says, against those of the warm start in `references` ("warm": at the runs' temperature; "cooler": at 1.0,
+    whether training did more than cool the sampler): per credit mode its scores (`_sampled_means`), and per
+    reference each seed's success and graded reward over it (mean, standard error), their mean over seeds and
+    its spread. Empty without the "warm" reference."""
+    if "warm" not in references:
         return {}
     modes = {}
     for mode, records in runs.items():
-        gains = {key: [over_warm(warm, r["per_task"], key) for r in records] for key in ("success", "graded")}
         modes[mode] = {
             "seeds": [r["seed"] for r in records],
             **_sampled_means([r["per_task"] for r in records]),
         }
-        for key, pairs in gains.items():
-            modes[mode][f"over_warm_{key}"] = {
-                "per_seed": [g for g, _ in pairs], "se_per_seed": [se for _, se in pairs],
-                "mean": _mean([g for g, _ in pairs]), "spread": spread([g for g, _ in pairs]),
-            }  # fmt: skip
-    return {"how": how, "warm": _sampled_means([warm]), "modes": modes}
+        for name, reference in references.items():
+            for key in ("success", "graded"):
+                pairs = [paired_gain(reference, r["per_task"], key) for r in records]
+                modes[mode][f"over_{name}_{key}"] = {
+                    "per_seed": [g for g, _ in pairs], "se_per_seed": [se for _, se in pairs],
+                    "mean": _mean([g for g, _ in pairs]), "spread": spread([g for g, _ in pairs]),
+                }  # fmt: skip
+    means = {name: _sampled_means([reference]) for name, reference in references.items()}
+    return {"how": how, "references": means, "modes": modes}
 
 
 def _sampled_means(scores: Sequence[Mapping]) -> dict:
@@ -312,17 +320,24 @@ def table(report: Mapping) -> str:
 
 
 def sampled_table(sampled: Mapping) -> list[str]:
-    """The sampled dev evaluations: the warm start's scores, then per credit mode its scores and the gain over
-    the warm start per seed (standard error over photos) and over seeds (spread)."""
+    """The sampled dev evaluations: the warm start's scores (per reference), then per credit mode its scores and
+    its gain over each reference per seed (standard error over photos) and over seeds (spread)."""
     if not sampled:
         return []
-    lines = ["", f"dev, sampled ({sampled['how']}) | seeds | success | graded | p>.99 | photos identical | over warm:"
-             " success per seed (se) -> mean (spread) | graded per seed (se) -> mean (spread)"]  # fmt: skip
-    for mode, m in {"warm start": sampled["warm"], **sampled["modes"]}.items():
-        gains = " | ".join(_gain_cell(m.get(f"over_warm_{key}")) for key in ("success", "graded"))
+    names = list(sampled["references"])
+    gains = [
+        f"over {name}: {key} per seed (se) -> mean (spread)"
+        for name in names
+        for key in ("success", "graded")
+    ]
+    lines = ["", " | ".join([f"dev, sampled ({sampled['how']})", "seeds", "success", "graded", "p>.99",
+                             "photos identical", *gains])]  # fmt: skip
+    rows = {f"warm start ({name})": m for name, m in sampled["references"].items()} | sampled["modes"]
+    for mode, m in rows.items():
+        cells = [_gain_cell(m.get(f"over_{name}_{key}")) for name in names for key in ("success", "graded")]
         lines.append(
             f"{mode} | {len(m.get('seeds', [])) or '-'} | {m['success']:.3f} | {m['graded']:.3f} | "
-            f"{m['confident_share']:.3f} | {m['photos_identical']:.1f} | {gains}"
+            f"{m['confident_share']:.3f} | {m['photos_identical']:.1f} | {' | '.join(cells)}"
         )
     return lines
 

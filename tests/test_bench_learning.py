@@ -328,18 +328,24 @@ def test_sampled_scores_average_each_photos_samples_and_compare_photo_by_photo(t
     assert w["graded"] == pytest.approx([0.5 + 0.5 * 0.0, 5 / 6])  # AB: 0 of 6; YG9X2Z: one edit of 6
     n = es.sampled_scores(tmp_path / "now.jsonl", tasks)
     assert n["success"] == [1.0, 0.5]
-    summary = ls.sampled_summary(w, {"outcome": [{"seed": 0, "per_task": n}]}, "T 1.15, 2 per photo")
+    runs = {"outcome": [{"seed": 0, "per_task": n}]}
+    summary = ls.sampled_summary({"warm": w, "cooler": n}, runs, "T 1.15, 2 per photo")
     gain = summary["modes"]["outcome"]["over_warm_success"]
     assert gain["per_seed"] == [pytest.approx(0.5)] and gain["se_per_seed"] == [pytest.approx(0.0)]
     assert math.isnan(gain["spread"])  # one seed
-    assert summary["warm"]["success"] == 0.25 and summary["modes"]["outcome"]["success"] == 0.75
+    assert summary["modes"]["outcome"]["over_cooler_graded"]["per_seed"] == [0.0]  # against itself
+    assert summary["references"]["warm"]["success"] == 0.25 and summary["modes"]["outcome"]["success"] == 0.75
     assert (w["groups_identical"], w["confident_share"], w["tokens_per_episode"]) == (
         1,
         1.0,
         1.0,
     )  # p1: 1 kept
+    assert ls.sampled_summary({"cooler": w}, runs, "") == {}  # no gain without the warm start at the runs' T
     lines = ls.sampled_table(summary)
-    assert "T 1.15, 2 per photo" in lines[1] and lines[2].startswith("warm start | - | 0.250 |")
+    assert "T 1.15, 2 per photo" in lines[1] and "over cooler: graded" in lines[1]
+    assert lines[2].startswith("warm start (warm) | - | 0.250 |") and lines[3].startswith(
+        "warm start (cooler)"
+    )
     assert lines[-1].startswith("outcome | 1 | 0.750 |") and "+0.500 (0.000) -> +0.500 (nan)" in lines[-1]
 
 
