@@ -30,13 +30,17 @@ def read_episodes(path: Path) -> list[Episode]:
 
 def moved(warm_episodes: Path, episodes: Path, tasks: Sequence[Task]) -> dict:
     """Whether training moved the greedy policy: of `tasks` (both evaluations played them), how many episodes
-    differ from the warm start's in any sampled token, and how many of those turned a miss into a success or
-    back (tasks.success of the answers)."""
+    differ from the warm start's in any sampled token, how many of those turned a miss into a success or back
+    (tasks.success of the answers), and the graded reward of both over all tasks (what a near miss gained)."""
     warm, now = _by_task(warm_episodes), _by_task(episodes)
     changed = [t for t in tasks if _sampled(warm[t.task_id]) != _sampled(now[t.task_id])]
     flips = [success(t, now[t.task_id].answer) - success(t, warm[t.task_id].answer) for t in changed]
     won, lost = flips.count(1), flips.count(-1)
-    return {"tasks": len(tasks), "changed": len(changed), "won": won, "lost": lost}
+    graded = {
+        f"graded_{name}": mean([reward_for(t, played[t.task_id].answer, kind="graded") for t in tasks])
+        for name, played in (("warm", warm), ("now", now))
+    }
+    return {"tasks": len(tasks), "changed": len(changed), "won": won, "lost": lost, **graded}
 
 
 def _by_task(path: Path) -> dict[str, Episode]:

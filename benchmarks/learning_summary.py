@@ -250,11 +250,17 @@ def mode_summary(
         "dev_success": _mean(dev), "dev_success_spread": spread(dev), "dev_per_seed": dev,
         "dev_gain": gain, "gain_outside_spread": bool(gain > spread(dev)),
         "dev_changed": [r["eval"].get("vs_warm", {}).get("changed", math.nan) for r in records],
+        "dev_graded_gain": [_graded_gain(r["eval"].get("vs_warm", {})) for r in records],
         "sampled_tokens_per_step": _mean([x for t in trained for x in t["sampled_tokens"]]),
         "step_s": _mean([x for t in trained for x in t["step_s"]]),
         "zero_variance_share": _share(trained),
         "curves": [t["reward"] for t in trained],
     } | over_control(records, controls or {})  # fmt: skip
+
+
+def _graded_gain(vs_warm: Mapping) -> float:
+    """Greedy dev graded reward over the warm start's (NaN in records made before it was kept)."""
+    return vs_warm.get("graded_now", math.nan) - vs_warm.get("graded_warm", math.nan)
 
 
 def summarise(
@@ -303,7 +309,8 @@ def table(report: Mapping) -> str:
     lines += ["", *exploration_table(report["exploration"]), ""]
     lines += [
         "mode | seeds | reward first5 -> last5 (spread) | rises | control first5 -> last5 | over control first5"
-        " -> last5 (spread) | rises | dev success (spread) | gain | dev episodes changed per seed | tokens/step",
+        " -> last5 (spread) | rises | dev success (spread) | gain | dev episodes changed per seed | dev graded gain"
+        " per seed | tokens/step",
     ]
     for mode, m in report["modes"].items():
         lines.append(
@@ -314,7 +321,7 @@ def table(report: Mapping) -> str:
             f"{'yes' if m['rises_over_control'] else 'no'} of {m['controlled_seeds']} | "
             f"{m['dev_success']:.3f} ({m['dev_success_spread']:.3f}) | {m['dev_gain']:+.3f}"
             f"{' *' if m['gain_outside_spread'] else ''} | {' '.join(f'{c:.0f}' for c in m['dev_changed'])} | "
-            f"{m['sampled_tokens_per_step']:.0f}"
+            f"{' '.join(f'{g:+.3f}' for g in m['dev_graded_gain'])} | {m['sampled_tokens_per_step']:.0f}"
         )
     return "\n".join(lines + sampled_table(report.get("sampled", {})))
 

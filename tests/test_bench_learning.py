@@ -96,13 +96,16 @@ def test_the_sweep_keeps_the_default_when_a_rise_is_within_its_noise() -> None:
 
 
 def test_a_mode_rises_when_every_seed_does_and_gains_outside_the_spread() -> None:
-    """Rises needs every seed's last steps above its first; the dev gain counts when it exceeds the seeds' spread."""
+    """Rises needs every seed's last steps above its first; the dev gain counts when it exceeds the seeds' spread.
+    The greedy graded gain is each seed's own (NaN for a record made before it was kept)."""
+    vs_warm = {"graded_warm": 0.6, "graded_now": 0.65}
     seeds = [
-        {"training": trained([0.2] * 5 + [0.6] * 5), "eval": {"success_rate": 0.70}},
+        {"training": trained([0.2] * 5 + [0.6] * 5), "eval": {"success_rate": 0.70, "vs_warm": vs_warm}},
         {"training": trained([0.3] * 5 + [0.5] * 5), "eval": {"success_rate": 0.66}},
     ]
     m = ls.mode_summary(seeds, warm_success=0.51)
     assert m["rises"] and m["reward_first"] == pytest.approx(0.25) and m["reward_last"] == pytest.approx(0.55)
+    assert m["dev_graded_gain"][0] == pytest.approx(0.05) and math.isnan(m["dev_graded_gain"][1])
     assert m["dev_gain"] == pytest.approx(0.17) and m["gain_outside_spread"]
     seeds[1]["training"] = trained([0.5] * 5 + [0.4] * 5)
     seeds[1]["eval"] = {"success_rate": 0.30}
@@ -229,7 +232,8 @@ def dev_photos(n: int) -> list[Task]:
 
 def test_moved_counts_changed_greedy_episodes_and_the_successes_they_turned(tmp_path: Path) -> None:
     """A dev episode counts as changed when any sampled token differs from the warm start's; of those, a miss
-    turned right is won and a success turned wrong is lost; an unchanged episode counts in neither."""
+    turned right is won and a success turned wrong is lost; an unchanged episode counts in neither. The graded
+    reward of both is over every task."""
     tasks = dev_photos(4)
     warm = [
         episode("p0", [5], "YG9X2G"),
@@ -246,7 +250,7 @@ def test_moved_counts_changed_greedy_episodes_and_the_successes_they_turned(tmp_
     (tmp_path / "warm.jsonl").write_text("\n".join(warm) + "\n")
     (tmp_path / "now.jsonl").write_text("\n".join(now) + "\n")
     assert es.moved(tmp_path / "warm.jsonl", tmp_path / "now.jsonl", tasks) == {
-        "tasks": 4, "changed": 3, "won": 1, "lost": 1,
+        "tasks": 4, "changed": 3, "won": 1, "lost": 1, "graded_warm": 0.5, "graded_now": 0.5,
     }  # fmt: skip
 
 
