@@ -15,7 +15,9 @@ Spread over seeds is the sample standard deviation (NaN with one seed). "Rises" 
 of its last K steps is above that of its first K (K = 5, or half the steps of a shorter run); "rises over
 control" the same of the reward minus its seed's control's, step by step (the control samples the same photos
 from the untrained warm start, so the difference leaves out which photos came up); the dev gain is "outside the
-spread" when the mean over seeds of final dev success minus the warm start's exceeds the seeds' spread of it.
+spread" when the mean over seeds of final dev success minus the warm start's exceeds the seeds' spread of it. The
+table marks it (*) only when it also exceeds twice the evaluation's own standard error (`_flip_se`): two seeds
+that each win the same one photo of 49 have no spread, and decide nothing.
 The sampled dev evaluation (several episodes per photo at the training temperature) is compared photo by photo:
 each seed's mean over photos of its score minus the warm start's, with the standard error of that mean over the
 photos (the two evaluations' sampling noise and the photos' together).
@@ -249,6 +251,7 @@ def mode_summary(
         "rises": bool(trained) and all(b > a for a, b in zip(first, last, strict=True)),
         "dev_success": _mean(dev), "dev_success_spread": spread(dev), "dev_per_seed": dev,
         "dev_gain": gain, "gain_outside_spread": bool(gain > spread(dev)),
+        "dev_gain_se": _flip_se([r["eval"].get("vs_warm", {}) for r in records]),
         "dev_changed": [r["eval"].get("vs_warm", {}).get("changed", math.nan) for r in records],
         "dev_graded_gain": [_graded_gain(r["eval"].get("vs_warm", {})) for r in records],
         "sampled_tokens_per_step": _mean([x for t in trained for x in t["sampled_tokens"]]),
@@ -256,6 +259,14 @@ def mode_summary(
         "zero_variance_share": _share(trained),
         "curves": [t["reward"] for t in trained],
     } | over_control(records, controls or {})  # fmt: skip
+
+
+def _flip_se(moves: Sequence[Mapping]) -> float:
+    """The evaluation's standard error of the mean over seeds of dev success gains: per seed, the same photos
+    before and after, so only the photos that flipped vary, sqrt(won + lost) / photos (the paired difference's
+    normal approximation); NaN where a record did not keep them."""
+    per_seed = [math.sqrt(m["won"] + m["lost"]) / m["tasks"] if "won" in m else math.nan for m in moves]
+    return math.sqrt(sum(se * se for se in per_seed)) / len(per_seed) if per_seed else math.nan
 
 
 def _graded_gain(vs_warm: Mapping) -> float:
@@ -320,7 +331,8 @@ def table(report: Mapping) -> str:
             f"{m['over_control_last']:+.3f} ({m['over_control_last_spread']:.3f}) | "
             f"{'yes' if m['rises_over_control'] else 'no'} of {m['controlled_seeds']} | "
             f"{m['dev_success']:.3f} ({m['dev_success_spread']:.3f}) | {m['dev_gain']:+.3f}"
-            f"{' *' if m['gain_outside_spread'] else ''} | {' '.join(f'{c:.0f}' for c in m['dev_changed'])} | "
+            f"{' *' if m['gain_outside_spread'] and m['dev_gain'] > 2 * m['dev_gain_se'] else ''}"
+            f" (se {m['dev_gain_se']:.3f}) | {' '.join(f'{c:.0f}' for c in m['dev_changed'])} | "
             f"{' '.join(f'{g:+.3f}' for g in m['dev_graded_gain'])} | {m['sampled_tokens_per_step']:.0f}"
         )
     return "\n".join(lines + sampled_table(report.get("sampled", {})))

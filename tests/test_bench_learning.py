@@ -96,8 +96,9 @@ def test_the_sweep_keeps_the_default_when_a_rise_is_within_its_noise() -> None:
 
 
 def test_a_mode_rises_when_every_seed_does_and_gains_outside_the_spread() -> None:
-    """Rises needs every seed's last steps above its first; the dev gain counts when it exceeds the seeds' spread.
-    The greedy graded gain is each seed's own (NaN for a record made before it was kept)."""
+    """Rises needs every seed's last steps above its first; the dev gain counts when it exceeds the seeds' spread,
+    and its evaluation noise is that of the photos that flipped. The greedy graded gain is each seed's own (NaN
+    for a record made before it was kept)."""
     vs_warm = {"graded_warm": 0.6, "graded_now": 0.65}
     seeds = [
         {"training": trained([0.2] * 5 + [0.6] * 5), "eval": {"success_rate": 0.70, "vs_warm": vs_warm}},
@@ -112,6 +113,13 @@ def test_a_mode_rises_when_every_seed_does_and_gains_outside_the_spread() -> Non
     m = ls.mode_summary(seeds, warm_success=0.51)
     assert not m["rises"] and not m["gain_outside_spread"]
     assert math.isnan(ls.mode_summary(seeds[:1], warm_success=0.51)["dev_success_spread"])
+    flips = [{"tasks": 49, "won": 1, "lost": 0}, {"tasks": 49, "won": 1, "lost": 0}]
+    one_photo = [
+        {"training": trained([0.5] * 10), "eval": {"success_rate": 0.53, "vs_warm": f}} for f in flips
+    ]
+    m = ls.mode_summary(one_photo, warm_success=0.51)
+    assert m["gain_outside_spread"] and m["dev_gain_se"] == pytest.approx(math.sqrt(2) / 49 / 2)
+    assert m["dev_gain"] < 2 * m["dev_gain_se"]  # one photo won at each seed: no spread, and decided nothing
 
 
 def explored(zero: int, *, tokens: float = 300.0, groups: int = 16) -> dict:
