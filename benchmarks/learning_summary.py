@@ -177,7 +177,8 @@ def _sampled_means(scores: Sequence[Mapping]) -> dict:
 def exploration_summary(run_dir: Path) -> dict:
     """What one step's sampling gave to learn from (its metrics row and rollouts/step_1.jsonl): its groups, those
     without reward variance and those whose episodes are token for token the same, the share of sampled tokens
-    drawn with a probability above episode_stats.CONFIDENT, sampled tokens and turns per episode, and the rollout's seconds."""
+    drawn with a probability above episode_stats.CONFIDENT, sampled tokens and turns per episode, and the
+    rollout's seconds."""
     row = read_metrics(run_dir / "metrics.jsonl")[0]
     episodes = read_episodes(run_dir / "rollouts" / "step_1.jsonl")
     return {
@@ -243,6 +244,7 @@ def mode_summary(
     s_first, s_last = zip(*(ends(t["success"]) for t in trained), strict=True) if trained else ((), ())
     dev = [r["eval"]["success_rate"] for r in records]
     gain = _mean(dev) - warm_success
+    se = _flip_se([r["eval"].get("vs_warm", {}) for r in records])
     return {
         "seeds": len(records),
         "reward_first": _mean(first), "reward_first_spread": spread(first),
@@ -251,7 +253,8 @@ def mode_summary(
         "rises": bool(trained) and all(b > a for a, b in zip(first, last, strict=True)),
         "dev_success": _mean(dev), "dev_success_spread": spread(dev), "dev_per_seed": dev,
         "dev_gain": gain, "gain_outside_spread": bool(gain > spread(dev)),
-        "dev_gain_se": _flip_se([r["eval"].get("vs_warm", {}) for r in records]),
+        "dev_gain_se": se,
+        "gain_beyond_noise": bool(gain > spread(dev) and gain > 2 * se),
         "dev_changed": [r["eval"].get("vs_warm", {}).get("changed", math.nan) for r in records],
         "dev_graded_gain": [_graded_gain(r["eval"].get("vs_warm", {})) for r in records],
         "sampled_tokens_per_step": _mean([x for t in trained for x in t["sampled_tokens"]]),
@@ -331,7 +334,7 @@ def table(report: Mapping) -> str:
             f"{m['over_control_last']:+.3f} ({m['over_control_last_spread']:.3f}) | "
             f"{'yes' if m['rises_over_control'] else 'no'} of {m['controlled_seeds']} | "
             f"{m['dev_success']:.3f} ({m['dev_success_spread']:.3f}) | {m['dev_gain']:+.3f}"
-            f"{' *' if m['gain_outside_spread'] and m['dev_gain'] > 2 * m['dev_gain_se'] else ''}"
+            f"{' *' if m.get('gain_beyond_noise') else ''}"
             f" (se {m['dev_gain_se']:.3f}) | {' '.join(f'{c:.0f}' for c in m['dev_changed'])} | "
             f"{' '.join(f'{g:+.3f}' for g in m['dev_graded_gain'])} | {m['sampled_tokens_per_step']:.0f}"
         )
