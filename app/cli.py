@@ -350,7 +350,8 @@ def trace_cmd(
     out: Annotated[Path, typer.Option("-o", "--out", help="HTML file to write.")] = Path("trace.html"),
 ) -> None:
     """Render episodes as a self-contained HTML trace tree."""
-    from app.trace import load_episodes, write_html
+    from app.trace import write_html
+    from training.metrics import load_episodes
 
     write_html(load_episodes(episodes), out)
     typer.echo(f"wrote {out}")

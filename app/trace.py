@@ -11,7 +11,8 @@ the viewer has no tokenizer, so prompt ids are never decoded), the facts give ea
 task's ledger is a collapsed table (item, recorded text, the turn that recorded it last). One-segment episodes
 without a ledger render as before, apart from the summary's "segments" column.
 
-    from app.trace import load_episodes, write_html
+    from app.trace import write_html
+    from training.metrics import load_episodes
     write_html(load_episodes(Path("rollouts.jsonl")), Path("trace.html"))
 """
 
@@ -84,19 +85,6 @@ def write_html(
     """Render `episodes` and write the page to `path` (UTF-8), creating its folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_html(episodes, title=title, image_base_url=image_base_url), encoding="utf-8")
-
-
-def load_episodes(path: Path) -> list[Episode]:
-    """Episodes from a JSONL rollout log (one `Episode.to_json()` per line; blank lines are skipped)."""
-    episodes = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            episodes.append(Episode.from_json(line))
-        except (ValueError, TypeError, KeyError, AssertionError) as err:  # bad JSON or not an episode's shape
-            raise ValueError(f"{path}:{lineno}: not an episode: {type(err).__name__}: {err}") from err
-    return episodes
 
 
 # ---- episode level ----------------------------------------------------------------------------------------------

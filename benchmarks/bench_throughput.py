@@ -123,10 +123,9 @@ def train_path(path: str, policy: str, steps: int, precision: str) -> dict[str, 
     import torch
 
     from main_agent.tokens import segment_ids
-    from main_agent.types import Episode
     from training.config import load_train_config
     from training.loop import train
-    from training.metrics import read_metrics
+    from training.metrics import load_episodes, read_metrics
 
     use_path(path)
     torch.manual_seed(0)
@@ -141,8 +140,7 @@ def train_path(path: str, policy: str, steps: int, precision: str) -> dict[str, 
     rows = read_metrics(run_dir / "metrics.jsonl")
     per_step = []
     for row in rows:
-        lines = (run_dir / "rollouts" / f"step_{int(row['step'])}.jsonl").read_text().splitlines()
-        episodes = [Episode.from_json(line) for line in lines]
+        episodes = load_episodes(run_dir / "rollouts" / f"step_{int(row['step'])}.jsonl")
         per_step.append(
             {**row, "unique_tokens": unique_tokens([ids for e in episodes for ids in segment_ids(e)])}
         )
@@ -185,8 +183,8 @@ def same_batches(run_dir: str, policy: str, precision: str) -> dict[str, Any]:
     from conductor.models import resolve_model
     from main_agent.tokens import to_sequences
     from main_agent.transformers_policy import load_model
-    from main_agent.types import Episode
     from training.config import load_train_config
+    from training.metrics import load_episodes
     from training.update import update
 
     model, _ = load_model(resolve_model(policy))
@@ -199,7 +197,7 @@ def same_batches(run_dir: str, policy: str, precision: str) -> dict[str, Any]:
     files = sorted(Path(run_dir, "rollouts").glob("step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
     times: dict[str, list[float]] = {"old": [], "new": []}
     for file in files:
-        episodes = [Episode.from_json(line) for line in file.read_text().splitlines()]
+        episodes = load_episodes(file)
         sequences = [s for e in episodes if e.turns for s in to_sequences(e, [1.0] * len(e.turns))]
         for path, cfg in paths.items():
             start = time.perf_counter()
@@ -218,11 +216,11 @@ def drift(run_dir: str, policy: str) -> dict[str, dict[str, float]]:
     from conductor.models import resolve_model
     from main_agent.tokens import collate, micro_batches, to_sequences
     from main_agent.transformers_policy import load_model
-    from main_agent.types import Episode
     from training.loss import batch_logprobs
+    from training.metrics import load_episodes
 
     last = sorted(Path(run_dir, "rollouts").glob("step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))[-1]
-    episodes = [Episode.from_json(line) for line in last.read_text().splitlines()]
+    episodes = load_episodes(last)
     sequences = [s for e in episodes if e.turns for s in to_sequences(e, [0.0] * len(e.turns))]
     model, _ = load_model(resolve_model(policy))
     model.eval()

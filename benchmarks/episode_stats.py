@@ -1,7 +1,6 @@
 """What a study's episode files say, read back from disk (benchmarks/bench_learning.py's records are made of it):
 whether training moved the greedy policy, each photo's sampled scores, and how sure a sampler was.
 
-    readread_episodes(path) -> list[Episode]     one JSON line per episode (a rollouts or evaluation episodes file)
     moved(warm_episodes, episodes, tasks) -> dict   greedy dev episodes changed from the warm start's, won, lost
     sampled_scores(episodes, tasks) -> dict  per task, the mean success and graded reward of its samples
     how_sure(episodes) -> dict               identical groups, tokens drawn with p > CONFIDENT, tokens per episode
@@ -14,18 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from main_agent.types import Episode
-from training.metrics import mean
+from training.metrics import load_episodes, mean
 from training.tasks import Task, reward_for, success
 
 CONFIDENT = 0.99
 """A sampled token drawn with at least this probability could hardly have been another: the share of such tokens
 says how little a temperature explores (the warm start at 1.0: 98 %)."""
-
-
-def read_episodes(path: Path) -> list[Episode]:
-    """The episodes of a JSON-lines file (`training.metrics.save_rollouts` writes them)."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [Episode.from_json(line) for line in lines if line.strip()]
 
 
 def moved(warm_episodes: Path, episodes: Path, tasks: Sequence[Task]) -> dict:
@@ -44,14 +37,14 @@ def moved(warm_episodes: Path, episodes: Path, tasks: Sequence[Task]) -> dict:
 
 
 def _by_task(path: Path) -> dict[str, Episode]:
-    return {e.task_id: e for e in read_episodes(path)}
+    return {e.task_id: e for e in load_episodes(path)}
 
 
 def sampled_scores(episodes: Path, tasks: Sequence[Task]) -> dict:
     """Per task of `tasks`, in order, the mean exact success and graded reward of its episodes in `episodes`
     (an evaluation with samples > 1: several per task), and over them all `how_sure` the sampler was; episodes
     the tools failed are left out, not scored 0."""
-    kept = [e for e in read_episodes(episodes) if e.stop_reason != "infra_failed"]
+    kept = [e for e in load_episodes(episodes) if e.stop_reason != "infra_failed"]
     played: dict[str, list[Episode]] = {}
     for e in kept:
         played.setdefault(e.task_id, []).append(e)

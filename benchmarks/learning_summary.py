@@ -30,8 +30,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from benchmarks.episode_stats import how_sure, read_episodes
-from training.metrics import read_metrics
+from benchmarks.episode_stats import how_sure
+from training.metrics import load_episodes, read_metrics
 
 K = 5
 """Steps averaged at each end of a curve."""
@@ -180,7 +180,7 @@ def exploration_summary(run_dir: Path) -> dict:
     drawn with a probability above episode_stats.CONFIDENT, sampled tokens and turns per episode, and the
     rollout's seconds."""
     row = read_metrics(run_dir / "metrics.jsonl")[0]
-    episodes = read_episodes(run_dir / "rollouts" / "step_1.jsonl")
+    episodes = load_episodes(run_dir / "rollouts" / "step_1.jsonl")
     return {
         "groups": row["groups/total"],
         "groups_zero_variance": row["groups/zero_variance"],

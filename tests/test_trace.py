@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from app.trace import load_episodes, render_html, write_html
+from app.trace import render_html, write_html
 from main_agent.types import Episode, ParseError, Record, ToolCall, ToolResult, Turn
+from training.metrics import load_episodes
 
 XSS = "<script>alert(1)</script>"
 

@@ -161,6 +161,20 @@ def save_rollouts(path: Path, episodes: Sequence[Episode]) -> None:
     path.write_text("".join(e.to_json() + "\n" for e in episodes), encoding="utf-8")
 
 
+def load_episodes(path: Path) -> list[Episode]:
+    """The episodes `save_rollouts` wrote (blank lines skipped); a line that is not an episode is an error naming
+    the file and line, not a skipped episode."""
+    episodes = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            episodes.append(Episode.from_json(line))
+        except (ValueError, TypeError, KeyError, AssertionError) as err:  # bad JSON or not an episode's shape
+            raise ValueError(f"{path}:{lineno}: not an episode: {type(err).__name__}: {err}") from err
+    return episodes
+
+
 def trim_metrics(path: Path, *, after_step: int) -> None:
     """Drop rows past `after_step`: a run killed after logging a step but before its checkpoint redoes the step
     on resume, and the file must hold each step once."""
