@@ -233,13 +233,7 @@ async def play_turn(
     the turn's records. Raises PolicyError / ToolServerError on infra failure, ReplayDiverged when a replayed
     turn observes something else than it did."""
     t0 = time.monotonic()
-    room = cfg.max_context_tokens - len(ids)
-    sample = (
-        await policy.sample(ids, max_new_tokens=min(cfg.max_new_tokens, room)) if replay is None else None
-    )
-    sample = sample or Sample(
-        replay.completion_ids, replay.completion_logprobs, replay.completion_text, "stop"
-    )
+    sample = await _sample(ids, policy, cfg, replay)
     t1 = time.monotonic()
     names = [str(t["function"]["name"]) for t in task.tools]  # type: ignore[index]
     parsed = parse_completion(prefix + sample.text, tool_names=names)
@@ -249,12 +243,8 @@ async def play_turn(
         tools, calls, session=session, tokenizer=tokenizer, budget=cfg.observation_tokens
     )
     t2 = time.monotonic()
-    answer = parsed.answer if not calls else None
     errors = list(parsed.errors) + bad_items + _dropped_note(len(parsed.calls) - len(calls))
-    if cfg.untagged_is_answer and not calls and answer is None and [e.kind for e in errors] == ["no_action"]:
-        answer, errors = sample.text.strip(), []
-    if answer is not None and task.items:
-        answer = ledger_answer(ledger, answer)
+    answer, errors = _answer(parsed.answer if not calls else None, sample.text, errors, cfg, task, ledger)
     progress = record_progress(task.context, ledger) if records else ""
     text, obs_ids = "", []
     if answer is None:  # the episode goes on: the observation follows the completion
@@ -280,6 +270,31 @@ async def play_turn(
             f"replayed turn observed {text[:200]!r}, first time {replay.observation_text[:200]!r}"
         )
     return turn, answer
+
+
+async def _sample(ids: list[int], policy: Policy, cfg: RolloutConfig, replay: Turn | None) -> Sample:
+    """The policy's completion within the context left, or the replayed turn's own sample."""
+    if replay is not None:
+        return Sample(replay.completion_ids, replay.completion_logprobs, replay.completion_text, "stop")
+    room = cfg.max_context_tokens - len(ids)
+    return await policy.sample(ids, max_new_tokens=min(cfg.max_new_tokens, room))
+
+
+def _answer(
+    answer: str | None,
+    text: str,
+    errors: list[ParseError],
+    cfg: RolloutConfig,
+    task: RolloutTask,
+    ledger: list[str | None],
+) -> tuple[str | None, list[ParseError]]:
+    """The turn's answer (None: the episode goes on) and the errors left for the policy to read: untagged text
+    is the answer where `untagged_is_answer` allows it, and an item task's answer is its ledger."""
+    if cfg.untagged_is_answer and answer is None and [e.kind for e in errors] == ["no_action"]:
+        answer, errors = text.strip(), []
+    if answer is not None and task.items:
+        answer = ledger_answer(ledger, answer)
+    return answer, errors
 
 
 def _record(records: Sequence[Record], ledger: list[str | None]) -> tuple[list[Record], list[ParseError]]:
