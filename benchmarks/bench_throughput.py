@@ -377,9 +377,20 @@ def page_qa_profile(data: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- the table
 
 
+Row = tuple[str, str, str, str]
+
+
 def table(result: dict[str, Any]) -> str:
+    """The measures, old against new, one row each: training, the sub-agents, page_qa's batching, the drift."""
+    rows = [("measure", "old", "new", "new/old or old/new"), *_train_rows(result), *_subagent_rows(result)]
+    rows += _page_qa_rows(result) + _drift_rows(result)
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def _train_rows(result: dict[str, Any]) -> list[Row]:
     old, new = result["train"]["old"], result["train"]["new"]
-    rows = [("measure", "old", "new", "new/old or old/new")]
+    rows = []
     for key, label, better in (
         ("update_s", "update s/step", "lower"),
         ("rollout_s", "rollout s/step", "lower"),
@@ -394,71 +405,51 @@ def table(result: dict[str, Any]) -> str:
         ratio = a / b if better == "lower" else b / a if better == "higher" else math.nan
         rows.append((label, f"{a:.3g}", f"{b:.3g}", f"{ratio:.2f}x" if math.isfinite(ratio) else ""))
     same = result["same_batches"]
+    old_s, new_s = statistics.fmean(same["old_s"]), statistics.fmean(same["new_s"])
     rows.append(
-        (
-            "update on the same batches s/step",
-            f"{statistics.fmean(same['old_s']):.3g}",
-            f"{statistics.fmean(same['new_s']):.3g}",
-            f"{same['ratio']:.2f}x",
-        )
+        ("update on the same batches s/step", f"{old_s:.3g}", f"{new_s:.3g}", f"{same['ratio']:.2f}x")
     )
+    return rows
+
+
+def _subagent_rows(result: dict[str, Any]) -> list[Row]:
+    rows = []
     for path in ("old", "new"):
         for level in result["subagents"][path]["read"]:
-            rows.append(
-                (
-                    f"OCR read c={level['concurrency']} p50/p95 ms ({path})",
-                    f"{level['p50_ms']:.0f}",
-                    f"{level['p95_ms']:.0f}",
-                    "",
-                )
-            )
-    qa = result["subagents"]["new"]["page_qa"]
-    rows.append(
-        (
-            "page_qa 8 one by one / at once s",
-            f"{qa['sequential']['wall_s']:.1f}",
-            f"{qa['concurrent']['wall_s']:.1f}",
-            f"{qa['speedup']:.2f}x",
-        )
-    )
-    if (vllm_qa := result.get("page_qa_vllm")) is not None:
-        rows.append(
-            (
-                "page_qa 8 one by one / at once s (vLLM backend)",
-                f"{vllm_qa['sequential']['wall_s']:.1f}",
-                f"{vllm_qa['concurrent']['wall_s']:.1f}",
-                f"{vllm_qa['speedup']:.2f}x",
-            )
-        )
+            label = f"OCR read c={level['concurrency']} p50/p95 ms ({path})"
+            rows.append((label, f"{level['p50_ms']:.0f}", f"{level['p95_ms']:.0f}", ""))
+    backends = {"": result["subagents"]["new"]["page_qa"], " (vLLM backend)": result.get("page_qa_vllm")}
+    for where, qa in backends.items():
+        if qa is not None:
+            one, many = qa["sequential"]["wall_s"], qa["concurrent"]["wall_s"]
+            label = f"page_qa 8 one by one / at once s{where}"
+            rows.append((label, f"{one:.1f}", f"{many:.1f}", f"{qa['speedup']:.2f}x"))
+    return rows
+
+
+def _page_qa_rows(result: dict[str, Any]) -> list[Row]:
+    rows = []
     for precision in ("fp32", "bf16"):
         prof = result["page_qa_profile"][precision]
-        rows.append(
-            (
-                f"page_qa prefill 8 one by one / batch s ({precision})",
-                f"{prof['prefill_one_by_one_s']:.1f}",
-                f"{prof['prefill_batch_s']:.1f}",
-                f"{prof['prefill_one_by_one_s'] / prof['prefill_batch_s']:.2f}x",
-            )
+        one, batch = prof["prefill_one_by_one_s"], prof["prefill_batch_s"]
+        rows.append((f"page_qa prefill 8 one by one / batch s ({precision})", f"{one:.1f}", f"{batch:.1f}",
+                     f"{one / batch:.2f}x"))  # fmt: skip
+        one, batch = prof["generate_one_by_one_s"], prof["generate_batch_s"]
+        rows.append((f"page_qa generate 8 one by one / batch s ({precision})", f"{one:.1f}", f"{batch:.1f}",
+                     f"{prof['speedup']:.2f}x"))  # fmt: skip
+    return rows
+
+
+def _drift_rows(result: dict[str, Any]) -> list[Row]:
+    return [
+        (
+            f"ratio mean / max dev / outside clip ({precision})",
+            f"{d['ratio_mean']:.4f}",
+            f"{d['ratio_max_dev']:.3g}",
+            f"{d['outside_clip']:.4f}",
         )
-        rows.append(
-            (
-                f"page_qa generate 8 one by one / batch s ({precision})",
-                f"{prof['generate_one_by_one_s']:.1f}",
-                f"{prof['generate_batch_s']:.1f}",
-                f"{prof['speedup']:.2f}x",
-            )
-        )
-    for precision, d in result["drift"].items():
-        rows.append(
-            (
-                f"ratio mean / max dev / outside clip ({precision})",
-                f"{d['ratio_mean']:.4f}",
-                f"{d['ratio_max_dev']:.3g}",
-                f"{d['outside_clip']:.4f}",
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+        for precision, d in result["drift"].items()
+    ]
 
 
 def main() -> None:
