@@ -236,7 +236,7 @@ def plot(rows: list[dict], n: int, out: Path) -> Path:
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", default="runs/sft-audit/model", help="the SFT warm start")
     parser.add_argument("--ns", type=int, nargs="+", default=[1, 4, 8], help="photos per episode")
@@ -251,19 +251,17 @@ def main() -> None:
     parser.add_argument("--sampler", default="transformers", choices=("transformers", "vllm", "auto"))
     parser.add_argument("--recorded", action="store_true", help="run nothing: tabulate the recorded stages")
     parser.add_argument("--tag", default="", help="names the runs and results apart")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     suffix = f"_{args.tag}" if args.tag else ""
     results = ROOT / "benchmarks" / "results"
     opts = Options(
-        args.policy,
-        args.steps,
-        args.batch_tasks,
-        args.eval_n,
-        args.sampler,
-        ROOT / "runs" / f"horizon{suffix}",
-        results / f"bench_horizon{suffix}",
-        args.recorded,
-    )
+        args.policy, args.steps, args.batch_tasks, args.eval_n, args.sampler, ROOT / "runs" / f"horizon{suffix}",
+        results / f"bench_horizon{suffix}", args.recorded,
+    )  # fmt: skip
     start = time.monotonic()
     longest = max(args.ns)
     plan = [
