@@ -1,7 +1,7 @@
 """What a study's episode files say, read back from disk (benchmarks/bench_learning.py's records are made of it):
 whether training moved the greedy policy, each photo's sampled scores, and how sure a sampler was.
 
-    moved(warm_episodes, episodes, tasks) -> dict   greedy dev episodes changed from the warm start's, won, lost
+    moved(warm_episodes, episodes, tasks) -> dict   greedy dev episodes changed in tokens, in acts, won, lost
     sampled_scores(episodes, tasks) -> dict  per task, the mean success and graded reward of its samples
     how_sure(episodes) -> dict               identical groups, tokens drawn with p > CONFIDENT, tokens per episode
 """
@@ -23,17 +23,27 @@ says how little a temperature explores (the warm start at 1.0: 98 %)."""
 
 def moved(warm_episodes: Path, episodes: Path, tasks: Sequence[Task]) -> dict:
     """Whether training moved the greedy policy: of `tasks` (both evaluations played them), how many episodes
-    differ from the warm start's in any sampled token, how many of those turned a miss into a success or back
-    (tasks.success of the answers), and the graded reward of both over all tasks (what a near miss gained)."""
+    differ from the warm start's in any sampled token, how many in what they did (`acted`: a call, a record or
+    the answer; a policy that only learned to stop before `</answer>` changes every episode's tokens and none of
+    its acts), how many turned a miss into a success or back (tasks.success of the answers), and the graded
+    reward of both over all tasks (what a near miss gained)."""
     warm, now = _by_task(warm_episodes), _by_task(episodes)
     changed = [t for t in tasks if _sampled(warm[t.task_id]) != _sampled(now[t.task_id])]
+    acted = [t for t in changed if _acts(warm[t.task_id]) != _acts(now[t.task_id])]
     flips = [success(t, now[t.task_id].answer) - success(t, warm[t.task_id].answer) for t in changed]
     won, lost = flips.count(1), flips.count(-1)
     graded = {
         f"graded_{name}": mean([reward_for(t, played[t.task_id].answer, kind="graded") for t in tasks])
         for name, played in (("warm", warm), ("now", now))
     }
-    return {"tasks": len(tasks), "changed": len(changed), "won": won, "lost": lost, **graded}
+    return {
+        "tasks": len(tasks),
+        "changed": len(changed),
+        "acted": len(acted),
+        "won": won,
+        "lost": lost,
+        **graded,
+    }
 
 
 def _by_task(path: Path) -> dict[str, Episode]:
@@ -66,6 +76,13 @@ def sampled_scores(episodes: Path, tasks: Sequence[Task]) -> dict:
 
 def _sampled(episode: Episode) -> list[list[int]]:
     return [turn.completion_ids for turn in episode.turns]
+
+
+def _acts(episode: Episode) -> tuple[list, list, str | None]:
+    """What an episode did, turn by turn: its calls (name and arguments), its records, then its answer."""
+    calls = [[(c.name, c.arguments) for c in turn.calls] for turn in episode.turns]
+    records = [[(r.item, r.text) for r in turn.records] for turn in episode.turns]
+    return calls, records, episode.answer
 
 
 def how_sure(episodes: Sequence[Episode]) -> dict:

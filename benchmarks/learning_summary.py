@@ -256,6 +256,7 @@ def mode_summary(
         "dev_gain_se": se,
         "gain_beyond_noise": bool(gain > spread(dev) and gain > 2 * se),
         "dev_changed": [r["eval"].get("vs_warm", {}).get("changed", math.nan) for r in records],
+        "dev_acted": [r["eval"].get("vs_warm", {}).get("acted", math.nan) for r in records],
         "dev_graded_gain": [_graded_gain(r["eval"].get("vs_warm", {})) for r in records],
         "sampled_tokens_per_step": _mean([x for t in trained for x in t["sampled_tokens"]]),
         "step_s": _mean([x for t in trained for x in t["step_s"]]),
@@ -323,7 +324,8 @@ def table(report: Mapping) -> str:
     lines += ["", *exploration_table(report["exploration"]), ""]
     lines += [
         "mode | seeds | reward first5 -> last5 (spread) | rises | control first5 -> last5 | over control first5"
-        " -> last5 (spread) | rises | dev success (spread) | gain | dev episodes changed per seed | dev graded gain"
+        " -> last5 (spread) | rises | dev success (spread) | gain | dev episodes acted otherwise (tokens) per seed"
+        " | dev graded gain"
         " per seed | tokens/step",
     ]
     for mode, m in report["modes"].items():
@@ -335,10 +337,16 @@ def table(report: Mapping) -> str:
             f"{'yes' if m['rises_over_control'] else 'no'} of {m['controlled_seeds']} | "
             f"{m['dev_success']:.3f} ({m['dev_success_spread']:.3f}) | {m['dev_gain']:+.3f}"
             f"{' *' if m.get('gain_beyond_noise') else ''}"
-            f" (se {m['dev_gain_se']:.3f}) | {' '.join(f'{c:.0f}' for c in m['dev_changed'])} | "
+            f" (se {m['dev_gain_se']:.3f}) | {_changed_cell(m)} | "
             f"{' '.join(f'{g:+.3f}' for g in m['dev_graded_gain'])} | {m['sampled_tokens_per_step']:.0f}"
         )
     return "\n".join(lines + sampled_table(report.get("sampled", {})))
+
+
+def _changed_cell(m: Mapping) -> str:
+    """Per seed, the greedy dev episodes that acted otherwise than the warm start's, and those whose tokens
+    changed at all in parentheses: "7 (49)"."""
+    return " ".join(f"{a:.0f} ({c:.0f})" for a, c in zip(m["dev_acted"], m["dev_changed"], strict=True))
 
 
 def sampled_table(sampled: Mapping) -> list[str]:

@@ -239,26 +239,29 @@ def dev_photos(n: int) -> list[Task]:
 
 
 def test_moved_counts_changed_greedy_episodes_and_the_successes_they_turned(tmp_path: Path) -> None:
-    """A dev episode counts as changed when any sampled token differs from the warm start's; of those, a miss
-    turned right is won and a success turned wrong is lost; an unchanged episode counts in neither. The graded
+    """A dev episode counts as changed when any sampled token differs from the warm start's, and as acted
+    otherwise when its calls, records or answer do (p4: other tokens, the same answer); of the changed, a miss
+    turned right is won and a success turned wrong is lost; an unchanged episode counts in none. The graded
     reward of both is over every task."""
-    tasks = dev_photos(4)
+    tasks = dev_photos(5)
     warm = [
         episode("p0", [5], "YG9X2G"),
         episode("p1", [5], "AB"),
         episode("p2", [5], "YG9X2G"),
         episode("p3", [5], "AB"),
+        episode("p4", [5], "AB"),
     ]
     now = [
         episode("p0", [5], "YG9X2G"),
         episode("p1", [6], "YG9X2G"),
         episode("p2", [6], "AB"),
         episode("p3", [7], "CD"),
+        episode("p4", [8], "AB"),
     ]
     (tmp_path / "warm.jsonl").write_text("\n".join(warm) + "\n")
     (tmp_path / "now.jsonl").write_text("\n".join(now) + "\n")
     assert es.moved(tmp_path / "warm.jsonl", tmp_path / "now.jsonl", tasks) == {
-        "tasks": 4, "changed": 3, "won": 1, "lost": 1, "graded_warm": 0.5, "graded_now": 0.5,
+        "tasks": 5, "changed": 4, "acted": 3, "won": 1, "lost": 1, "graded_warm": 0.4, "graded_now": 0.4,
     }  # fmt: skip
 
 
