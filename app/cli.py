@@ -353,7 +353,12 @@ def trace_cmd(
     from app.trace import write_html
     from training.metrics import load_episodes
 
-    write_html(load_episodes(episodes), out)
+    try:
+        loaded = load_episodes(episodes)
+    except (OSError, ValueError) as exc:  # no such file, or a line that is not an episode (named)
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    write_html(loaded, out)
     typer.echo(f"wrote {out}")
 
 

@@ -48,6 +48,25 @@ def test_help_lists_every_command():
         assert command in out.stdout
 
 
+def test_trace_renders_an_episodes_file_and_names_a_bad_line(tmp_path):
+    """`conductor trace` writes one page holding every episode of the file; a line that is not an episode, or a
+    file that is not there, is one error line naming it, exit code 2, nothing written."""
+    from tests.test_trace import episodes
+
+    log = tmp_path / "rollouts.jsonl"
+    log.write_text("".join(e.to_json() + "\n" for e in episodes()), encoding="utf-8")
+    out = conductor("trace", str(log), "-o", str(tmp_path / "trace.html"))
+    assert out.returncode == 0, out.stderr
+    page = (tmp_path / "trace.html").read_text(encoding="utf-8")
+    assert all(e.task_id in page for e in episodes())
+    log.write_text(episodes()[0].to_json() + "\n{not json\n", encoding="utf-8")
+    assert "rollouts.jsonl:2: not an episode" in user_error(
+        conductor("trace", str(log), "-o", str(tmp_path / "b.html"))
+    )
+    assert "missing.jsonl" in user_error(conductor("trace", str(tmp_path / "missing.jsonl")))
+    assert not (tmp_path / "b.html").exists()
+
+
 def test_ask_refuses_an_empty_question():
     """An empty question is a clear error with exit code 2, not a traceback."""
     out = conductor("ask", "   ")
