@@ -52,8 +52,9 @@ def _by_task(path: Path) -> dict[str, Episode]:
 
 def sampled_scores(episodes: Path, tasks: Sequence[Task]) -> dict:
     """Per task of `tasks`, in order, the mean exact success and graded reward of its episodes in `episodes`
-    (an evaluation with samples > 1: several per task), and over them all `how_sure` the sampler was; episodes
-    the tools failed are left out, not scored 0."""
+    (an evaluation with samples > 1: several per task), and over them all the share that ended without an answer
+    (out of turns or context) and `how_sure` the sampler was; episodes the tools failed are left out, not scored
+    0."""
     kept = [e for e in load_episodes(episodes) if e.stop_reason != "infra_failed"]
     played: dict[str, list[Episode]] = {}
     for e in kept:
@@ -70,6 +71,7 @@ def sampled_scores(episodes: Path, tasks: Sequence[Task]) -> dict:
         "samples": [len(played.get(t.task_id, [])) for t in tasks],
         "success": [mean_of(success, t) for t in tasks],
         "graded": [mean_of(graded, t) for t in tasks],
+        "unanswered": mean([float(e.answer is None) for e in kept]),
         **how_sure(kept),
     }
 

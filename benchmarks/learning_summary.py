@@ -165,12 +165,14 @@ def sampled_summary(
 
 
 def _sampled_means(scores: Sequence[Mapping]) -> dict:
-    """Over seeds, the mean of each sampled evaluation's success, graded reward and `how_sure` measures."""
+    """Over seeds, the mean of each sampled evaluation's success, graded reward, share of episodes without an
+    answer and `how_sure` measures."""
     return {
         "success": _mean([_mean(s["success"]) for s in scores]),
         "graded": _mean([_mean(s["graded"]) for s in scores]),
         "confident_share": _mean([s.get("confident_share", math.nan) for s in scores]),
         "photos_identical": _mean([s.get("groups_identical", math.nan) for s in scores]),
+        "unanswered": _mean([s.get("unanswered", math.nan) for s in scores]),
     }
 
 
@@ -361,13 +363,13 @@ def sampled_table(sampled: Mapping) -> list[str]:
         for key in ("success", "graded")
     ]
     lines = ["", " | ".join([f"dev, sampled ({sampled['how']})", "seeds", "success", "graded", "p>.99",
-                             "photos identical", *gains])]  # fmt: skip
+                             "photos identical", "no answer", *gains])]  # fmt: skip
     rows = {f"warm start ({name})": m for name, m in sampled["references"].items()} | sampled["modes"]
     for mode, m in rows.items():
         cells = [_gain_cell(m.get(f"over_{name}_{key}")) for name in names for key in ("success", "graded")]
         lines.append(
             f"{mode} | {len(m.get('seeds', [])) or '-'} | {m['success']:.3f} | {m['graded']:.3f} | "
-            f"{m['confident_share']:.3f} | {m['photos_identical']:.1f} | {' | '.join(cells)}"
+            f"{m['confident_share']:.3f} | {m['photos_identical']:.1f} | {m['unanswered']:.3f} | {' | '.join(cells)}"
         )
     return lines
 

@@ -330,19 +330,20 @@ def test_the_control_is_the_main_run_at_learning_rate_0_named_by_its_seed(
 def test_sampled_scores_average_each_photos_samples_and_compare_photo_by_photo(tmp_path: Path) -> None:
     """Each dev photo's score is the mean over its samples (an episode the tools failed left out, not scored 0),
     with how sure the sampler was over them all; a run's gain over the warm start is the mean over photos of the
-    paired difference, with its standard error over photos; the table shows both."""
+    paired difference, with its standard error over photos; the table shows both, and the share of episodes
+    that ended without an answer."""
     tasks = dev_photos(2)
     warm = [episode("p0", [1], "YG9X2G"), episode("p0", [2], "AB"), episode("p1", [1], "YG9X2Z"),
             episode("p1", [2], "YG9X2G", stop_reason="infra_failed")]  # fmt: skip
     now = [episode("p0", [1], "YG9X2G"), episode("p0", [1], "YG9X2G"), episode("p1", [3], "YG9X2G"),
-           episode("p1", [4], "AB")]  # fmt: skip
+           episode("p1", [4], None, stop_reason="max_turns")]  # type: ignore[arg-type]  # fmt: skip
     (tmp_path / "warm.jsonl").write_text("\n".join(warm) + "\n")
     (tmp_path / "now.jsonl").write_text("\n".join(now) + "\n")
     w = es.sampled_scores(tmp_path / "warm.jsonl", tasks)
     assert w["samples"] == [2, 1] and w["success"] == [0.5, 0.0]
     assert w["graded"] == pytest.approx([0.5 + 0.5 * 0.0, 5 / 6])  # AB: 0 of 6; YG9X2Z: one edit of 6
     n = es.sampled_scores(tmp_path / "now.jsonl", tasks)
-    assert n["success"] == [1.0, 0.5]
+    assert n["success"] == [1.0, 0.5] and (w["unanswered"], n["unanswered"]) == (0.0, 0.25)
     runs = {"outcome": [{"seed": 0, "per_task": n}]}
     summary = ls.sampled_summary({"warm": w, "cooler": n}, runs, "T 1.15, 2 per photo")
     gain = summary["modes"]["outcome"]["over_warm_success"]
@@ -357,7 +358,7 @@ def test_sampled_scores_average_each_photos_samples_and_compare_photo_by_photo(t
     )  # p1: 1 kept
     assert ls.sampled_summary({"cooler": w}, runs, "") == {}  # no gain without the warm start at the runs' T
     lines = ls.sampled_table(summary)
-    assert "T 1.15, 2 per photo" in lines[1] and "over cooler: graded" in lines[1]
+    assert "T 1.15, 2 per photo" in lines[1] and "over cooler: graded" in lines[1] and "no answer" in lines[1]
     assert lines[2].startswith("warm start (warm) | - | 0.250 |") and lines[3].startswith(
         "warm start (cooler)"
     )
