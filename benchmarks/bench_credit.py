@@ -43,11 +43,12 @@ distribution, not the same draws.
 Cost, in sampled tokens. Per episode of T turns, in turns sampled: the episode T; branch (k = 2 around 2 turns)
 ~4T; branch_all k T²/2 (every turn) or ~k m T (m scored turns); the truth R T²/2 + T/G (every turn) or ~m R T. The
 smoke runs sampled 5-7 tokens/s on 2 cores shared with a training run, at nice 19 (idle 2 cores: ~13 with
-transformers, bench_ray; ~3x that with vLLM, bench_sampler). With the warm start's T ≈ 2 + 4N and ~50 tokens a
-turn (bench_horizon), the full study (24 episodes, N 1 2 4 8, 16 replays, every turn) is ~18M tokens: ~35 days
-at 6 tokens/s, ~16 at 13, ~5 with vLLM: a GPU's study. Two 3-hour sessions hold ~0.28M tokens at 13/s, ~0.85M
-with vLLM: `--n-items 1 2 4 --episodes 12 --truth-turns 2 --set sampling.backend=vllm --set
-sampling.temperature=1.15` (~0.84M; 24 scored turns and 12 within-episode pairs per N, intervals of about ±0.3)
+transformers, bench_ray; 25-26 with vLLM and the tools, bench_learning's rollouts). With the warm start's
+T ≈ 2 + 4N and ~50 tokens a turn (bench_horizon), the full study (24 episodes, N 1 2 4 8, 16 replays, every
+turn) is ~18M tokens: ~35 days at 6 tokens/s, ~16 at 13, ~8 with vLLM: a GPU's study. Two 3-hour sessions hold
+~0.28M tokens at 13/s, ~0.55M with vLLM: `--n-items 1 2 4 --episodes 12 --truth-turns 2 --set
+sampling.backend=vllm --set sampling.temperature=1.15` (~0.84M, three to four sessions, `--n-items 1 2` alone
+~0.4M in two; 24 scored turns and 12 within-episode pairs per N, intervals of about ±0.3)
 or, with transformers, `--n-items 1 2 --episodes 8 --truth-turns 2 --set sampling.temperature=1.15` (~0.26M).
 The temperature is bench_learning's choice: at 1.0 an SFT warm start's groups come out identical (the smoke runs:
 every truth 0, every score undefined), and what training samples at is what its credit must be graded on. Before
