@@ -259,9 +259,15 @@ def main() -> None:
     suffix = f"_{args.tag}" if args.tag else ""
     results = ROOT / "benchmarks" / "results"
     opts = Options(
-        args.policy, args.steps, args.batch_tasks, args.eval_n, args.sampler, ROOT / "runs" / f"horizon{suffix}",
-        results / f"bench_horizon{suffix}", args.recorded,
-    )  # fmt: skip
+        args.policy,
+        args.steps,
+        args.batch_tasks,
+        args.eval_n,
+        args.sampler,
+        ROOT / "runs" / f"horizon{suffix}",
+        results / f"bench_horizon{suffix}",
+        args.recorded,
+    )
     start = time.monotonic()
     longest = max(args.ns)
     plan = [

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.fake_openai_server import unused_port
+from tests.test_trace import episodes
 
 REPO = Path(__file__).resolve().parent.parent
 ASK = ("ask", "What does page_qa return?", "--max-turns", "1", "--json")
@@ -51,8 +52,6 @@ def test_help_lists_every_command():
 def test_trace_renders_an_episodes_file_and_names_a_bad_line(tmp_path):
     """`conductor trace` writes one page holding every episode of the file; a line that is not an episode, or a
     file that is not there, is one error line naming it, exit code 2, nothing written."""
-    from tests.test_trace import episodes
-
     log = tmp_path / "rollouts.jsonl"
     log.write_text("".join(e.to_json() + "\n" for e in episodes()), encoding="utf-8")
     out = conductor("trace", str(log), "-o", str(tmp_path / "trace.html"))
