@@ -233,6 +233,7 @@ def over_control(records: Sequence[Mapping], controls: Mapping[int, Sequence[flo
         "over_control_first": _mean(first), "over_control_last": _mean(last),
         "over_control_last_spread": spread(last),
         "rises_over_control": bool(pairs) and all(b > a for a, b in zip(first, last, strict=True)),
+        "seeds_rising_over_control": sum(b > a for a, b in zip(first, last, strict=True)),
     }  # fmt: skip
 
 
@@ -326,7 +327,7 @@ def table(report: Mapping) -> str:
     lines += ["", *exploration_table(report["exploration"]), ""]
     lines += [
         "mode | seeds | reward first5 -> last5 (spread) | rises | control first5 -> last5 | over control first5"
-        " -> last5 (spread) | rises | dev success (spread) | gain | dev episodes acted otherwise (tokens) per seed"
+        " -> last5 (spread) | seeds rising | dev success (spread) | gain | dev episodes acted otherwise (tokens) per seed"
         " | dev graded gain"
         " per seed | tokens/step",
     ]
@@ -336,7 +337,7 @@ def table(report: Mapping) -> str:
             f"{m['reward_last']:.3f} ({m['reward_last_spread']:.3f}) | {'yes' if m['rises'] else 'no'} | "
             f"{m['control_first']:.3f} -> {m['control_last']:.3f} | {m['over_control_first']:+.3f} -> "
             f"{m['over_control_last']:+.3f} ({m['over_control_last_spread']:.3f}) | "
-            f"{'yes' if m['rises_over_control'] else 'no'} of {m['controlled_seeds']} | "
+            f"{m['seeds_rising_over_control']} of {m['controlled_seeds']} | "
             f"{m['dev_success']:.3f} ({m['dev_success_spread']:.3f}) | {m['dev_gain']:+.3f}"
             f"{' *' if m.get('gain_beyond_noise') else ''}"
             f" (se {m['dev_gain_se']:.3f}) | {_changed_cell(m)} | "

@@ -289,7 +289,7 @@ def test_the_warm_starts_episodes_are_evaluated_again_where_only_its_record_came
 def test_the_reward_over_the_control_leaves_out_which_photos_came_up() -> None:
     """A run whose curve is its control's plus a constant rises with its photos but not over its control; one
     that pulls away from its control rises over it; a run whose seed has no control is left out of the
-    comparison, not compared with another seed's."""
+    comparison, not compared with another seed's; the seeds that rise over their controls are counted."""
     control = [0.2, 0.2, 0.8, 0.8]
     same = {"seed": 0, "training": trained([0.3, 0.3, 0.9, 0.9])}
     away = {"seed": 1, "training": trained([0.2, 0.3, 0.9, 1.0])}
@@ -302,6 +302,8 @@ def test_the_reward_over_the_control_leaves_out_which_photos_came_up() -> None:
     assert flat["control_first"] == pytest.approx(0.2) and flat["control_last"] == pytest.approx(0.8)
     rising = ls.over_control([away], {1: control})
     assert rising["rises_over_control"] and rising["over_control_last"] == pytest.approx(0.15)
+    both = ls.over_control([same, away], {0: control, 1: control})
+    assert both["seeds_rising_over_control"] == 1 and not both["rises_over_control"]
     assert ls.over_control([same], {})["controlled_seeds"] == 0
 
 
