@@ -113,7 +113,7 @@ async def branch_stage(
         mine = None if scored is None else {(0, i): turns for (h, i), turns in scored.items() if h == g}
         values, stats = await branch_values(
             [group], [task], policy=s.policy, tools=s.tools, tokenizer=s.tokenizer, cfg=cfg, step=g,
-            reward_of=rewarded(cfg.turn_rewards), chosen=mine,
+            reward_of=rewarded(cfg.turn_rewards, cfg.reward_kind), chosen=mine,
         )  # fmt: skip
         episodes = [[dataclasses.asdict(v) for v in per_episode] for per_episode in values[0]]
         records.append({"group": g, "values": episodes, "stats": dataclasses.asdict(stats)})
@@ -152,7 +152,7 @@ async def truth_stage(
 ) -> None:
     """`replays` continuations of every state the scored turns need, a state recorded as it finishes."""
     done = {tuple(r["state"]) for r in records.read()}
-    reward_of = rewarded(s.cfg.turn_rewards)
+    reward_of = rewarded(s.cfg.turn_rewards, s.cfg.reward_kind)
     at_once = asyncio.Semaphore(max(1, s.cfg.max_concurrent_episodes // replays))
 
     async def one(state: State) -> None:

@@ -169,3 +169,42 @@ def test_truth_states_are_the_start_and_the_states_between_turns() -> None:
 
     states = truth_states([[Three(), Three()]], {(0, 0): [0, 1, 2], (0, 1): [0, 2]})
     assert states == [(0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 1), (0, 1, 2)]
+
+
+
+def one_off_after_a_bad_call(rng: random.Random):
+    """Turn 0 searches "good" or "bad" at random; turn 1 reads the plate AB12 right after "good", one character
+    off (AB13: graded 0.75, exact 0) after "bad"."""
+
+    def reply(history: str, turn: int) -> str:
+        history = history.split("<|im_start|>user")[1]  # past the system prompt's example call
+        if "<tool_call>" not in history:
+            return call_text("search", query=rng.choice(["good", "bad"]))
+        return "<answer>AB12</answer>" if '"query": "good"' in history else "<answer>AB13</answer>"
+
+    return reply
+
+
+async def test_the_study_grades_with_the_reward_training_uses(tmp_path: Path) -> None:
+    """With `reward_kind = "graded"` every stage scores as the trainer does: a plate read one character off is
+    worth 0.75 in the truth's continuations, in branch credit's and in the scored episodes, not exact match's 0."""
+    plates = [Task(f"plate-{i}", "plate_reading", "What is the plate?", ("search",), "AB12") for i in range(2)]
+    policy = ScriptedPolicy(one_off_after_a_bad_call(random.Random(2)))
+    cfg = TrainConfig(
+        task="plate_reading", group_size=2, reward_kind="graded", credit=CreditConfig(branch_k=2, branch_turns=1)
+    )
+    async with ToolClient("http://tools", transport=fake_tool_server()) as tools:
+        session = Session(cfg, policy, policy.tokenizer, tools, await tools.tools())
+        await run_stages(plates, session, tmp_path, replays=4, truth_turns=0)
+    truth = {x for r in Records(tmp_path / "truth.jsonl").read() for x in r["rewards"]}
+    assert truth == {1.0, 0.75}
+    branch = {
+        x
+        for r in Records(tmp_path / "branch.jsonl").read()
+        for per_episode in r["values"]
+        for v in per_episode
+        for x in (*v["before"], *v["after"])
+    }
+    assert branch and branch <= {1.0, 0.75}
+    row = report(1, plates, tmp_path, cfg, truth_turns=0, draws=20)
+    assert row is not None and row["turns_nonzero"] > 0

@@ -83,7 +83,7 @@ async def test_score_fills_final_reward_and_each_turn_component() -> None:
         "<answer>Ada Lovelace</answer>",
     ]
     episode = await play(replies, page_knows_ada)
-    parts = score(episode, TASK, TrainConfig().turn_rewards)
+    parts = score(episode, TASK, TrainConfig().turn_rewards, "task")
     assert episode.reward == 1.0
     expected = [
         {"valid_call": 0.05, "malformed_call": 0.0, "repeated_call": 0.0, "new_evidence": 0.1, "total": 0.15},
@@ -106,7 +106,7 @@ async def test_group_advantages_land_on_sampled_tokens_only() -> None:
     right = await play([call_text("search", query="x"), "<answer>Ada Lovelace</answer>"], page_knows_ada)
     wrong = await play(["<answer>Charles Babbage</answer>"], page_knows_ada)
     for e in (right, wrong):
-        score(e, TASK, TrainConfig().turn_rewards)
+        score(e, TASK, TrainConfig().turn_rewards, "task")
     sequences = group_to_sequences([right, wrong], TrainConfig())
     for seq, advantage in zip(sequences, (0.5, -0.5), strict=True):
         assert {a for a, m in zip(seq.advantages, seq.loss_mask, strict=True) if m} == {advantage}
@@ -145,7 +145,7 @@ async def test_an_inexact_turn_keeps_the_episode_out_of_the_loss_but_in_the_base
     wrong = dataclasses.replace(wrong, turns=[inexact_turn])
     assert right.exact and not wrong.exact
     for e in (right, wrong):
-        score(e, TASK, TrainConfig().turn_rewards)
+        score(e, TASK, TrainConfig().turn_rewards, "task")
     sequences = group_to_sequences([right, wrong], TrainConfig())
     assert len(sequences) == 1
     assert {a for a, m in zip(sequences[0].advantages, sequences[0].loss_mask, strict=True) if m} == {0.5}

@@ -54,9 +54,7 @@ class InfraFailure(RuntimeError):
 # ---------------------------------------------------------------- scoring and credit
 
 
-def score(
-    episode: Episode, task: Task, weights: TurnRewardWeights, kind: str = "task"
-) -> list[TurnRewardParts]:
+def score(episode: Episode, task: Task, weights: TurnRewardWeights, kind: str) -> list[TurnRewardParts]:
     """Fill `episode.reward` (the task's final reward of `kind`, TrainConfig.reward_kind) and
     `episode.turn_rewards`; return each turn's parts."""
     parts = [turn_reward(facts, weights) for facts in turn_facts(episode, task)]
@@ -236,7 +234,7 @@ class Collected:
     branching: BranchStats | None = None
 
 
-def rewarded(weights: TurnRewardWeights, kind: str = "task") -> Callable[[Task, Episode], float]:
+def rewarded(weights: TurnRewardWeights, kind: str) -> Callable[[Task, Episode], float]:
     """An episode's final reward, scored as the step scores it: what branch credit's continuations are worth
     (training/branching.py)."""
 
