@@ -171,7 +171,6 @@ def test_truth_states_are_the_start_and_the_states_between_turns() -> None:
     assert states == [(0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 1), (0, 1, 2)]
 
 
-
 def one_off_after_a_bad_call(rng: random.Random):
     """Turn 0 searches "good" or "bad" at random; turn 1 reads the plate AB12 right after "good", one character
     off (AB13: graded 0.75, exact 0) after "bad"."""
@@ -188,10 +187,15 @@ def one_off_after_a_bad_call(rng: random.Random):
 async def test_the_study_grades_with_the_reward_training_uses(tmp_path: Path) -> None:
     """With `reward_kind = "graded"` every stage scores as the trainer does: a plate read one character off is
     worth 0.75 in the truth's continuations, in branch credit's and in the scored episodes, not exact match's 0."""
-    plates = [Task(f"plate-{i}", "plate_reading", "What is the plate?", ("search",), "AB12") for i in range(2)]
+    plates = [
+        Task(f"plate-{i}", "plate_reading", "What is the plate?", ("search",), "AB12") for i in range(2)
+    ]
     policy = ScriptedPolicy(one_off_after_a_bad_call(random.Random(2)))
     cfg = TrainConfig(
-        task="plate_reading", group_size=2, reward_kind="graded", credit=CreditConfig(branch_k=2, branch_turns=1)
+        task="plate_reading",
+        group_size=2,
+        reward_kind="graded",
+        credit=CreditConfig(branch_k=2, branch_turns=1),
     )
     async with ToolClient("http://tools", transport=fake_tool_server()) as tools:
         session = Session(cfg, policy, policy.tokenizer, tools, await tools.tools())
