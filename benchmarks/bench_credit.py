@@ -35,10 +35,12 @@ correlation with the truth, sign agreement and pairwise "which of two turns of a
 each with a 95 % bootstrap interval over episodes; and the tokens each mode samples per episode (outcome and turn:
 the episodes; branch: plus its continuations). The truth's own tokens are reported apart.
 
-Records: runs/bench_credit[_tag]/<family>-n<N>-<digest>/ holds settings.json and one JSONL per stage, appended a
-group (episodes, branch) or a state (truth) at a time, each line with the wall seconds since the stage's previous
-line (their sum is the stage's time, over sessions). A study cut short resumes where it stopped: the same flags
-find the same folder (the digest covers every setting). What a resumed stage samples anew is drawn from the same
+Records: benchmarks/results/bench_credit[_tag]/<family>-n<N>-<digest>/ holds settings.json and one JSONL per stage,
+appended a group (episodes, branch) or a state (truth) at a time, each line with the wall seconds since the
+stage's previous line (their sum is the stage's time, over sessions). They are committed, as bench_horizon's are,
+so a study cut short resumes where it stopped on a clean checkout or another machine: the same flags find the same
+folder (the digest covers every setting), and settings.json's SHA-256 of the policy's weights refuses records of
+another warm start (the SFT command remakes it bit for bit). What a resumed stage samples anew is drawn from the same
 distribution, not the same draws.
 
 Cost, in sampled tokens. Per episode of T turns, in turns sampled: the episode T; branch (k = 2 around 2 turns)
@@ -265,6 +267,8 @@ class Options:
     truth_turns: int
     draws: int
     records: Path
+    work: Path
+    """The tool server's scratch folder (pages, clips): under runs/, never among the records."""
 
     def folder(self, n: int, cfg: TrainConfig) -> tuple[Path, dict]:
         """Where one N's records live, named by a digest of every setting, and those settings."""
@@ -317,9 +321,7 @@ async def sample(opts: Options, cfg: TrainConfig, tasks: dict[int, list[Task]]) 
     )  # fmt: skip
     every = [t for n in opts.n_items for t in tasks[n]]
     try:
-        session = tool_session(
-            every, work_dir=opts.records / "work", access=cfg.tools, data_dir=cfg.run.data_dir
-        )
+        session = tool_session(every, work_dir=opts.work, access=cfg.tools, data_dir=cfg.run.data_dir)
         async with session as (tools, ready):
             s = Session(cfg, policy, tokenizer, tools, await tools.tools())
             for n in opts.n_items:
@@ -368,10 +370,11 @@ def main() -> None:
     cfg = load_train_config(args.config, [*sets, *args.sets])
     if args.episodes % cfg.group_size:
         sys.exit(f"--episodes {args.episodes} is not a multiple of the group size {cfg.group_size}")
-    records = ROOT / "runs" / f"bench_credit{suffix}"
+    records = ROOT / "benchmarks" / "results" / f"bench_credit{suffix}"
     opts = Options(
-        args.family, args.n_items, args.episodes, args.replays, args.truth_turns, args.draws, records
-    )
+        args.family, args.n_items, args.episodes, args.replays, args.truth_turns, args.draws, records,
+        work=ROOT / "runs" / f"bench_credit{suffix}" / "work",
+    )  # fmt: skip
     load = functools.partial(task_data.load_family, args.family, args.split, data_dir=cfg.run.data_dir)
     tasks = {n: load(limit=args.episodes // cfg.group_size, items=n) for n in args.n_items}
     start = time.monotonic()
