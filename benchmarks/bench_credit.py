@@ -7,7 +7,7 @@ one fixed policy, scored against Monte Carlo advantages from exact replays (Vine
         --replays 2 --tag smoke                           # the smoke run (README, "Credit quality")
 
 The policy (`--policy`) stays fixed. Its default is the plate_audit warm start, runs/sft-audit/model, made by the
-SFT command in examples/train_audit.toml's comments (29 min on 2 cores); any reference the project loads works
+SFT command in examples/train_audit.toml's comments (22-29 min on 2 cores); any reference the project loads works
 (`conductor-default`, `smollm2-135m-instruct`, a checkpoint). It samples as training does: the rollout budgets,
 sampling (temperature 1; `--set sampling.temperature=T` for another), final reward (`reward_kind`), turn rewards
 and credit settings of `--config` (examples/train_audit.toml), the family and N from the flags: every stage's
