@@ -11,8 +11,8 @@ SFT command in examples/train_audit.toml's comments (22-29 min on 2 cores); any 
 (`conductor-default`, `smollm2-135m-instruct`, a checkpoint). It samples as training does: the rollout budgets,
 sampling (temperature 1; `--set sampling.temperature=T` for another), final reward (`reward_kind`), turn rewards
 and credit settings of `--config` (examples/train_audit.toml), the family and N from the flags: every stage's
-rewards are the trainer's (training.step.rewarded). For every N (`--n-items`: photos per plate_audit episode, or questions per multihop_batch
-episode with `--family multihop_batch`), four stages:
+rewards are the trainer's (training.step.rewarded). For every N (`--n-items`: photos per plate_audit episode, or
+questions per multihop_batch episode with `--family multihop_batch`), four stages:
 
   1. episodes: `--episodes` episodes in groups of `--group-size` on the first tasks of the split (training.play)
   2. branch: branch credit's continuations exactly as training samples them (training.branching.branch_values) at
@@ -50,14 +50,14 @@ transformers, bench_ray; 25-26 with vLLM and the tools, bench_learning's rollout
 T ≈ 2 + 4N and ~50 tokens a turn (bench_horizon), the full study (24 episodes, N 1 2 4 8, 16 replays, every
 turn) is ~18M tokens: ~35 days at 6 tokens/s, ~16 at 13, ~8 with vLLM: a GPU's study. Two 3-hour sessions hold
 ~0.28M tokens at 13/s, ~0.55M with vLLM: `--n-items 1 2 4 --episodes 12 --truth-turns 2 --set
-sampling.backend=vllm --set sampling.temperature=1.15 --set reward_kind=graded` (~0.84M, three to four sessions, `--n-items 1 2` alone
-~0.4M in two; 24 scored turns and 12 within-episode pairs per N, intervals of about ±0.3)
-or, with transformers, `--n-items 1 2 --episodes 8 --truth-turns 2 --set sampling.temperature=1.15` (~0.26M).
+sampling.backend=vllm --set sampling.temperature=1.15 --set reward_kind=graded` (~0.84M, three to four sessions;
+24 scored turns and 12 within-episode pairs per N, intervals of about ±0.3; measured: N = 1 in 44 min, N = 2 in
+89, N = 4's truth forecast 3.3 h) or, with transformers, `--n-items 1 2 --episodes 8 --truth-turns 2 --set
+sampling.temperature=1.15` (~0.26M).
 The temperature and the graded reward (1 - normalised edit distance per plate) are bench_learning's choices: at
 1.0 an SFT warm start's groups come out identical (the smoke runs: every truth 0, every score undefined), exact
 match leaves a group of misread plates at 0 whatever its turns did, and what training samples and rewards is what
-its credit must be graded on. Before
-its truth stage each N prints the forecast from its own episodes.
+its credit must be graded on. Before its truth stage each N prints the forecast from its own episodes.
 """
 
 from __future__ import annotations

@@ -81,16 +81,19 @@ def test_truth_error_is_the_standard_error_of_a_difference_of_means() -> None:
 TASKS = [Task(f"stub-{i}", "video_qa", f"What is {i} plus one?", ("search",), str(i + 1)) for i in range(2)]
 
 
-def decided_by_the_first_call(rng: random.Random):
-    """Turn 0 searches "good" or "bad" at random; turn 1 answers right after "good", wrong after "bad". The true
-    advantage of turn 0 is R - P(right), of turn 1 exactly 0."""
+def decided_by_the_first_call(rng: random.Random, answer=None):
+    """Turn 0 searches "good" or "bad" at random; turn 1 answers right after "good", wrong after "bad" (by default
+    the question's number plus one, or 0; `answer(right)` for another). The true advantage of turn 0 is
+    R - P(right), of turn 1 exactly 0."""
 
     def reply(history: str, turn: int) -> str:
         history = history.split("<|im_start|>user")[1]  # past the system prompt's example call
         if "<tool_call>" not in history:
             return call_text("search", query=rng.choice(["good", "bad"]))
-        number = int(history.split("What is ")[1].split(" ")[0])
         right = '"query": "good"' in history
+        if answer is not None:
+            return f"<answer>{answer(right)}</answer>"
+        number = int(history.split("What is ")[1].split(" ")[0])
         return f"<answer>{number + 1 if right else 0}</answer>"
 
     return reply
@@ -171,26 +174,16 @@ def test_truth_states_are_the_start_and_the_states_between_turns() -> None:
     assert states == [(0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 1), (0, 1, 2)]
 
 
-def one_off_after_a_bad_call(rng: random.Random):
-    """Turn 0 searches "good" or "bad" at random; turn 1 reads the plate AB12 right after "good", one character
-    off (AB13: graded 0.75, exact 0) after "bad"."""
-
-    def reply(history: str, turn: int) -> str:
-        history = history.split("<|im_start|>user")[1]  # past the system prompt's example call
-        if "<tool_call>" not in history:
-            return call_text("search", query=rng.choice(["good", "bad"]))
-        return "<answer>AB12</answer>" if '"query": "good"' in history else "<answer>AB13</answer>"
-
-    return reply
-
-
 async def test_the_study_grades_with_the_reward_training_uses(tmp_path: Path) -> None:
     """With `reward_kind = "graded"` every stage scores as the trainer does: a plate read one character off is
     worth 0.75 in the truth's continuations, in branch credit's and in the scored episodes, not exact match's 0."""
     plates = [
         Task(f"plate-{i}", "plate_reading", "What is the plate?", ("search",), "AB12") for i in range(2)
     ]
-    policy = ScriptedPolicy(one_off_after_a_bad_call(random.Random(2)))
+    # the plate AB12 read right after "good", one character off after "bad" (AB13: graded 0.75, exact 0)
+    policy = ScriptedPolicy(
+        decided_by_the_first_call(random.Random(2), lambda right: "AB12" if right else "AB13")
+    )
     cfg = TrainConfig(
         task="plate_reading",
         group_size=2,
