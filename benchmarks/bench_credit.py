@@ -39,9 +39,11 @@ Records: benchmarks/results/bench_credit[_tag]/<family>-n<N>-<digest>/ holds set
 appended a group (episodes, branch) or a state (truth) at a time, each line with the wall seconds since the
 stage's previous line (their sum is the stage's time, over sessions). They are committed, as bench_horizon's are,
 so a study cut short resumes where it stopped on a clean checkout or another machine: the same flags find the same
-folder (the digest covers every setting), and settings.json's SHA-256 of the policy's weights refuses records of
-another warm start (the SFT command remakes it bit for bit). What a resumed stage samples anew is drawn from the same
-distribution, not the same draws.
+folder (the digest covers every setting but `--replays`), and settings.json's SHA-256 of the policy's weights
+refuses records of another warm start (the SFT command remakes it bit for bit). What a resumed stage samples anew
+is drawn from the same distribution, not the same draws: the sampler's seed is offset by the lines recorded so far.
+Raising `--replays` on a recorded study gives every recorded state the continuations it lacks and nothing else; the
+report uses every continuation recorded.
 
 Cost, in sampled tokens. Per episode of T turns, in turns sampled: the episode T; branch (k = 2 around 2 turns)
 ~4T; branch_all k T²/2 (every turn) or ~k m T (m scored turns); the truth R T²/2 + T/G (every turn) or ~m R T. The
@@ -140,7 +142,9 @@ def report(
         r["group"]: [Episode.from_json(json.dumps(e)) for e in r["episodes"]] for r in lines["episodes"]
     }
     branch = {mode: {r["group"]: r for r in lines[mode]} for mode in ("branch", "branch_all")}
-    truth = {tuple(r["state"]): r["rewards"] for r in lines["truth"]}
+    truth: dict[State, list[float]] = {}
+    for r in lines["truth"]:  # a state's lines: its first replays, then any added when --replays was raised
+        truth.setdefault((r["state"][0], r["state"][1], r["state"][2]), []).extend(r["rewards"])
     kept = [g for g in sorted(groups) if usable(groups[g]) and all(g in b for b in branch.values())]
     if not kept:
         return None
@@ -271,13 +275,13 @@ class Options:
     """The tool server's scratch folder (pages, clips): under runs/, never among the records."""
 
     def folder(self, n: int, cfg: TrainConfig) -> tuple[Path, dict]:
-        """Where one N's records live, named by a digest of every setting, and those settings."""
+        """Where one N's records live, named by a digest of every setting but the replays, and those settings."""
         settings = {
             "n": n,
             "episodes": self.episodes,
-            "replays": self.replays,
             "truth_turns": self.truth_turns,
-        }
+        }  # not --replays: raising
+        # it adds continuations to the same folder's states
         settings["config"] = config_to_dict(cfg)
         digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:10]
         return self.records / f"{self.family}-n{n}-{digest}", settings
@@ -309,21 +313,28 @@ def claim(folder: Path, settings: dict, sha: str) -> None:
     )
 
 
+def recorded_lines(folders: Sequence[Path]) -> int:
+    """The lines recorded in the folders' stages: it grows with every process that records, so offsetting the
+    sampler's seed by it keeps a resumed process from repeating an earlier one's draws (Session.draws)."""
+    return sum(len(Records(path).read()) for folder in folders for path in sorted(folder.glob("*.jsonl")))
+
+
 async def sample(opts: Options, cfg: TrainConfig, tasks: dict[int, list[Task]]) -> None:
     """Run (or resume) every N's stages with one policy and one tool server."""
     from main_agent.backends import load_policy
     from training.sampler import max_model_len
 
     sha = weights_sha(cfg.run.policy)
+    draws = recorded_lines([opts.folder(n, cfg)[0] for n in opts.n_items])
     policy, tokenizer = load_policy(
-        cfg.run.policy, cfg.sampling, device=cfg.device, max_batch=cfg.max_concurrent_episodes, seed=cfg.run.seed,
-        max_model_len=max_model_len(cfg),
+        cfg.run.policy, cfg.sampling, device=cfg.device, max_batch=cfg.max_concurrent_episodes,
+        seed=cfg.run.seed + draws, max_model_len=max_model_len(cfg),
     )  # fmt: skip
     every = [t for n in opts.n_items for t in tasks[n]]
     try:
         session = tool_session(every, work_dir=opts.work, access=cfg.tools, data_dir=cfg.run.data_dir)
         async with session as (tools, ready):
-            s = Session(cfg, policy, tokenizer, tools, await tools.tools())
+            s = Session(cfg, policy, tokenizer, tools, await tools.tools(), draws=draws)
             for n in opts.n_items:
                 folder, settings = opts.folder(n, cfg)
                 claim(folder, settings, sha)

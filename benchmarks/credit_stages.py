@@ -4,7 +4,7 @@ each stage recorded line by line so that a study cut short resumes (see bench_cr
     await run_stages(tasks, Session(cfg, policy, tokenizer, tools, schemas), folder, replays=16, truth_turns=0)
 
 Stage files in `folder`: episodes.jsonl (a group of episodes a line), branch.jsonl and branch_all.jsonl (a
-group's BranchValues and BranchStats a line), truth.jsonl (a state's continuation rewards a line). Every line
+group's BranchValues and BranchStats a line), truth.jsonl (a state's continuation rewards a line, and another where its replays were raised). Every line
 carries `elapsed_s`, the wall seconds since the stage's previous line in the same process.
 """
 
@@ -42,6 +42,10 @@ class Session:
     tokenizer: object
     tools: ToolClient
     schemas: list[dict[str, object]]
+    draws: int = 0
+    """Sets this process's random draws apart from those of every earlier process on the same records (the
+    lines recorded before it started): a resumed stage, or more replays of a recorded state, must not repeat
+    the draws it adds to."""
 
 
 class Records:
@@ -150,8 +154,9 @@ async def truth_stage(
     *,
     replays: int,
 ) -> None:
-    """`replays` continuations of every state the scored turns need, a state recorded as it finishes."""
-    done = {tuple(r["state"]) for r in records.read()}
+    """`replays` continuations of every state the scored turns need, a state recorded as it finishes; a state
+    recorded with fewer gets the rest (a line of its own), so a study raises its replays without redoing any."""
+    have = replayed_so_far(records.read())
     reward_of = rewarded(s.cfg.turn_rewards, s.cfg.reward_kind)
     at_once = asyncio.Semaphore(max(1, s.cfg.max_concurrent_episodes // replays))
 
@@ -162,7 +167,7 @@ async def truth_stage(
                 continue_from(
                     groups[g][i], replayed, tasks[g], s.schemas, policy=s.policy, tools=s.tools,
                     tokenizer=s.tokenizer, cfg=s.cfg.rollout,
-                ) for _ in range(replays)
+                ) for _ in range(replays - have.get(state, 0))
             ))  # fmt: skip
         ok = [e for e in played if e.stop_reason != "infra_failed"]
         records.append({
@@ -170,42 +175,60 @@ async def truth_stage(
             "sampled_tokens": sum(sampled_tokens(e, replayed) for e in played), "infra_failed": len(played) - len(ok),
         })  # fmt: skip
 
-    await asyncio.gather(*(one(st) for st in truth_states(groups, chosen) if st not in done))
+    await asyncio.gather(*(one(st) for st in truth_states(groups, chosen) if have.get(st, 0) < replays))
+
+
+def replayed_so_far(lines: Sequence[dict]) -> dict[State, int]:
+    """The continuations each state has been given over the truth's lines, those that failed included."""
+    have: dict[State, int] = {}
+    for r in lines:
+        state = (r["state"][0], r["state"][1], r["state"][2])
+        have[state] = have.get(state, 0) + len(r["rewards"]) + r["infra_failed"]
+    return have
 
 
 async def run_stages(
     tasks: Sequence[Task], s: Session, folder: Path, *, replays: int, truth_turns: int
 ) -> None:
-    """The stages of one N into `folder`, each resumed from its records; torch reseeded per stage."""
-    seed_step(s.cfg, 0)
+    """The stages of one N into `folder`, each resumed from its records; torch reseeded per stage (and per
+    process: `Session.draws`)."""
+    seed_step(s.cfg, 4 * s.draws)
     groups = await play_stage(tasks, s, Records(folder / "episodes.jsonl"))
     scored = truth_plan(groups, tasks, turns=truth_turns, seed=s.cfg.run.seed)
     played = Records(folder / "episodes.jsonl").read()
     rate = sum(sampled_tokens(e, 0) for g in groups for e in g) / max(
         sum(r["elapsed_s"] for r in played), 1e-9
     )
-    truth, branch_all = forecast(groups, scored, replays=replays, k=s.cfg.credit.branch_k)
+    have = replayed_so_far(Records(folder / "truth.jsonl").read())
+    truth, branch_all = forecast(groups, scored, replays=replays, k=s.cfg.credit.branch_k, have=have)
     print(
         f"{folder.name}: the episodes sampled {rate:.1f} tokens/s; truth will sample ~{truth:.0f} tokens "
         f"(~{truth / rate / 3600:.1f} h at that rate), branch_all ~{branch_all:.0f}",
         flush=True,
     )
     for k, (mode, around) in enumerate((("branch", None), ("branch_all", scored)), start=1):
-        seed_step(s.cfg, k)
+        seed_step(s.cfg, 4 * s.draws + k)
         await branch_stage(groups, tasks, s, Records(folder / f"{mode}.jsonl"), scored=around)
-    seed_step(s.cfg, 3)
+    seed_step(s.cfg, 4 * s.draws + 3)
     await truth_stage(groups, tasks, scored, s, Records(folder / "truth.jsonl"), replays=replays)
 
 
 def forecast(
-    groups: Sequence[list[Episode]], scored: dict[tuple[int, int], list[int]], *, replays: int, k: int
+    groups: Sequence[list[Episode]],
+    scored: dict[tuple[int, int], list[int]],
+    *,
+    replays: int,
+    k: int,
+    have: dict[State, int] | None = None,
 ) -> tuple[float, float]:
-    """The tokens the truth and branch_all stages will sample, from the episodes' own lengths: a state t turns
-    into an episode continues for its remaining turns at the episode's tokens per turn."""
+    """The tokens the truth (less the continuations it `have`s) and branch_all stages will sample in all, from
+    the episodes' own lengths: a state t turns into an episode continues for its remaining turns at the
+    episode's tokens per turn."""
+    have = have or {}
 
     def cost(g: int, i: int, replayed: int) -> float:
         e = groups[g][i]
         return sum(len(t.completion_ids) for t in e.turns) / max(len(e.turns), 1) * (len(e.turns) - replayed)
 
-    truth = sum(replays * cost(*state) for state in truth_states(groups, scored))
+    truth = sum(max(0, replays - have.get(st, 0)) * cost(*st) for st in truth_states(groups, scored))
     return truth, sum(k * cost(*state) for state in states(groups, scored))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import credit_scores as cs
-from benchmarks.bench_credit import MODES, report
+from benchmarks.bench_credit import MODES, recorded_lines, report
 from benchmarks.credit_stages import Records, Session, run_stages, truth_plan, truth_states
 from main_agent.types import Episode
 from tests.fakes import ScriptedPolicy, call_text, fake_tool_server
@@ -205,3 +205,31 @@ async def test_the_study_grades_with_the_reward_training_uses(tmp_path: Path) ->
     assert branch and branch <= {1.0, 0.75}
     row = report(1, plates, tmp_path, cfg, truth_turns=0, draws=20)
     assert row is not None and row["turns_nonzero"] > 0
+
+
+async def test_raising_the_replays_adds_only_the_missing_continuations_with_new_draws(tmp_path: Path) -> None:
+    """A study recorded at 2 replays a state, rerun at 5: every state gets a second line of 3 continuations and
+    nothing else is sampled again (episodes, branches); the report pools both lines (5 a state); the second
+    process reseeds torch apart from the first (Session.draws), so its continuations are new draws."""
+    import torch
+
+    policy = ScriptedPolicy(decided_by_the_first_call(random.Random(3)))
+    cfg = TrainConfig(task="video_qa", group_size=2, credit=CreditConfig(branch_k=1, branch_turns=1))
+    async with ToolClient("http://tools", transport=fake_tool_server()) as tools:
+        schemas = await tools.tools()
+        await run_stages(
+            TASKS, Session(cfg, policy, policy.tokenizer, tools, schemas), tmp_path, replays=2, truth_turns=0
+        )
+        first_seed = torch.initial_seed()
+        before = {p.name: p.read_text() for p in tmp_path.iterdir() if p.name != "truth.jsonl"}
+        more = Session(cfg, policy, policy.tokenizer, tools, schemas, draws=recorded_lines([tmp_path]))
+        await run_stages(TASKS, more, tmp_path, replays=5, truth_turns=0)
+    assert torch.initial_seed() != first_seed
+    assert {p.name: p.read_text() for p in tmp_path.iterdir() if p.name != "truth.jsonl"} == before
+    lines = Records(tmp_path / "truth.jsonl").read()
+    per_state: dict[tuple, list[int]] = {}
+    for r in lines:
+        per_state.setdefault(tuple(r["state"]), []).append(len(r["rewards"]))
+    assert per_state and all(counts == [2, 3] for counts in per_state.values())
+    row = report(1, TASKS, tmp_path, cfg, truth_turns=0, draws=20)
+    assert row is not None and row["truth"]["replays_per_state"] == 5
