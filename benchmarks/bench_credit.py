@@ -38,12 +38,14 @@ the episodes; branch: plus its continuations). The truth's own tokens are report
 Records: benchmarks/results/bench_credit[_tag]/<family>-n<N>-<digest>/ holds settings.json and one JSONL per stage,
 appended a group (episodes, branch) or a state (truth) at a time, each line with the wall seconds since the
 stage's previous line (their sum is the stage's time, over sessions). They are committed, as bench_horizon's are,
-so a study cut short resumes where it stopped on a clean checkout or another machine: the same flags find the same
-folder (the digest covers every setting but `--replays`), and settings.json's SHA-256 of the policy's weights
-refuses records of another warm start (the SFT command remakes it bit for bit). What a resumed stage samples anew
-is drawn from the same distribution, not the same draws: the sampler's seed is offset by the lines recorded so far.
-Raising `--replays` on a recorded study gives every recorded state the continuations it lacks and nothing else; the
-report uses every continuation recorded.
+so a study cut short resumes where it stopped on a clean checkout: the same flags find the same folder (the digest
+covers every setting but `--replays`), and settings.json's SHA-256 of the policy's weights refuses records of
+another warm start. The tools replay recorded episodes exactly on another machine, but the SFT command remakes the
+warm start bit for bit only on the same kind of machine (README, "Credit quality"): records resume where their
+warm start's weights are kept or remade. What a resumed stage samples anew is drawn from the same distribution,
+not the same draws: the sampler's seed is offset by the lines recorded so far. Raising `--replays` on a recorded
+study gives every recorded state the continuations it lacks and nothing else; the report uses every continuation
+recorded.
 
 Cost, in sampled tokens. Per episode of T turns, in turns sampled: the episode T; branch (k = 2 around 2 turns)
 ~4T; branch_all k T²/2 (every turn) or ~k m T (m scored turns); the truth R T²/2 + T/G (every turn) or ~m R T. The
