@@ -192,6 +192,8 @@ def report(
             for mode in MODES
         },
         "stage_s": {name: sum(r["elapsed_s"] for r in rows) for name, rows in lines.items()},
+        "pairs": pairs,  # what the scores are computed from, so that rows of several studies pool (credit_pool.py)
+        "truths": truths,
     }
 
 

@@ -12,6 +12,8 @@ TIE are ties (advantages are differences of means, so "equal" ones can differ by
                          credit gives every turn of an episode the same advantage, so it scores exactly 1/2 here
     bootstrap(metric, episodes)   a 95 % percentile interval: episodes drawn with replacement, the metric of each
                          draw, its 2.5th and 97.5th percentiles over the draws where it is defined
+    paired_difference(metric, a, b)   metric(a) - metric(b) for two estimators on the same episodes, with the
+                         interval of the same resampling applied to both
 
 Episodes are the unit of resampling because turns of one episode are not independent; episodes of one group share
 a baseline, so the intervals are, if anything, a little narrow.
@@ -105,6 +107,35 @@ def bootstrap(
         return math.nan, math.nan
     values.sort()
     return _quantile(values, 0.025), _quantile(values, 0.975)
+
+
+def paired_difference(
+    metric: Callable[[Sequence[Pairs]], float],
+    a: Sequence[Pairs],
+    b: Sequence[Pairs],
+    *,
+    draws: int = 1000,
+    seed: int = 0,
+) -> list[float]:
+    """[value, low, high] of metric(a) - metric(b), where a[i] and b[i] are two estimators' pairs on the same
+    episode: each draw resamples the episodes once for both, so what the two share (the truth, the episode)
+    cancels in the interval as it does in the value."""
+    if len(a) != len(b):
+        raise ValueError(
+            f"a scores {len(a)} episodes, b {len(b)}: a paired difference needs the same episodes"
+        )
+    if not a:
+        return [math.nan, math.nan, math.nan]
+    rng = random.Random(seed)
+    values = []
+    for _ in range(draws):
+        picked = [rng.randrange(len(a)) for _ in a]
+        value = metric([a[i] for i in picked]) - metric([b[i] for i in picked])
+        if not math.isnan(value):
+            values.append(value)
+    values.sort()
+    interval = [_quantile(values, 0.025), _quantile(values, 0.975)] if values else [math.nan, math.nan]
+    return [metric(a) - metric(b), *interval]
 
 
 def _quantile(ordered: Sequence[float], q: float) -> float:

@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks import credit_scores as cs
 from benchmarks.bench_credit import MODES, recorded_lines, report
+from benchmarks.credit_pool import pool
 from benchmarks.credit_stages import Records, Session, run_stages, truth_plan, truth_states
 from main_agent.types import Episode
 from tests.fakes import ScriptedPolicy, call_text, fake_tool_server
@@ -233,3 +234,40 @@ async def test_raising_the_replays_adds_only_the_missing_continuations_with_new_
     assert per_state and all(counts == [2, 3] for counts in per_state.values())
     row = report(1, TASKS, tmp_path, cfg, truth_turns=0, draws=20)
     assert row is not None and row["truth"]["replays_per_state"] == 5
+
+
+async def test_pooled_studies_are_scored_as_one_set_of_episodes(tmp_path: Path) -> None:
+    """Two studies of the same N pool into one row: counts add up, the pairs are both studies' episodes in
+    order, every score is the metric of those pooled pairs, and a study pooled alone keeps its own scores."""
+    cfg = TrainConfig(task="video_qa", group_size=2, credit=CreditConfig(branch_k=1, branch_turns=1))
+    rows = []
+    for k in (0, 1):
+        policy = ScriptedPolicy(decided_by_the_first_call(random.Random(10 + k)))
+        async with ToolClient("http://tools", transport=fake_tool_server()) as tools:
+            session = Session(cfg, policy, policy.tokenizer, tools, await tools.tools())
+            await run_stages(TASKS, session, tmp_path / str(k), replays=3, truth_turns=0)
+        rows.append(report(1, TASKS, tmp_path / str(k), cfg, truth_turns=0, draws=20))
+    both = pool(rows, draws=20)
+    assert both["episodes"] == 8 and both["turns_scored"] == rows[0]["turns_scored"] + rows[1]["turns_scored"]
+    for mode in MODES:
+        assert both["pairs"][mode] == [[tuple(p) for p in ep] for r in rows for ep in r["pairs"][mode]]
+        assert both["modes"][mode]["sign"][0] == cs.sign_agreement(both["pairs"][mode])
+    alone = pool([rows[0]], draws=20)
+    for mode in MODES:
+        for name in ("spearman", "sign", "pairwise"):
+            a, b = alone["modes"][mode][name], rows[0]["modes"][mode][name]
+            assert a == b or (math.isnan(a[0]) and math.isnan(b[0]))
+
+
+def test_a_paired_difference_resamples_both_estimators_on_the_same_episodes() -> None:
+    """An estimator against itself differs by exactly 0 on every draw; one that orders every turn as the truth
+    does is ahead of one that reverses them by 2 in Spearman, with the interval a point where every draw keeps
+    that order; estimators scored on different episodes are refused."""
+    truth = [[(0.0, 0.1), (0.0, 0.5)], [(0.0, -0.2), (0.0, 0.3)], [(0.0, 0.0), (0.0, 0.4)]]
+    right = [[(t, t) for _, t in ep] for ep in truth]
+    wrong = [[(-t, t) for _, t in ep] for ep in truth]
+    assert cs.paired_difference(cs.spearman, right, right, draws=50) == [0.0, 0.0, 0.0]
+    value, low, high = cs.paired_difference(cs.spearman, right, wrong, draws=50)
+    assert value == pytest.approx(2.0) and low == pytest.approx(2.0) and high == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        cs.paired_difference(cs.spearman, right, wrong[:2])

@@ -1,0 +1,106 @@
+"""Pools bench_credit.py's results of several studies of one recipe (warm starts, splits, seeds): for every N, the
+scored turns of all of them scored again as one set, with bootstrap intervals over all their episodes.
+
+    python benchmarks/credit_pool.py benchmarks/results/bench_credit.json benchmarks/results/bench_credit_warm2.json \\
+        benchmarks/results/bench_credit_warm2-dev.json          # -> benchmarks/results/bench_credit_pooled.{json,png}
+
+Each result row carries its (estimate, truth) pairs per episode and its truths with their standard errors
+(bench_credit.report), so nothing is sampled or read from the records. Counts and stage times add up; per-episode
+figures (turns, reward, tokens) are averaged weighted by episodes. Each mode's Spearman is also given over outcome
+credit's on the same episodes, with a paired bootstrap interval (credit_scores.paired_difference). A pooled score
+answers "how well does this mode's credit track the truth on warm starts of this recipe", not on one warm start:
+its interval includes the spread between the studies only as far as their episodes differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import credit_scores as cs  # noqa: E402
+from benchmarks.bench_credit import METRICS, MODES, interval, plot, table  # noqa: E402
+
+
+def pool(rows: Sequence[dict], *, draws: int = 1000) -> dict:
+    """One row from rows of the same N: their episodes' pairs scored as one set."""
+    [n] = {r["n"] for r in rows}
+    episodes = sum(r["episodes"] for r in rows)
+
+    def weighted(get) -> float:
+        return sum(get(r) * r["episodes"] for r in rows) / episodes
+
+    truths = [(a, se) for r in rows for a, se in r["truths"]]
+    pairs = {m: [[(e, t) for e, t in ep] for r in rows for ep in r["pairs"][m]] for m in MODES}
+    return {
+        "n": n,
+        "studies": len(rows),
+        **{k: sum(r[k] for r in rows) for k in ("groups", "episodes", "turns_scored", "turns_nonzero")},
+        "mean_turns": weighted(lambda r: r["mean_turns"]),
+        "mean_reward": weighted(lambda r: r["mean_reward"]),
+        "truth": {
+            "mean_abs": statistics.fmean(abs(a) for a, _ in truths),
+            "mean_se": statistics.fmean(se for _, se in truths),
+            "noise_share": cs.noise_share(truths),
+            "replays_per_state": weighted(lambda r: r["truth"]["replays_per_state"]),
+            "sampled_tokens_per_episode": weighted(lambda r: r["truth"]["sampled_tokens_per_episode"]),
+        },
+        "modes": {
+            m: {
+                **{name: cs.estimate(metric, pairs[m], draws=draws) for name, metric in METRICS.items()},
+                "sampled_tokens_per_episode": weighted(
+                    lambda r, m=m: r["modes"][m]["sampled_tokens_per_episode"]
+                ),
+            }
+            for m in MODES
+        },
+        "spearman_over_outcome": {
+            m: cs.paired_difference(cs.spearman, pairs[m], pairs["outcome"], draws=draws) for m in MODES[1:]
+        },
+        "stage_s": {k: sum(r["stage_s"][k] for r in rows) for k in rows[0]["stage_s"]},
+        "pairs": pairs,
+        "truths": truths,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", type=Path, nargs="+", help="bench_credit*.json files")
+    parser.add_argument("--draws", type=int, default=1000, help="bootstrap resamples")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_credit_pooled.json"
+    )
+    args = parser.parse_args()
+    by_n: dict[int, list[dict]] = {}
+    for path in args.results:
+        for row in json.loads(path.read_text(encoding="utf-8"))["rows"]:
+            if "pairs" not in row:
+                sys.exit(
+                    f"{path} has no pairs: rebuild it with bench_credit.py --recorded and the flags that made it"
+                )
+            by_n.setdefault(row["n"], []).append(row)
+    rows = [pool(by_n[n], draws=args.draws) for n in sorted(by_n)]
+    png = plot(rows, args.out.with_suffix(".png"))
+    print(table(rows))
+    for r in rows:
+        print(
+            f"  N = {r['n']}, Spearman over outcome's (paired bootstrap over episodes): "
+            + ", ".join(f"{m} {interval(v)}" for m, v in r["spearman_over_outcome"].items())
+        )
+    print(f"\nplot: {png}")
+    sources = [
+        str(p.resolve().relative_to(ROOT)) if p.resolve().is_relative_to(ROOT) else str(p)
+        for p in args.results
+    ]
+    args.out.write_text(json.dumps({"rows": rows, "sources": sources}, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
