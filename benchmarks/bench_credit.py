@@ -280,12 +280,8 @@ class Options:
 
     def folder(self, n: int, cfg: TrainConfig) -> tuple[Path, dict]:
         """Where one N's records live, named by a digest of every setting but the replays, and those settings."""
-        settings = {
-            "n": n,
-            "episodes": self.episodes,
-            "truth_turns": self.truth_turns,
-        }  # not --replays: raising
-        # it adds continuations to the same folder's states
+        # not --replays: raising it adds continuations to the same folder's states
+        settings = {"n": n, "episodes": self.episodes, "truth_turns": self.truth_turns}
         settings["config"] = config_to_dict(cfg)
         digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:10]
         return self.records / f"{self.family}-n{n}-{digest}", settings

@@ -4,8 +4,9 @@ each stage recorded line by line so that a study cut short resumes (see bench_cr
     await run_stages(tasks, Session(cfg, policy, tokenizer, tools, schemas), folder, replays=16, truth_turns=0)
 
 Stage files in `folder`: episodes.jsonl (a group of episodes a line), branch.jsonl and branch_all.jsonl (a
-group's BranchValues and BranchStats a line), truth.jsonl (a state's continuation rewards a line, and another where its replays were raised). Every line
-carries `elapsed_s`, the wall seconds since the stage's previous line in the same process.
+group's BranchValues and BranchStats a line), truth.jsonl (a state's continuation rewards a line, and another
+where its replays were raised). Every line carries `elapsed_s`, the wall seconds since the stage's previous line
+in the same process.
 """
 
 from __future__ import annotations

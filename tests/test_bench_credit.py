@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import credit_scores as cs
 from benchmarks.bench_credit import MODES, recorded_lines, report
@@ -212,8 +213,6 @@ async def test_raising_the_replays_adds_only_the_missing_continuations_with_new_
     """A study recorded at 2 replays a state, rerun at 5: every state gets a second line of 3 continuations and
     nothing else is sampled again (episodes, branches); the report pools both lines (5 a state); the second
     process reseeds torch apart from the first (Session.draws), so its continuations are new draws."""
-    import torch
-
     policy = ScriptedPolicy(decided_by_the_first_call(random.Random(3)))
     cfg = TrainConfig(task="video_qa", group_size=2, credit=CreditConfig(branch_k=1, branch_turns=1))
     async with ToolClient("http://tools", transport=fake_tool_server()) as tools:
