@@ -84,7 +84,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import credit_scores as cs  # noqa: E402
-from benchmarks.credit_stages import Records, Session, State, run_stages, truth_plan, usable  # noqa: E402
+from benchmarks.credit_stages import (  # noqa: E402
+    Records,
+    Session,
+    State,
+    run_stages,
+    truth_plan,
+    truth_rewards,
+    usable,
+)
 from main_agent.types import Episode  # noqa: E402
 from training import tasks as task_data  # noqa: E402
 from training.advantages import BranchValues, branch_advantages, group_advantages  # noqa: E402
@@ -144,9 +152,7 @@ def report(
         r["group"]: [Episode.from_json(json.dumps(e)) for e in r["episodes"]] for r in lines["episodes"]
     }
     branch = {mode: {r["group"]: r for r in lines[mode]} for mode in ("branch", "branch_all")}
-    truth: dict[State, list[float]] = {}
-    for r in lines["truth"]:  # a state's lines: its first replays, then any added when --replays was raised
-        truth.setdefault((r["state"][0], r["state"][1], r["state"][2]), []).extend(r["rewards"])
+    truth = truth_rewards(lines["truth"])
     kept = [g for g in sorted(groups) if usable(groups[g]) and all(g in b for b in branch.values())]
     if not kept:
         return None

@@ -183,9 +183,23 @@ def replayed_so_far(lines: Sequence[dict]) -> dict[State, int]:
     """The continuations each state has been given over the truth's lines, those that failed included."""
     have: dict[State, int] = {}
     for r in lines:
-        state = (r["state"][0], r["state"][1], r["state"][2])
+        state = _state(r)
         have[state] = have.get(state, 0) + len(r["rewards"]) + r["infra_failed"]
     return have
+
+
+def truth_rewards(lines: Sequence[dict]) -> dict[State, list[float]]:
+    """Each state's continuation rewards over the truth's lines: its first replays, then any added when the
+    replays were raised."""
+    rewards: dict[State, list[float]] = {}
+    for r in lines:
+        rewards.setdefault(_state(r), []).extend(r["rewards"])
+    return rewards
+
+
+def _state(line: dict) -> State:
+    g, i, replayed = line["state"]
+    return g, i, replayed
 
 
 async def run_stages(
@@ -220,12 +234,11 @@ def forecast(
     *,
     replays: int,
     k: int,
-    have: dict[State, int] | None = None,
+    have: dict[State, int],
 ) -> tuple[float, float]:
     """The tokens the truth (less the continuations it `have`s) and branch_all stages will sample in all, from
     the episodes' own lengths: a state t turns into an episode continues for its remaining turns at the
     episode's tokens per turn."""
-    have = have or {}
 
     def cost(g: int, i: int, replayed: int) -> float:
         e = groups[g][i]
