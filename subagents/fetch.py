@@ -43,6 +43,8 @@ _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _WEB_SCHEMES = ("http", "https")
 # zlib window bits per Content-Encoding we can decode with a hard output cap; we advertise exactly these.
 _DECODERS = {"gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
+ACCEPT_ENCODING = ", ".join(_DECODERS)
+"""The Accept-Encoding of a client whose replies `CappedDecoder` decodes (the fetcher's, the reader client's)."""
 _HOSTNAME = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*")
 _NUMERIC_LABEL = re.compile(r"[0-9]+|0x[0-9a-f]*")  # WHATWG URL: a host ending in a number is IPv4
 
@@ -128,8 +130,10 @@ async def resolve_host(host: str, port: int) -> list[str]:
     return [str(info[4][0]) for info in infos]
 
 
-class _CappedDecoder:
-    """Decodes a Content-Encoding chunk by chunk, never producing more than `cap` bytes in total."""
+class CappedDecoder:
+    """Decodes a Content-Encoding chunk by chunk, never producing more than `cap` bytes in total. Raises
+    ToolFailure (too_large past the cap, fetch_failed for an encoding it cannot bound) and zlib.error for a
+    corrupt stream."""
 
     def __init__(self, encoding: str, cap: int) -> None:
         encoding = encoding.strip().lower()
@@ -260,7 +264,7 @@ class Fetcher:
             "Host": target.url.netloc.decode("ascii"),
             "User-Agent": self.cfg.user_agent,
             "Accept": "*/*",
-            "Accept-Encoding": ", ".join(_DECODERS),
+            "Accept-Encoding": ACCEPT_ENCODING,
         }
         # SNI and certificate verification use the name; the socket goes to the checked address.
         sni = {"sni_hostname": target.host} if target.ip is None and target.url.scheme == "https" else {}
@@ -277,9 +281,9 @@ class Fetcher:
         if declared.isdigit() and int(declared) > self.cfg.max_bytes:
             raise ToolFailure("too_large", f"Content-Length {declared} exceeds {self.cfg.max_bytes} bytes")
         if response.is_stream_consumed:  # built in memory (a test's MockTransport): httpx already decoded it
-            body = _CappedDecoder("identity", self.cfg.max_bytes).feed(response.content)
+            body = CappedDecoder("identity", self.cfg.max_bytes).feed(response.content)
         else:
-            decoder = _CappedDecoder(response.headers.get("content-encoding", ""), self.cfg.max_bytes)
+            decoder = CappedDecoder(response.headers.get("content-encoding", ""), self.cfg.max_bytes)
             chunks = [decoder.feed(chunk) async for chunk in response.aiter_raw()]
             body = b"".join(chunks) + decoder.flush()
         return FetchedPage(
