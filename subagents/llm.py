@@ -65,11 +65,12 @@ class BackendConfig:
     batch_wait_ms: float = 25.0
     """How long the micro-batcher waits for more requests after the first: short next to a ~10 s generation."""
     request_timeout_s: float = 120.0
-    """Per-request budget for the openai backend: a 135M model on 2 CPU cores needs tens of seconds."""
+    """Budget of one request of the openai backend, the whole exchange (connect, send, every byte of the reply):
+    a 135M model on 2 CPU cores needs tens of seconds."""
     seed: int = 0
     """Seed for any sampling; decoding is greedy by default, so this only matters for temperature > 0."""
     max_retries: int = 2
-    """Retries the openai client makes on transient failures (refused connection, timeout, 408/409/429/5xx)."""
+    """Retries the openai backend makes on transient failures (refused connection, timeout, 408/409/429/5xx)."""
 
     def __post_init__(self) -> None:
         """Bounded, finite numbers (BACKEND_BOUNDS), checked alike in the TOML file and in a hot swap, so no
@@ -87,7 +88,7 @@ BACKEND_BOUNDS: dict[str, tuple[float, float]] = {
     "batch_wait_ms": (0, 1000),  # a wait for company; a second is a tenth of a generation, more only stalls
     "request_timeout_s": (0.1, 3600),  # one generation at the endpoint; the tool's call deadline is 150 s
     "seed": (0, 2**63 - 1),  # torch.manual_seed's and the OpenAI API's range
-    "max_retries": (0, 10),  # the openai client's retries with backoff; ten already spend minutes
+    "max_retries": (0, 10),  # the openai backend's retries with backoff; ten already spend minutes
 }
 
 

@@ -1,17 +1,38 @@
 """The sub-agents' OpenAI-compatible backend (`backend = "openai"`: vLLM serve, llama.cpp, Ollama, an API): see
-llm.py."""
+llm.py.
+
+The endpoint is configured, not discovered, but what it sends is untrusted input, as a page is: a proxy's login
+page, a crashed server's half reply, a broken or hostile endpoint. So the client is written here on httpx rather
+than the openai SDK (which follows redirects, reads a whole body into memory and lets a malformed reply escape as
+a TypeError or AttributeError), and every exchange keeps these rules:
+- No redirect is followed: a 3xx is a BackendError. The prompt, page text included, goes only to `base_url`; a
+  redirect could hand it to any port of this machine, ports the fetch guard (fetch.py) keeps closed to the tools.
+- The reply is read as a stream and decoded here (gzip, deflate: `fetch.CappedDecoder`) with a cap on decoded
+  bytes (MAX_REPLY_BYTES), so a huge body or a gzip bomb stops at the cap; a longer Content-Length is refused unread.
+- Each attempt has one deadline for the whole exchange (`request_timeout_s`): httpx's timeouts are per read, and a
+  reader sending a byte every few seconds would restart them until the tool's call deadline.
+- Whatever comes back that is not a chat completion (not JSON, not UTF-8, wrong types, a list ...) is a
+  BackendError saying what came, in a few hundred characters, never another exception: page_qa reports it as
+  `backend_error` and the policy reads it.
+- Retries: at most `max_retries`, on transient failures only (a refused or broken connection, a timeout,
+  408/409/429/5xx), after a jittered exponential backoff or the reply's Retry-After (at most MAX_BACKOFF_S).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import os
+import random
 import re
-from typing import TYPE_CHECKING
+import zlib
 
 import httpx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from subagents.common import approx_tokens
+from subagents.common import ToolFailure, approx_tokens
+from subagents.fetch import ACCEPT_ENCODING, CappedDecoder
 from subagents.llm import (
     BackendConfig,
     BackendError,
@@ -21,15 +42,23 @@ from subagents.llm import (
     text_only_error,
 )
 
-if TYPE_CHECKING:  # imported where used: `import openai` alone takes ~0.6 s of every `conductor ask` start
-    import openai
-
 logger = logging.getLogger(__name__)
 
 
 # A server that accepts the connection but cannot answer within the request budget is as good as down; a
 # refused or unreachable host should fail in seconds, not after the whole budget.
 CONNECT_TIMEOUT_S = 5.0
+# Decoded bytes of a reply: the longest answer a BackendConfig allows (8,192 tokens, ~32 KB of text; ~200 KB even
+# if every character came \u-escaped) fits five times over. Eight page_qa calls at once hold at most 8 MiB.
+MAX_REPLY_BYTES = 1 << 20
+# Of an error reply, this much is read (an error message is a line; an HTML error page is cut) and this much quoted.
+MAX_ERROR_BYTES = 64 << 10
+MAX_QUOTED_CHARS = 200
+# Backoff before retry n: a uniform wait in [0, BACKOFF_S * 2**n], at most MAX_BACKOFF_S, which also caps a
+# Retry-After: the openai SDK's values, kept when this client replaced it.
+BACKOFF_S = 0.5
+MAX_BACKOFF_S = 8.0
+RETRIED_STATUS = frozenset({408, 409, 429})  # and every 5xx: the statuses whose cause may pass
 
 # How endpoints word "prompt too long": vLLM ("maximum context length is"), OpenAI
 # ("context_length_exceeded"), llama.cpp ("exceeds the available context size"), others ("prompt is too long").
@@ -74,41 +103,51 @@ def _openai_message(message: Message) -> dict[str, object]:
     return {"role": message.role, "content": parts}
 
 
-def _map_openai_error(exc: openai.APIError, timeout_s: float) -> BackendError:
-    """What a failed call means for the caller, after the client's own retries were spent."""
-    import openai
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True)  # no coercion: 123 is no answer, "5" no token count
 
-    if isinstance(exc, openai.APITimeoutError):
-        return BackendError(f"endpoint timed out after {timeout_s:.0f} s", retryable=True)
-    if isinstance(exc, openai.APIConnectionError):
-        return BackendError(f"cannot reach endpoint: {exc}", retryable=True)
-    if isinstance(exc, openai.APIStatusError):
-        status = exc.status_code
-        if status == 400 and _CONTEXT_WORDING.search(f"{exc.message} {exc.body}"):
-            return BackendError(f"context length exceeded: {exc.message}", retryable=False)
-        transient = status >= 500 or status in (408, 409, 429)
-        return BackendError(f"endpoint answered {status}: {exc.message}", retryable=transient)
-    return BackendError(f"endpoint error: {exc}", retryable=False)  # e.g. a malformed response body
+
+class _ReplyMessage(_Strict):
+    content: str | None
+
+
+class _Choice(_Strict):
+    message: _ReplyMessage
+
+
+class _Usage(_Strict):
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+
+
+class _Completion(_Strict):
+    """The fields of a chat completion this client reads; the others (id, model, finish_reason ...) are ignored."""
+
+    choices: list[_Choice]
+    usage: _Usage | None = None
+
+
+class _Transient(BackendError):
+    """A failure the same request may not meet again (module docstring); `wait_s`: the Retry-After it came with."""
+
+    def __init__(self, message: str, *, wait_s: float | None = None) -> None:
+        super().__init__(message, retryable=True)
+        self.wait_s = wait_s
 
 
 class OpenAILLM:
-    """Any OpenAI-compatible chat-completions endpoint (vLLM serve, llama.cpp server, Ollama, an API).
+    """Any OpenAI-compatible chat-completions endpoint, under the rules of the module docstring.
 
-    One retry layer: the openai client's own `max_retries` (exponential backoff with jitter, honouring
-    Retry-After) covers exactly the transient failures (connection errors, timeouts, 408/409/429/5xx)
-    and never retries other 4xx. A second layer (tenacity) would multiply attempts, so there is none.
-    `count_tokens` is an estimate (`approx_tokens`): the endpoint's tokenizer is not known here. Token
-    counts in `Generation` come from the response's `usage` and fall back to the same estimate.
+    `count_tokens` is an estimate (`approx_tokens`): the endpoint's tokenizer is not known here. Token counts in
+    `Generation` come from the reply's `usage` and fall back to the same estimate.
     """
 
     def __init__(self, cfg: BackendConfig) -> None:
-        import openai
-
         if cfg.base_url is None:
             raise BackendError(
                 "the openai backend needs base_url (e.g. http://127.0.0.1:8000/v1)", retryable=False
             )
-        api_key = "EMPTY"  # local servers ignore the key, but the client insists on one
+        api_key = "EMPTY"  # local servers ignore the key, but some insist on one
         if cfg.api_key_env is not None:
             if cfg.api_key_env not in os.environ:
                 raise BackendError(f"environment variable {cfg.api_key_env} is not set", retryable=False)
@@ -117,42 +156,39 @@ class OpenAILLM:
         self.model_id = f"openai:{cfg.model}"
         self.multimodal = cfg.multimodal
         self.scores = False
-        self.client = openai.AsyncOpenAI(
+        self._http = httpx.AsyncClient(
             base_url=cfg.base_url,
-            api_key=api_key,
-            # Read/write/pool share the per-request budget; connect is short (see CONNECT_TIMEOUT_S).
-            # openai.Timeout is the Timeout class of the HTTP library the installed client uses (httpx or
-            # httpx2 since openai 3); httpx.Timeout works at run time too but mistypes under openai 3.
-            timeout=openai.Timeout(cfg.request_timeout_s, connect=CONNECT_TIMEOUT_S),
-            max_retries=cfg.max_retries,
+            headers={"Authorization": f"Bearer {api_key}", "Accept-Encoding": ACCEPT_ENCODING},
+            # Per phase; `_attempt` puts one deadline of the same budget on the whole exchange.
+            timeout=httpx.Timeout(cfg.request_timeout_s, connect=CONNECT_TIMEOUT_S),
+            follow_redirects=False,  # a redirect is an error (module docstring)
         )
 
     async def generate(self, messages: list[Message], *, max_new_tokens: int) -> Generation:
-        import openai  # loaded by __init__ already
-
         if not self.multimodal and any(m.images for m in messages):
             raise text_only_error(self.model_id)
+        body = {
+            "model": self.cfg.model,
+            "messages": [_openai_message(m) for m in messages],
+            "max_tokens": max_new_tokens,  # not max_completion_tokens: older local servers only know this
+            "temperature": 0,
+            "seed": self.cfg.seed,
+        }
         try:
-            response = await self.client.chat.completions.create(
-                model=self.cfg.model,
-                messages=[_openai_message(m) for m in messages],  # type: ignore[misc]
-                max_tokens=max_new_tokens,  # not max_completion_tokens: older local servers only know this
-                temperature=0,
-                seed=self.cfg.seed,
-            )
-        except openai.APIError as exc:
-            error = _map_openai_error(exc, self.cfg.request_timeout_s)
+            completion = _completion(*await self._post(body))
+        except BackendError as error:
             logger.warning("%s: %s", self.model_id, error)
-            raise error from exc
-        if not response.choices or response.choices[0].message.content is None:
+            raise
+        content = completion.choices[0].message.content if completion.choices else None
+        if content is None:
             raise BackendError(
                 f"{self.model_id} returned no answer (empty choices or content)", retryable=True
             )
-        text = response.choices[0].message.content.strip()
-        if response.usage is None:
+        text = content.strip()
+        if completion.usage is None:
             prompt_tokens = sum(approx_tokens(m.content) for m in messages)
             return Generation(text=text, prompt_tokens=prompt_tokens, completion_tokens=approx_tokens(text))
-        usage = response.usage
+        usage = completion.usage
         return Generation(
             text=text, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens
         )
@@ -164,4 +200,134 @@ class OpenAILLM:
         return approx_tokens(text)
 
     async def aclose(self) -> None:
-        await self.client.close()
+        await self._http.aclose()
+
+    async def _post(self, body: dict[str, object]) -> tuple[int, str, bytes]:
+        """A 2xx reply to `body`: status, Content-Type and decoded body; transient failures retried (docstring)."""
+        attempt = 0
+        while True:
+            try:
+                return await self._attempt(body)
+            except _Transient as error:
+                if attempt >= self.cfg.max_retries:
+                    raise
+                attempt += 1
+                backoff = random.uniform(0, BACKOFF_S * 2**attempt)
+                wait = min(MAX_BACKOFF_S, backoff if error.wait_s is None else error.wait_s)
+                logger.info("%s: %s; retry %d in %.2f s", self.model_id, error, attempt, wait)
+                await asyncio.sleep(wait)
+
+    async def _attempt(self, body: dict[str, object]) -> tuple[int, str, bytes]:
+        """One exchange, the whole of it within `request_timeout_s`."""
+        budget = self.cfg.request_timeout_s
+        try:
+            async with (
+                asyncio.timeout(budget),
+                self._http.stream("POST", "chat/completions", json=body) as response,
+            ):
+                return await _read(response)
+        except (TimeoutError, httpx.TimeoutException):
+            raise _Transient(f"endpoint timed out after {budget:g} s") from None
+        except httpx.ConnectError as exc:
+            raise _Transient(f"cannot reach endpoint: {_quoted(str(exc))}") from None
+        except httpx.TransportError as exc:  # a read or protocol error: a reply cut short, a connection reset
+            raise _Transient(
+                f"the endpoint's reply broke off: {type(exc).__name__}: {_quoted(str(exc))}"
+            ) from None
+
+
+async def _read(response: httpx.Response) -> tuple[int, str, bytes]:
+    """A 2xx reply's status, Content-Type and body (at most MAX_REPLY_BYTES decoded); BackendError otherwise."""
+    status, content_type = response.status_code, response.headers.get("content-type", "")
+    if 300 <= status < 400:
+        raise BackendError(
+            f"endpoint answered {status}, a redirect, which is not followed: set base_url to the endpoint itself",
+            retryable=False,
+        )
+    if status < 300:
+        return status, content_type, await _body(response, MAX_REPLY_BYTES)
+    said = _said(content_type, await _head_of_body(response, MAX_ERROR_BYTES))
+    if status == 400 and _CONTEXT_WORDING.search(said):
+        raise BackendError(f"context length exceeded: {said[:MAX_QUOTED_CHARS]}", retryable=False)
+    message = f"endpoint answered {status}: {said[:MAX_QUOTED_CHARS]}"
+    if status >= 500 or status in RETRIED_STATUS:
+        raise _Transient(message, wait_s=_retry_after(response.headers))
+    raise BackendError(message, retryable=False)
+
+
+async def _body(response: httpx.Response, cap: int) -> bytes:
+    """The decoded body, read as it streams; BackendError past `cap` decoded bytes (a longer Content-Length is
+    refused unread), or for an encoding that cannot be decoded under a cap (br, zstd) or a corrupt one."""
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > cap:
+        raise BackendError(
+            f"the reply is too large: Content-Length {declared} over {cap} bytes", retryable=False
+        )
+    encoding = response.headers.get("content-encoding", "")
+    try:
+        decoder = CappedDecoder(encoding, cap)
+        chunks = [decoder.feed(chunk) async for chunk in response.aiter_raw()]
+        return b"".join(chunks) + decoder.flush()
+    except ToolFailure as exc:
+        what = "too large" if exc.error.kind == "too_large" else "not readable"
+        raise BackendError(
+            f"the reply is {what}: {exc.error.message[:MAX_QUOTED_CHARS]}", retryable=False
+        ) from None
+    except zlib.error as exc:
+        raise BackendError(
+            f"the reply's {encoding[:20]!r} encoding is corrupt: {exc}", retryable=False
+        ) from None
+
+
+async def _head_of_body(response: httpx.Response, cap: int) -> bytes:
+    """At most the first `cap` decoded bytes of an error reply, the rest unread; b"" if none can be decoded."""
+    chunks: list[bytes] = []
+    try:
+        decoder = CappedDecoder(response.headers.get("content-encoding", ""), cap)
+        async for chunk in response.aiter_raw():
+            chunks.append(decoder.feed(chunk))
+    except (
+        ToolFailure,
+        zlib.error,
+    ):  # past the cap, or not decodable: what came so far says enough, or nothing
+        pass
+    return b"".join(chunks)
+
+
+def _completion(status: int, content_type: str, body: bytes) -> _Completion:
+    """The chat completion `body` holds; BackendError naming the first problem (never quoting the body)."""
+    try:
+        return _Completion.model_validate_json(body)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False, include_input=False)[0]
+        problem = f"{'.'.join(map(str, error['loc'])) or 'the body'}: {error['msg']}"
+        media = content_type.partition(";")[0].strip() or "no Content-Type"
+        raise BackendError(
+            f"endpoint answered {status} with no chat completion ({_quoted(media)}, {len(body)} bytes): "
+            f"{_quoted(problem)}",
+            retryable=False,
+        ) from None
+
+
+def _said(content_type: str, body: bytes) -> str:
+    """What an error reply says: its text when JSON or plain text (an API's error message), else its type and size
+    (an HTML error page or a binary says nothing a reader of the observation could use)."""
+    media = content_type.partition(";")[0].strip().lower()
+    if media in ("application/json", "text/plain"):
+        return _quoted(body.decode("utf-8", errors="ignore"), limit=MAX_ERROR_BYTES)
+    return f"({_quoted(media) or 'no Content-Type'}, {len(body)} bytes)"
+
+
+def _quoted(text: str, *, limit: int = MAX_QUOTED_CHARS) -> str:
+    """`text` on one line of printable characters, at most `limit` of them."""
+    return " ".join("".join(c if c.isprintable() else " " for c in text[: limit * 2]).split())[:limit]
+
+
+def _retry_after(headers: httpx.Headers) -> float | None:
+    """The wait a reply asks for, in seconds: `retry-after-ms` (OpenAI's) or `Retry-After` in seconds (an HTTP
+    date is ignored: backoff then)."""
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        value = headers.get(name, "")
+        if value.replace(".", "", 1).isdigit():
+            return float(value) * scale
+    return None
