@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.util
 import json
 import logging
 import resource
@@ -24,7 +25,7 @@ from subagents.llm import BackendConfig, BackendError
 from tests.tool_server_fakes import FakeFactory, fake_subagents, make_config, running, serving, with_limits
 from tool_server.app import create_app, serve, uvicorn_config
 from tool_server.config import ServerConfig, ToolLimits, ToolsConfig, default_tools
-from tool_server.connections import HEALTH_RESERVE
+from tool_server.connections import BODY_GRACE_S, HEALTH_RESERVE
 from tool_server.limits import is_loopback
 
 TOKEN = "s3cret-token"
@@ -459,8 +460,9 @@ def probe_rates(url: str) -> dict[str, float]:
 def guarded_server(**server: Any) -> tuple[Any, uvicorn.Config]:
     """The fake app under the shipped uvicorn settings with a CAP-connection limit (and `server` changes)."""
     limits = ToolLimits(max_concurrency=4 * CAP, queue_timeout_s=10)  # the gates never refuse in these tests
-    settings = {"max_connections": CAP, "max_connections_per_peer": CAP, "keep_alive_s": 30.0, **server}
-    cfg = make_config(port=0, request_timeout_s=2.0, tools=with_limits(search=limits), **settings)
+    settings = {"max_connections": CAP, "max_connections_per_peer": CAP, "keep_alive_s": 30.0}
+    settings |= {"request_timeout_s": 2.0, **server}
+    cfg = make_config(port=0, tools=with_limits(search=limits), **settings)
     app = app_for(cfg)
     return app, uvicorn_config(cfg, app, log_level="warning")
 
@@ -643,7 +645,8 @@ def test_the_registry_closes_the_longest_idle_connection_of_the_peer_past_its_sh
     for conn, peer in ((b1, "b"), (a1, "a"), (a2, "a")):
         assert registry.opened(conn, peer)  # type: ignore[arg-type]
     registry.busy(a1)  # type: ignore[arg-type]
-    registry.idle(b1)  # type: ignore[arg-type]  # b1 used again: now the most recently idle
+    registry.busy(b1)  # type: ignore[arg-type]  # b1 used again: now the most recently idle
+    registry.idle(b1)  # type: ignore[arg-type]
     registry.opened(a3, "a")  # type: ignore[arg-type]  # "a" past its share: its idle a2 goes, not busy a1
     assert (a2.evicted, a1.evicted, b1.evicted) == (True, False, False)
     registry.opened(b2, "b")  # type: ignore[arg-type]  # 4 open: within both caps
@@ -658,3 +661,84 @@ def test_the_registry_closes_the_longest_idle_connection_of_the_peer_past_its_sh
     assert registry.admits(extra[0], "/health")  # type: ignore[arg-type]
     assert not any(c.evicted for c in [a1, a3, b1, b2, *extra]), "a busy connection was closed"
     assert not registry.opened(extra[-1], "late")  # type: ignore[arg-type]  # past the reserve
+
+
+# ---------------------------------------------------------------- slow request bodies
+
+
+def body_head(port: int, *, declared: int) -> bytes:
+    """The headers of a search call announcing a `declared`-byte body, and the body's first byte."""
+    head = request_bytes(port, "POST", "/v1/tools/search", Content_Type="application/json")
+    return head.replace(b"Content-Length: 0", f"Content-Length: {declared}".encode()) + b"{"
+
+
+def test_a_connection_still_receiving_its_body_is_closed_to_make_room() -> None:
+    """Connections that sent a call's headers and are still sending its body run no request: when they fill a
+    peer's share, a new connection from that peer closes the one waiting longest and its call is served (before:
+    each counted as busy from its headers on, so the call got 503 until their request deadline)."""
+    share = 4
+    app, config = guarded_server(max_connections_per_peer=share)
+    registry = config.http.registry  # type: ignore[union-attr]
+    with serving(app, config=config) as url:
+        port = int(url.rsplit(":", 1)[1])
+        slow = [raw_socket(port) for _ in range(share)]
+        for sock in slow:
+            sock.sendall(body_head(port, declared=1000))
+        deadline = time.monotonic() + 5
+        while len(registry) < share:  # all four accepted and receiving
+            assert time.monotonic() < deadline, len(registry)
+            time.sleep(0.02)
+        time.sleep(0.1)
+        reply = httpx.post(f"{url}/v1/tools/search", json={"text": "mine"}, timeout=5)
+        oldest_closed = closed_by_server(slow[0], within_s=0.5)
+        for sock in slow:
+            sock.close()
+    assert reply.status_code == 200 and reply.json()["ok"] is True, reply.text
+    assert oldest_closed and registry.evicted >= 1
+
+
+def test_a_body_slower_than_the_minimum_rate_is_closed_after_the_grace() -> None:
+    """A client that sends a call's headers, then its body a byte every 0.2 s (5 bytes/s, under the shipped 1 KB/s
+    minimum), is closed once BODY_GRACE_S has passed, long before the shipped 10 s request deadline (before: it
+    held its slot for all 10 s); a body sent whole on the same settings is answered."""
+    app, config = guarded_server(request_timeout_s=10.0)
+    with serving(app, config=config) as url:
+        port = int(url.rsplit(":", 1)[1])
+        sock = raw_socket(port)
+        sock.sendall(body_head(port, declared=1000))
+        started = time.monotonic()
+        sock.settimeout(0.2)
+        while time.monotonic() - started < 8:
+            try:
+                if sock.recv(100) == b"":
+                    break
+                sock.send(b" ")
+            except TimeoutError:
+                sock.send(b" ")
+            except OSError:  # reset or broken pipe: closed
+                break
+        lasted = time.monotonic() - started
+        sock.close()
+        whole = httpx.post(f"{url}/v1/tools/search", json={"text": "whole"}, timeout=5).json()
+    assert BODY_GRACE_S <= lasted < BODY_GRACE_S + 1.5, lasted
+    assert whole["ok"] is True
+
+
+def load_benchmark(name: str) -> Any:
+    """benchmarks/<name>.py as a module (benchmarks are scripts, not a package)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_slow_bodies_at_the_shipped_settings_leave_a_well_behaved_client_served() -> None:
+    """benchmarks/bench_slow_body.py's attack, 300 sockets sending a body a byte a second and reopening when
+    closed (more than the shipped per-peer share of 256, all from 127.0.0.1), against the real app at the shipped
+    [server] settings: at least 95% of a ToolClient's calls and of single attempts on fresh connections succeed
+    (before: 10% and 0%, the rest 503 or ToolServerError). About 15 s."""
+    row = load_benchmark("bench_slow_body").measure(attackers=300, calls=30)
+    assert row["tool_client_ok"] >= 0.95 and row["single_attempt_ok"] >= 0.95, row

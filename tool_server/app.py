@@ -368,6 +368,7 @@ def uvicorn_config(cfg: ServerConfig, app: FastAPI, *, log_level: str = "info") 
     http = guarded_h11(
         request_timeout_s=cfg.request_timeout_s,
         response_timeout_s=cfg.response_timeout_s,
+        min_body_rate=cfg.min_body_rate_bytes_s,
         max_connections=cfg.max_connections,
         per_peer=cfg.max_connections_per_peer,
         open_paths=OPEN_PATHS,

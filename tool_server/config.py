@@ -123,6 +123,11 @@ class ServerConfig:
     """A connection must send each request whole (headers and body) within this many seconds of opening,
     or of its next request's first byte, or it is closed: idle and slow-sending sockets cannot pile up
     and hold the server's connection slots. Real clients send their <= 2 MB body in well under a second."""
+    min_body_rate_bytes_s: float = 1024.0
+    """Once a request's headers are in, its body must arrive at this average rate (judged after a 2 s grace,
+    connections.BODY_GRACE_S) or the connection is closed. 1 KB/s (8 kbit/s) is below any working link (GPRS moves
+    ~5 KB/s), so only a stalled or deliberately trickling client falls under it: one sending a byte a second held its
+    connection slot for the whole request deadline, and a few hundred of them filled a peer's share."""
     response_timeout_s: float = 300.0
     """A response not finished this long after its request arrived has its connection closed: no stream or stuck
     handler holds a connection for ever. Above the longest call (queue 20 s + call 150 s) and a model swap."""
@@ -155,6 +160,7 @@ SERVER_BOUNDS: dict[str, tuple[float, float]] = {
     "max_body_bytes": (1, 1 << 30),  # a GiB is far past any tool's arguments
     "max_batch_calls": (1, 4096),  # a batch is answered at once: thousands would only queue into 429s
     "request_timeout_s": (0.1, 600),  # past minutes an idle socket is held, which this deadline prevents
+    "min_body_rate_bytes_s": (1, 1 << 30),  # 1 B/s lets a byte hold a slot a second; a GB/s is no client
     "response_timeout_s": (1, 86400),  # a day: the longest a response may hold a connection
     "keep_alive_s": (0.1, 600),  # as request_timeout_s, for the gap between requests
     "max_connections": (1, 1_000_000),  # one file descriptor each: a million is past any OS limit

@@ -8,14 +8,20 @@ rules, each a `[server]` setting:
 
 - Request deadline (`request_timeout_s`): a connection must deliver each request whole (headers and body) within
   this of opening, or of the first byte of its next request; else it is closed.
+- Body rate (`min_body_rate_bytes_s`): once a request's headers are in, its body must arrive at this average rate,
+  judged from BODY_GRACE_S on; else the connection is closed. A client trickling its body a byte a second held a
+  slot for the whole request deadline.
 - Keep-alive (`keep_alive_s`, uvicorn's `timeout_keep_alive`): an idle connection between requests is closed after it.
 - Response lifetime (`response_timeout_s`): a response not finished this long after its request arrived has its
   connection closed, so no stream or stuck handler holds a slot for ever. (The MCP endpoint opens no streams at
   all: a GET for one is 405, app.py.)
 - Caps (`max_connections` in all, `max_connections_per_peer` from one IP address): a connection that takes its
   peer or the server past a cap first makes room by closing the longest-idle connection (of that peer, else of
-  anyone). An idle socket holds no work: closing it costs its owner a reconnect (clients retry a closed kept-alive
-  connection), never the server a slot; nginx treats keep-alive connections the same way when it runs out.
+  anyone). Idle means running no request: between requests, or still receiving one (its headers or its body; the
+  app starts on the headers but only waits for the body), in the order they opened or finished their last
+  response, so a trickling sender is closed before a client that has just connected. An idle socket holds no work:
+  closing it costs its owner a reconnect (clients retry a closed kept-alive connection), never the server a slot;
+  nginx treats keep-alive connections the same way when it runs out.
 - Where no idle connection can make room (every one is running a request), requests past a cap are answered 503
   with Retry-After and Connection: close, except the open paths (/health): the HEALTH_RESERVE connections over
   `max_connections` serve only those. Past that reserve a new socket is closed at once: the file-descriptor budget.
@@ -41,14 +47,18 @@ logger = logging.getLogger(__name__)
 # Connections beyond `max_connections` accepted for the open paths only (/health): enough for a few probes at
 # once while every slot runs a request; each costs one file descriptor.
 HEALTH_RESERVE = 64
+# Before a request body's rate is judged: its first bytes may wait out one lost packet's retransmission (Linux's
+# initial retransmission timeout is 1 s), and a body of a few packets is whole long before.
+BODY_GRACE_S = 2.0
 # What a refused request is told to wait: a tool call's queue turns over within its queue deadline (20 s), but
 # a connection frees as soon as any request ends, usually well within a second.
 RETRY_AFTER_S = 1
 
 
 class ConnectionRegistry:
-    """The open connections of one server, counted per peer, with the idle ones in the order they went idle
-    (the longest idle first). Event-loop confined: only the protocol callbacks touch it."""
+    """The open connections of one server, counted per peer, with the idle ones (running no request: module
+    docstring) in the order they went idle (the longest idle first). Event-loop confined: only the protocol
+    callbacks touch it."""
 
     def __init__(self, *, max_connections: int, per_peer: int, open_paths: frozenset[str]) -> None:
         self.max_connections = max_connections
@@ -92,9 +102,10 @@ class ConnectionRegistry:
         self._idle.pop(conn, None)
 
     def idle(self, conn: GuardedH11Protocol) -> None:
-        if conn in self._peer_of:
-            self._idle.pop(conn, None)
-            self._idle[conn] = None  # to the end: the most recently idle
+        """`conn` runs no request; one that just finished goes to the end (the most recently idle), one that
+        was idle already keeps its place, whatever bytes it sends meanwhile."""
+        if conn in self._peer_of and conn not in self._idle:
+            self._idle[conn] = None
 
     def admits(self, conn: GuardedH11Protocol, path: str) -> bool:
         """Whether a request on `conn` may run: always for the open paths, else within both caps."""
@@ -117,12 +128,16 @@ class GuardedH11Protocol(H11Protocol):
 
     request_timeout_s: float = 10.0
     response_timeout_s: float = 300.0
+    min_body_rate: float = 1024.0
     registry: ConnectionRegistry
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._request_timer: asyncio.TimerHandle | None = None
         self._response_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._body_started: float | None = None  # when the body being received began (its headers were in)
+        self._body_bytes = 0
         self._app, self.app = self.app, self._admit  # every request passes `_admit` first
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -138,6 +153,7 @@ class GuardedH11Protocol(H11Protocol):
                 self._request_timer = self.loop.call_later(self.request_timeout_s, self._close, "no request")
         else:
             self._request_timer = _cancelled(self._request_timer)
+        self._watch_body(len(data))
         self._track()
 
     def on_response_complete(self) -> None:
@@ -147,24 +163,56 @@ class GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._request_timer = _cancelled(self._request_timer)
         self._response_timer = _cancelled(self._response_timer)
+        self._body_timer = _cancelled(self._body_timer)
         self.registry.closed(self)
         super().connection_lost(exc)
 
     def evict(self) -> None:
         """Close this idle connection to make room for another (called by the registry)."""
-        self._close("idle, evicted to make room")
+        self._close("running no request, evicted to make room")
+
+    def _watch_body(self, received: int) -> None:
+        """Time the request body being received, if any, against `min_body_rate` (`_check_body_rate`)."""
+        if self.conn.their_state is not h11.SEND_BODY:
+            self._body_started, self._body_timer = None, _cancelled(self._body_timer)
+        elif self._body_started is None:  # headers just in; the body bytes that came with them go uncounted
+            self._body_started, self._body_bytes = self.loop.time(), 0
+            self._body_timer = self.loop.call_later(BODY_GRACE_S, self._check_body_rate)
+        else:
+            self._body_bytes += received
+
+    def _check_body_rate(self) -> None:
+        """Close the connection when its body has come slower than `min_body_rate` on average; else look again
+        when the bytes so far stop paying for the time."""
+        self._body_timer = None
+        if self._body_started is None:
+            return
+        now = self.loop.time()
+        if self.flow.read_paused:  # the app has not read what came: the client was kept waiting, not slow
+            self._body_started, self._body_bytes = now, 0
+            self._body_timer = self.loop.call_later(BODY_GRACE_S, self._check_body_rate)
+            return
+        paid_until = self._body_started + self._body_bytes / self.min_body_rate
+        if paid_until <= now:
+            self._close(f"request body slower than {self.min_body_rate:g} bytes/s")
+        else:
+            self._body_timer = self.loop.call_at(paid_until, self._check_body_rate)
 
     def _track(self) -> None:
-        """Tell the registry whether a request is running here, and time its response."""
-        if self.cycle is not None and not self.cycle.response_complete:
+        """Tell the registry whether a request runs here (it arrived whole and is not answered yet), and time
+        its response from its headers on."""
+        answering = self.cycle is not None and not self.cycle.response_complete
+        if answering and self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
             self.registry.busy(self)
+        else:
+            self.registry.idle(self)
+        if answering:
             if self._response_timer is None:
                 timeout = self.response_timeout_s
                 self._response_timer = self.loop.call_later(
                     timeout, self._close, "response past its lifetime"
                 )
         else:
-            self.registry.idle(self)
             self._response_timer = _cancelled(self._response_timer)
 
     def _close(self, why: str) -> None:
@@ -193,11 +241,16 @@ def guarded_h11(
     *,
     request_timeout_s: float,
     response_timeout_s: float,
+    min_body_rate: float,
     max_connections: int,
     per_peer: int,
     open_paths: frozenset[str],
 ) -> type[GuardedH11Protocol]:
     """A `GuardedH11Protocol` class with these limits and its own registry, for `uvicorn.Config(http=...)`."""
     registry = ConnectionRegistry(max_connections=max_connections, per_peer=per_peer, open_paths=open_paths)
-    limits = {"request_timeout_s": request_timeout_s, "response_timeout_s": response_timeout_s}
+    limits = {
+        "request_timeout_s": request_timeout_s,
+        "response_timeout_s": response_timeout_s,
+        "min_body_rate": min_body_rate,
+    }
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {**limits, "registry": registry})
