@@ -27,6 +27,7 @@ type hint).
 from __future__ import annotations
 
 import stat
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -196,15 +197,28 @@ class Ref:
     label: str = ""
 
 
-class Handles:
-    """handle -> Ref per session, bounded like the image store: at most `max_per_session` handles per session
-    and `max_sessions` sessions, least recently used first out. One lock guards the maps."""
+# What one entry of the handle table costs beyond its strings: the Ref, the table's slot and links (measured with
+# tracemalloc on CPython 3.11: ~160 bytes; rounded up).
+HANDLE_ENTRY_BYTES = 256
 
-    def __init__(self, *, max_per_session: int = 256, max_sessions: int = 256) -> None:
+
+class Handles:
+    """handle -> Ref per session, bounded like the image store: at most `max_per_session` handles per session,
+    `max_sessions` sessions and `max_bytes` in all (strings included), the least recently used first out: a
+    registration, `resolve` and `get` count as use of the handle's session. One lock guards the maps."""
+
+    def __init__(
+        self, *, max_per_session: int = 256, max_sessions: int = 256, max_bytes: int = 32 << 20
+    ) -> None:
         # 256 per session: a 100-call episode of 5-hit searches shows ~500 hits, but reads a few of the recent.
         # 256 sessions: 64 concurrent episodes (the image store's bound) with room for finished ones' replays.
+        # 32 MiB: 64 sessions of 256 search hits (~400 bytes each with a corpus URL) take 6.5 MB; the count bounds
+        # alone let 2 KB sources take 150 MB, and an attacker's 4 KB ones 2 GB.
         self.max_per_session = max_per_session
         self.max_sessions = max_sessions
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        """What the table holds now, by `entry_bytes`."""
         self._lock = threading.Lock()
         self._sessions: OrderedDict[str, OrderedDict[str, Ref]] = OrderedDict()
 
@@ -214,13 +228,19 @@ class Handles:
             table = self._sessions.get(session)
             if table is None:
                 if len(self._sessions) >= self.max_sessions:
-                    self._sessions.popitem(last=False)
+                    self._drop_session()
                 table = self._sessions[session] = OrderedDict()
             self._sessions.move_to_end(session)
-            table.pop(handle, None)
+            old = table.pop(handle, None)
+            self.bytes -= 0 if old is None else entry_bytes(handle, old)
             table[handle] = ref
+            self.bytes += entry_bytes(handle, ref)
             if len(table) > self.max_per_session:
-                table.popitem(last=False)
+                self._drop_entry(table)
+            while (
+                self.bytes > self.max_bytes
+            ):  # other sessions first; a session alone past it loses its oldest
+                self._drop_session() if len(self._sessions) > 1 else self._drop_entry(table)
 
     def resolve(self, session: str, handle: str, kind: HandleKind) -> Ref:
         """The Ref of `handle` in `session`; invalid_args naming the valid handles of `kind` for anything else."""
@@ -229,6 +249,7 @@ class Handles:
             ref = table.get(handle)
             if ref is not None and ref.kind == kind:
                 table.move_to_end(handle)
+                self._sessions.move_to_end(session)
                 return ref
             valid = _of_kind(table, kind)
         raise ToolFailure("invalid_args", unknown_message(handle[:40], kind, valid))
@@ -236,12 +257,31 @@ class Handles:
     def get(self, session: str, handle: str) -> Ref | None:
         """The Ref of `handle` in `session`, or None (no error: for callers that fall back to another store)."""
         with self._lock:
-            return self._sessions.get(session, OrderedDict()).get(handle)
+            ref = self._sessions.get(session, OrderedDict()).get(handle)
+            if ref is not None:
+                self._sessions.move_to_end(session)
+            return ref
 
     def listed(self, session: str, kind: HandleKind) -> list[str]:
         """The session's handles of `kind`, most recently registered or used first, at most MAX_LISTED."""
         with self._lock:
             return _of_kind(self._sessions.get(session, OrderedDict()), kind)
+
+    def _drop_session(self) -> None:
+        """Forget the least recently used session (call with the lock held)."""
+        _, table = self._sessions.popitem(last=False)
+        self.bytes -= sum(entry_bytes(handle, ref) for handle, ref in table.items())
+
+    def _drop_entry(self, table: OrderedDict[str, Ref]) -> None:
+        """Forget the least recently used handle of `table` (call with the lock held)."""
+        handle, ref = table.popitem(last=False)
+        self.bytes -= entry_bytes(handle, ref)
+
+
+def entry_bytes(handle: str, ref: Ref) -> int:
+    """What one handle of the table costs: its strings as Python holds them, plus HANDLE_ENTRY_BYTES."""
+    strings = (handle, ref.source, ref.label)
+    return sum(map(sys.getsizeof, strings)) + HANDLE_ENTRY_BYTES
 
 
 def _of_kind(table: OrderedDict[str, Ref], kind: HandleKind) -> list[str]:

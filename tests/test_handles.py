@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import re
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 
@@ -81,6 +82,35 @@ def test_the_table_is_bounded_per_session_and_in_sessions() -> None:
     table.add("b", "d_000009", Ref("page", "http://y"))
     table.add("c", "d_000009", Ref("page", "http://z"))
     assert table.get("a", "d_000002") is None and table.get("c", "d_000009") == Ref("page", "http://z")
+
+
+def test_a_session_that_uses_its_handles_is_not_the_one_evicted() -> None:
+    """Resolving or getting a handle counts as use of its session: a session that reads its page after each of 256
+    new sessions still has it, and the session evicted is the least recently used one (before: eviction followed
+    registration only, so the page was gone at the 256th)."""
+    table = Handles()
+    table.add("mine", "d_111111", Ref("page", "http://x/mine"))
+    for n in range(table.max_sessions):
+        table.add(f"other{n}", "d_222222", Ref("page", f"http://y/{n}"))
+        found = table.resolve("mine", "d_111111", "page") if n % 2 else table.get("mine", "d_111111")
+        assert found == Ref("page", "http://x/mine"), n
+    assert table.get("other0", "d_222222") is None and table.get("other1", "d_222222") is not None
+
+
+def test_the_table_is_bounded_in_bytes() -> None:
+    """256 sessions of 256 handles, each standing for a 2,048-character source (the longest /v1/attach takes), keep
+    the table at most `max_bytes` by its own count and grow Python's memory by less than twice that; the newest
+    session is whole (before: only counts were bounded, and these 65,536 sources took ~150 MB)."""
+    tracemalloc.start()
+    table = Handles()
+    for s in range(256):
+        for h in range(256):
+            source = f"https://example.org/{s:03d}/{h:03d}/" + "x" * 2020  # 2,048 characters
+            table.add(f"s{s}", f"d_{h:06x}", Ref("page", source))
+    grown = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert table.bytes <= table.max_bytes and grown < 2 * table.max_bytes, (table.bytes, grown)
+    assert all(table.get("s255", f"d_{h:06x}") is not None for h in range(256))
 
 
 # ---------------------------------------------------------------- regions
@@ -363,8 +393,8 @@ async def test_ask_shows_the_policy_handles_not_the_users_paths(shared_data, smo
 
 async def test_attach_refuses_unencodable_or_malformed_bodies_and_stays_healthy(corpus: Path) -> None:
     """/v1/attach parses strictly, like /v1/batch: a lone surrogate (it would be stored and shown later), NaN,
-    an unknown kind or too many attachments are 422 invalid_args that never echo the input; nothing is
-    registered and the server keeps answering."""
+    an unknown kind, too many attachments or a source over 2,048 characters (page_qa's URL limit) are 422
+    invalid_args that never echo the input; nothing is registered and the server keeps answering."""
     app = real_app(corpus)
     bodies = [
         b'{"attachments": [{"kind": "page", "source": "\\ud800", "key": "k"}]}',
@@ -373,6 +403,7 @@ async def test_attach_refuses_unencodable_or_malformed_bodies_and_stays_healthy(
         b'{"attachments": ['
         + b",".join([b'{"kind": "page", "source": "http://a", "key": "k"}'] * 65)
         + b"]}",
+        b'{"attachments": [{"kind": "page", "source": "http://a/' + b"x" * 2040 + b'", "key": "k"}]}',
     ]
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
