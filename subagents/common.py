@@ -134,11 +134,11 @@ def local_file(
 
     Every OS error on the caller's path (a name too long, a symlink loop, no permission) is the caller's
     problem, `not_found` or `invalid_args`, told with the OS reason and never the server's absolute path, a
-    root or a symlink's target."""
+    root or a symlink's target (`shown_path`)."""
     if not roots:
         raise ToolFailure("invalid_args", f"this server reads no local {what} files ([files] roots is empty)")
     folders = [Path(root).resolve() for root in roots]
-    shown = raw[:80]
+    shown = shown_path(raw, roots)
     try:
         path = (folders[0] / raw).resolve()  # an absolute `raw` replaces the root
         if not any(path.is_relative_to(folder) for folder in folders):
@@ -154,6 +154,18 @@ def local_file(
     if not stat.S_ISREG(status.st_mode):  # directories, FIFOs (opening one would block), devices
         raise ToolFailure("invalid_args", f"not a regular file: {shown!r}")
     return path, status.st_size
+
+
+def shown_path(raw: str, roots: Sequence[str]) -> str:
+    """How a message names the path `raw`: relative to the files root it lies under (an absolute path in a
+    handle's source or a search hit's URL, never shown to the policy), else as given; at most 80 characters."""
+    path = Path(raw)
+    if path.is_absolute():
+        for root in roots:
+            for folder in (Path(root).absolute(), Path(root).resolve()):  # as configured, or links resolved
+                if path.is_relative_to(folder):
+                    return str(path.relative_to(folder))[:80]
+    return raw[:80]
 
 
 def truncate(text: str, limit: int) -> str:

@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from subagents.addresses import IPAddress, allowed_network, check_address
-from subagents.common import FetchedPage, ToolFailure, local_file
+from subagents.common import FetchedPage, ToolFailure, local_file, shown_path
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +299,7 @@ class Fetcher:
             raise ToolFailure("blocked_url", "file:// is disabled (the server's [files] roots is empty)")
         # A link out of the roots is blocked_url, a FIFO refused; errors name no root and no symlink's target.
         path, _ = local_file(target.url.path, self._roots, what="page", outside="blocked_url")
-        shown = target.url.path[:200]
+        shown = shown_path(target.url.path, self._roots)
         body = await asyncio.to_thread(_read_file, path, self.cfg.max_bytes, shown=shown)
         content_type = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
         return FetchedPage(url=url, final_url=path.as_uri(), status=200, content_type=content_type, body=body)

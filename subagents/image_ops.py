@@ -51,7 +51,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from subagents import ocr
-from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, local_file
+from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, local_file, shown_path
 from subagents.handles import content_key, load_derivation
 from subagents.llm import LLM
 
@@ -268,7 +268,8 @@ def read_local(raw: str, cfg: Config, roots: tuple[str, ...]) -> bytes:
         with path.open("rb") as file:
             return file.read(cfg.max_bytes + 1)  # one byte more than decode() accepts: it says too_large
     except OSError as exc:  # no read permission, or the file went away since the check
-        raise ToolFailure("invalid_args", f"cannot read image {raw[:80]!r}: {exc.strerror}") from None
+        shown = shown_path(raw, roots)
+        raise ToolFailure("invalid_args", f"cannot read image {shown!r}: {exc.strerror}") from None
 
 
 def decode(data: bytes, cfg: Config) -> Image.Image:

@@ -241,6 +241,21 @@ async def test_a_wrong_handle_is_invalid_args_listing_the_valid_ones(corpus: Pat
         assert (await tools.health())["status"] == "ok"
 
 
+async def test_an_error_about_a_handle_names_it_and_no_machine_path(corpus: Path) -> None:
+    """A search hit whose file has gone since: page_qa on its handle is `not_found` naming the handle and the
+    path relative to its files root, as errors about a path the caller gave do (before: the server's absolute
+    path, which the policy was never shown)."""
+    app = real_app(corpus)
+    async with app.router.lifespan_context(app), await client_of(app) as tools:
+        found = await tools.call("search", {"query": "Eiffel Tower"}, session="e1")
+        hit = found.payload["hits"][0]
+        (corpus / "paris.html").unlink()
+        gone = await tools.call("page_qa", {"url": hit["id"], "question": "How tall?"}, session="e1")
+    assert gone.error is not None and gone.error.kind == "not_found", gone.observation
+    assert f"page {hit['id']}: " in gone.observation and "'paris.html'" in gone.observation, gone.observation
+    assert not MACHINE_PATH.search(gone.observation), gone.observation
+
+
 async def test_the_cache_is_keyed_by_what_a_handle_stands_for(corpus: Path) -> None:
     """The same question on the same page asked by handle in two sessions, and by URL, is one computation:
     the cache sees the page, not the handle (handles are per session; pages are not)."""

@@ -133,6 +133,25 @@ def resolve_handles(request: BaseModel, handles: Handles, session: str) -> BaseM
     return request.model_copy(update=update) if update else request
 
 
+# Failures to open what a request names: when it was named by handle, the message says which handle.
+SOURCE_ERRORS = frozenset({"not_found", "blocked_url", "fetch_failed", "too_large", "unsupported_media"})
+
+
+def naming_handles(response: ToolResponse, request: BaseModel) -> ToolResponse:
+    """`response`, its error prefixed with the handles `request` named (`page d_3fa9c1: no such page file:
+    'corpus/grpo.html'`) when it is about opening a source: the policy knows the handle, not where it led."""
+    error = response.error
+    named = [
+        f"{kind} {getattr(request, name)}"
+        for name, kind in handle_fields(type(request)).items()
+        if isinstance(getattr(request, name), str) and looks_like_handle(getattr(request, name))
+    ]
+    if error is None or error.kind not in SOURCE_ERRORS or not named:
+        return response
+    response.error = error.model_copy(update={"message": f"{', '.join(named)}: {error.message}"})
+    return response
+
+
 class Backend:
     """One built LLM and its holders: the tool slots pointing at it plus the calls running on it."""
 
@@ -300,9 +319,14 @@ class ToolHost:
         except ValidationError as exc:
             return fail(module.Response, "invalid_args", invalid_args_message(exc))
         try:
-            request = resolve_handles(request, self.handles, session)
+            resolved = resolve_handles(request, self.handles, session)
         except ToolFailure as exc:
             return module.Response(ok=False, error=exc.error)
+        response = await self._compute(module, resolved, session=session)
+        return naming_handles(response, request)
+
+    async def _compute(self, module: SubAgent, request: BaseModel, *, session: str) -> ToolResponse:
+        """The response to a request whose handles are resolved: from the cache, or run."""
         async with self.slots[module.NAME].lease() as llm:
             rt = Runtime(
                 llm=llm, fetcher=self.fetcher, state=self.states[module.NAME], roots=self.cfg.files.roots,
