@@ -51,8 +51,16 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from subagents import ocr
-from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, local_file, shown_path
-from subagents.handles import content_key, load_derivation
+from subagents.common import (
+    MAX_LISTED,
+    Runtime,
+    ToolFailure,
+    ToolResponse,
+    guarded,
+    local_file,
+    shown_path,
+)
+from subagents.handles import content_key, load_derivation, looks_like_handle
 from subagents.llm import LLM
 
 NAME = "image_ops"
@@ -174,20 +182,23 @@ async def run(request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Respons
 
 
 async def _run(request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Response:
-    """Pixel ops store a new image and describe it; OCR ops describe their source and add the text."""
-    if request.op == "load":
+    """Pixel ops store a new image and describe it; OCR ops describe their source and add the text. `load` of an
+    id (`img_...`, an attached image's handle or an image a tool gave) is that image, not a file of that name."""
+    image_id = request.image  # what the response describes, unless the op makes a new image
+    if request.op == "load" and looks_like_handle(request.image):
+        image = await stored(request.image, cfg, rt)
+    elif request.op == "load":
         data = await source_bytes(request.image, cfg, rt)
-        image, made = await asyncio.to_thread(decode, data, cfg), load_derivation(content_key(data))
+        image = await asyncio.to_thread(decode, data, cfg)
+        image_id = rt.state.put(rt.session, image, load_derivation(content_key(data)))
     else:
         image = await stored(request.image, cfg, rt)
         if request.region is not None:  # the tool does the box arithmetic, never the policy
             box = region_box(rt.state.region(rt.session, request.image, request.region), image.size)
             request = request.model_copy(update={"box": box, "region": None})
-        made = derivation(request)
-    new_image = request.op not in ("find_text", "read")
-    if new_image and request.op != "load":
-        image = await asyncio.to_thread(transform, image, request, cfg)
-    image_id = rt.state.put(rt.session, image, made) if new_image else request.image
+        if request.op not in ("find_text", "read"):
+            image = await asyncio.to_thread(transform, image, request, cfg)
+            image_id = rt.state.put(rt.session, image, derivation(request))
     response = Response(op=request.op, image_id=image_id, width=image.width, height=image.height)
     response.thumbnail_url = f"/v1/images/{image_id}"
     if request.op == "read":
@@ -206,12 +217,15 @@ async def _run(request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Respon
 
 async def stored(image_id: str, cfg: Config, rt: Runtime[ImageStore]) -> Image.Image:
     """The session's image `image_id`; an image attached to the session under that id is loaded on first use
-    (its bytes must still be the ones attached). invalid_args naming the session's images otherwise."""
+    (its bytes must still be the ones attached). invalid_args naming the session's images, those in the store
+    and those attached, otherwise."""
     if rt.state.has(rt.session, image_id):
         return rt.state.get(rt.session, image_id)
     ref = rt.handles.get(rt.session, image_id)
     if ref is None or ref.kind != "image":
-        return rt.state.get(rt.session, image_id)  # raises, listing the session's images
+        held = list(dict.fromkeys([*rt.state.held(rt.session), *rt.handles.listed(rt.session, "image")]))
+        shown = f"images here: {', '.join(held[:MAX_LISTED])}" if held else "use the image id the task gave"
+        raise ToolFailure("invalid_args", f"no image {image_id[:40]!r} in this episode; {shown}")
     data = await source_bytes(ref.source, cfg, rt)
     made = load_derivation(content_key(data))
     if derived_id(made) != image_id:
@@ -459,12 +473,17 @@ class ImageStore:
         with self._lock:
             image = self._images.get(key)
             if image is None:
-                held = [i for s, i in reversed(self._images) if s == session][:8]
+                held = [i for s, i in reversed(self._images) if s == session][:MAX_LISTED]
                 shown = f"images here: {', '.join(held)}" if held else "use the image id the task gave"
                 raise ToolFailure("invalid_args", f"no image {image_id[:40]!r} in this episode; {shown}")
             self._images.move_to_end(key)
             self._sessions.move_to_end(session)
             return image
+
+    def held(self, session: str) -> list[str]:
+        """The ids of the session's images, most recently used first."""
+        with self._lock:
+            return [i for s, i in reversed(self._images) if s == session]
 
     def has(self, session: str, image_id: str) -> bool:
         with self._lock:

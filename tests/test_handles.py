@@ -177,6 +177,27 @@ async def test_an_attached_image_is_loaded_on_first_use_under_its_handle(tmp_pat
     assert changed.error is not None and "changed since it was attached" in changed.error.message
 
 
+async def test_a_wrong_image_id_lists_the_attached_images_and_load_takes_a_handle(tmp_path: Path) -> None:
+    """Two images attached, none used yet: an unknown id is refused naming both attached handles (before: "use
+    the image id the task gave", as if none were); `load` given an attached image's handle loads that image under
+    its handle, and given an unknown one is refused with the same list (before: read as a file path, not_found)."""
+    handles, attached = Handles(), []
+    for name, size in (("a.png", (64, 32)), ("b.png", (32, 32))):
+        png = io.BytesIO()
+        Image.new("RGB", size, "white").save(png, format="PNG")
+        (tmp_path / name).write_bytes(png.getvalue())
+        attached.append(Attachment("image", str(tmp_path / name), file_key(tmp_path / name)))
+        handles.add("s", attached[-1].handle, Ref("image", attached[-1].source))
+    rt = store_runtime(ImageStore(), handles, roots=(str(tmp_path),))
+    forged = await run(rt, op="read", image="img_000000")
+    loaded = await run(rt, op="load", image=attached[1].handle)
+    unknown = await run(rt, op="load", image="img_000000")
+    for refused in (forged, unknown):
+        assert refused.error is not None and refused.error.kind == "invalid_args", refused.observation()
+        assert all(a.handle in refused.error.message for a in attached), refused.error.message
+    assert loaded.ok and loaded.image_id == attached[1].handle and (loaded.width, loaded.height) == (32, 32)
+
+
 # ---------------------------------------------------------------- the real server
 
 
