@@ -742,3 +742,53 @@ def test_slow_bodies_at_the_shipped_settings_leave_a_well_behaved_client_served(
     (before: 10% and 0%, the rest 503 or ToolServerError). About 15 s."""
     row = load_benchmark("bench_slow_body").measure(attackers=300, calls=30)
     assert row["tool_client_ok"] >= 0.95 and row["single_attempt_ok"] >= 0.95, row
+
+
+# ---------------------------------------------------------------- replies a client does not read
+
+
+async def test_what_a_caller_sent_is_never_echoed_whole() -> None:
+    """An unknown tool name (in a batch or a path), an unknown argument name and thousands of invalid arguments
+    are answered naming at most a few dozen characters of each, a few of them: every reply stays under 4 KB
+    (before: a 1.9 MB tool name came back twice, a 3.85 MB reply a client could leave unread in server memory)."""
+    long = "x" * 1_900_000
+    bodies = [
+        {"calls": [{"name": long, "arguments": {}}]},
+        {"calls": [{"name": "search", "arguments": {long: 1}}]},
+        {"calls": [{"name": "search", "arguments": {f"k{i}": 1 for i in range(20_000)}}]},
+    ]
+    async with running(app_for(make_config())) as client:
+        replies = [await client.post("/v1/batch", json=body) for body in bodies]
+        replies.append(await client.post(f"/v1/tools/{'y' * 6000}", json={"text": "x"}))
+        replies.append(await client.get(f"/v1/images/img_{'z' * 6000}"))
+    assert [r.status_code for r in replies] == [200, 200, 200, 404, 404]
+    assert all(len(r.content) < 4000 for r in replies), [len(r.content) for r in replies]
+    assert replies[0].json()["results"][0]["error"]["kind"] == "invalid_args"
+
+
+def test_a_client_that_never_reads_its_reply_is_cut_off() -> None:
+    """A client that asks for an 8 MB reply (more than the kernel's send buffer takes, 4 MB on Linux) and never
+    reads it has its connection aborted `send_timeout_s` after the server's buffer stopped draining: the reply
+    leaves server memory and the connection's slot frees, while a client that reads gets the same reply whole
+    (before: the reply stayed buffered until the client hung up)."""
+    app, config = guarded_server(send_timeout_s=1.0, max_body_bytes=10_000_000)
+    registry = config.http.registry  # type: ignore[union-attr]
+    body = json.dumps({"text": "x" * 8_000_000}).encode()
+    with serving(app, config=config) as url:
+        port = int(url.rsplit(":", 1)[1])
+        deaf = socket.socket()
+        deaf.setsockopt(
+            socket.SOL_SOCKET, socket.SO_RCVBUF, 4096
+        )  # a small window: the reply backs up at once
+        deaf.connect(("127.0.0.1", port))
+        deaf.sendall(request_bytes(port, "POST", "/v1/tools/search", body, Content_Type="application/json"))
+        time.sleep(0.5)
+        opened = len(registry)
+        deadline = time.monotonic() + 4
+        while len(registry) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = len(registry)
+        whole = httpx.post(f"{url}/v1/tools/search", content=body, timeout=10).json()
+        deaf.close()
+    assert (opened, left) == (1, 0)
+    assert len(whole["echo"]) == 8_000_000

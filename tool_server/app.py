@@ -60,6 +60,8 @@ from tool_server.host import (
     SESSION_HEADER,
     SubAgent,
     ToolHost,
+    echo,
+    errors_message,
     invalid_args_message,
     tool_schema,
 )
@@ -186,11 +188,11 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 async def _invalid_request(request: Request, exc: Exception) -> Response:
     """A body FastAPI validated for a route (one declared with a pydantic parameter) and refused: 422
-    invalid_args naming each field and problem, without FastAPI's default echo of the input, which may hold
-    what no JSON answer can encode (NaN, a lone surrogate): that echo made /v1/batch answer 500."""
+    invalid_args naming the fields and problems (`errors_message`: names cut, a few problems), without FastAPI's
+    default echo of the input, which may hold what no JSON answer can encode (NaN, a lone surrogate): that echo
+    made /v1/batch answer 500."""
     assert isinstance(exc, RequestValidationError), type(exc)
-    parts = [f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in exc.errors()]
-    return _invalid_body("; ".join(parts))
+    return _invalid_body(errors_message(exc.errors()))
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
@@ -219,7 +221,7 @@ async def list_tools(request: Request) -> list[dict[str, Any]]:
 async def call_tool(name: str, request: Request) -> Response:
     host = _host(request)
     if name not in host.subagents:
-        raise HTTPException(404, f"unknown tool {name!r}; tools: {', '.join(host.subagents)}")
+        raise HTTPException(404, f"unknown tool {echo(name)!r}; tools: {', '.join(host.subagents)}")
     session = request.headers.get(SESSION_HEADER, "default")
     started = time.perf_counter()
     try:
@@ -280,7 +282,7 @@ def _error_body(kind: str, message: str) -> dict[str, Any]:
 async def _batch_item(host: ToolHost, call: BatchCall, session: str) -> ToolResponse:
     module = host.subagents.get(call.name)
     if module is None:
-        message = f"unknown tool {call.name!r}; tools: {', '.join(host.subagents)}"
+        message = f"unknown tool {echo(call.name)!r}; tools: {', '.join(host.subagents)}"
         return fail(ToolResponse, "invalid_args", message)
     return await host.call_as_result(module.NAME, call.arguments, session=session)
 
@@ -317,7 +319,7 @@ async def image_thumbnail(image_id: str, request: Request) -> Response:
     if isinstance(store, image_ops.ImageStore):
         png = await asyncio.to_thread(store.thumbnail_png, image_id, session=session)
     if png is None:
-        raise HTTPException(404, f"no image {image_id!r}")
+        raise HTTPException(404, f"no image {echo(image_id)!r}")
     return Response(png, media_type="image/png")
 
 
@@ -337,7 +339,7 @@ async def swap_backend(tool: str, request: Request) -> Response:
     """Build the model the BackendConfig body names (in a thread) and make it answer `tool`'s new calls."""
     host = _host(request)
     if tool not in host.subagents:
-        raise HTTPException(404, f"unknown tool {tool!r}; tools: {', '.join(host.subagents)}")
+        raise HTTPException(404, f"unknown tool {echo(tool)!r}; tools: {', '.join(host.subagents)}")
     try:
         backend_cfg = _backend_config(await request.body())
     except ValueError as exc:  # not strict JSON, not an object, an unknown key, a value out of range
@@ -371,6 +373,7 @@ def uvicorn_config(cfg: ServerConfig, app: FastAPI, *, log_level: str = "info") 
         request_timeout_s=cfg.request_timeout_s,
         response_timeout_s=cfg.response_timeout_s,
         min_body_rate=cfg.min_body_rate_bytes_s,
+        send_timeout_s=cfg.send_timeout_s,
         max_connections=cfg.max_connections,
         per_peer=cfg.max_connections_per_peer,
         open_paths=OPEN_PATHS,

@@ -131,6 +131,10 @@ class ServerConfig:
     response_timeout_s: float = 300.0
     """A response not finished this long after its request arrived has its connection closed: no stream or stuck
     handler holds a connection for ever. Above the longest call (queue 20 s + call 150 s) and a model swap."""
+    send_timeout_s: float = 30.0
+    """A reply the client stops reading, more than 64 KiB of it (asyncio's write high-water mark) waiting unsent,
+    has its connection aborted after this and the reply dropped. A live client drains a reply in milliseconds; one
+    that never read held its reply in server memory until it hung up (500 of them held 1.8 GB)."""
     keep_alive_s: float = 5.0
     """An idle connection between requests is closed after this. Rollout clients call again within seconds and
     retry a closed pooled connection; a new loopback connection costs well under a millisecond."""
@@ -162,6 +166,7 @@ SERVER_BOUNDS: dict[str, tuple[float, float]] = {
     "request_timeout_s": (0.1, 600),  # past minutes an idle socket is held, which this deadline prevents
     "min_body_rate_bytes_s": (1, 1 << 30),  # 1 B/s lets a byte hold a slot a second; a GB/s is no client
     "response_timeout_s": (1, 86400),  # a day: the longest a response may hold a connection
+    "send_timeout_s": (0.1, 3600),  # past an hour an unread reply is held, which this deadline prevents
     "keep_alive_s": (0.1, 600),  # as request_timeout_s, for the gap between requests
     "max_connections": (1, 1_000_000),  # one file descriptor each: a million is past any OS limit
     "max_connections_per_peer": (1, 1_000_000),  # and at most max_connections (check_server)

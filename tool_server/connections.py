@@ -12,6 +12,9 @@ rules, each a `[server]` setting:
   judged from BODY_GRACE_S on; else the connection is closed. A client trickling its body a byte a second held a
   slot for the whole request deadline.
 - Keep-alive (`keep_alive_s`, uvicorn's `timeout_keep_alive`): an idle connection between requests is closed after it.
+- Unread replies (`send_timeout_s`): a reply the client stops reading, more than the transport's high-water mark
+  (64 KiB) of it waiting unsent, has its connection aborted after this and the reply dropped; a connection closed
+  for any reason with a reply still unsent is aborted, not closed (a close waits for the client to read it all).
 - Response lifetime (`response_timeout_s`): a response not finished this long after its request arrived has its
   connection closed, so no stream or stuck handler holds a slot for ever. (The MCP endpoint opens no streams at
   all: a GET for one is 405, app.py.)
@@ -129,6 +132,7 @@ class GuardedH11Protocol(H11Protocol):
     request_timeout_s: float = 10.0
     response_timeout_s: float = 300.0
     min_body_rate: float = 1024.0
+    send_timeout_s: float = 30.0
     registry: ConnectionRegistry
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -136,6 +140,7 @@ class GuardedH11Protocol(H11Protocol):
         self._request_timer: asyncio.TimerHandle | None = None
         self._response_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
         self._body_started: float | None = None  # when the body being received began (its headers were in)
         self._body_bytes = 0
         self._app, self.app = self.app, self._admit  # every request passes `_admit` first
@@ -164,8 +169,24 @@ class GuardedH11Protocol(H11Protocol):
         self._request_timer = _cancelled(self._request_timer)
         self._response_timer = _cancelled(self._response_timer)
         self._body_timer = _cancelled(self._body_timer)
+        self._send_timer = _cancelled(self._send_timer)
         self.registry.closed(self)
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """More than the high-water mark waits unsent: the client has `send_timeout_s` to drain it below the
+        low-water mark (`resume_writing`), or the connection is aborted."""
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout_s, self._close, "its reply unread")
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._send_timer = _cancelled(self._send_timer)
+
+    def timeout_keep_alive_handler(self) -> None:
+        """Keep-alive ran out: closed as uvicorn closes it, but aborted if its last reply is still unsent."""
+        self._close("idle past keep-alive")
 
     def evict(self) -> None:
         """Close this idle connection to make room for another (called by the registry)."""
@@ -216,7 +237,14 @@ class GuardedH11Protocol(H11Protocol):
             self._response_timer = _cancelled(self._response_timer)
 
     def _close(self, why: str) -> None:
-        if not self.transport.is_closing():
+        """Close the connection; abort it if a reply is still unsent (a close would wait for the client to read
+        it, which one that never reads never does), even when a close already began."""
+        if self.transport.get_write_buffer_size():
+            logger.debug(
+                "aborting %s: %s, %d bytes unsent", self.client, why, self.transport.get_write_buffer_size()
+            )
+            self.transport.abort()
+        elif not self.transport.is_closing():
             logger.debug("closing %s: %s", self.client, why)
             self.transport.close()
 
@@ -242,6 +270,7 @@ def guarded_h11(
     request_timeout_s: float,
     response_timeout_s: float,
     min_body_rate: float,
+    send_timeout_s: float,
     max_connections: int,
     per_peer: int,
     open_paths: frozenset[str],
@@ -252,5 +281,6 @@ def guarded_h11(
         "request_timeout_s": request_timeout_s,
         "response_timeout_s": response_timeout_s,
         "min_body_rate": min_body_rate,
+        "send_timeout_s": send_timeout_s,
     }
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {**limits, "registry": registry})

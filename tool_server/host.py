@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -100,13 +100,32 @@ def tool_schema(module: SubAgent) -> dict[str, Any]:
     }
 
 
+# What an invalid_args message names of the caller's input: field names cut to ECHO_CHARS, at most ERRORS_LISTED
+# problems. Enough to fix a call; the input itself never comes back whole (a 1.9 MB name was echoed twice).
+ECHO_CHARS = 40
+ERRORS_LISTED = 5
+
+
 def invalid_args_message(exc: ValidationError) -> str:
-    """Pydantic errors as one readable line: `question: Field required; k: Input should be ...`."""
+    """Pydantic's errors as one readable line (`errors_message`)."""
+    return errors_message(exc.errors(include_url=False, include_input=False))
+
+
+def errors_message(errors: Sequence[Mapping[str, Any]]) -> str:
+    """Validation errors as one readable line: `question: Field required; k: Input should be ...`, the first
+    ERRORS_LISTED of them with field names cut to ECHO_CHARS, and how many more there were."""
     parts = []
-    for error in exc.errors(include_url=False):
-        where = ".".join(str(part) for part in error["loc"]) or "arguments"
+    for error in errors[:ERRORS_LISTED]:
+        where = ".".join(echo(part) for part in error["loc"]) or "arguments"
         parts.append(f"{where}: {error['msg']}")
-    return "; ".join(parts)
+    more = len(errors) - ERRORS_LISTED
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+def echo(value: object) -> str:
+    """Something the caller sent, as a message may name it: its text, cut to ECHO_CHARS with a visible marker."""
+    text = str(value)
+    return text if len(text) <= ECHO_CHARS else f"{text[:ECHO_CHARS]}...({len(text)} chars)"
 
 
 def handle_fields(request_type: type[BaseModel]) -> dict[str, HandleKind]:
