@@ -748,9 +748,10 @@ def test_slow_bodies_at_the_shipped_settings_leave_a_well_behaved_client_served(
 
 
 async def test_what_a_caller_sent_is_never_echoed_whole() -> None:
-    """An unknown tool name (in a batch or a path), an unknown argument name and thousands of invalid arguments
-    are answered naming at most a few dozen characters of each, a few of them: every reply stays under 4 KB
-    (before: a 1.9 MB tool name came back twice, a 3.85 MB reply a client could leave unread in server memory)."""
+    """An unknown tool name (in a batch, a path or an MCP call), an unknown argument name and thousands of invalid
+    arguments are answered naming at most a few dozen characters of each, a few of them: every reply stays under
+    4 KB (before: a 1.9 MB tool name came back twice, a 3.85 MB reply a client could leave unread in server
+    memory)."""
     long = "x" * 1_900_000
     bodies = [
         {"calls": [{"name": long, "arguments": {}}]},
@@ -761,7 +762,15 @@ async def test_what_a_caller_sent_is_never_echoed_whole() -> None:
         replies = [await client.post("/v1/batch", json=body) for body in bodies]
         replies.append(await client.post(f"/v1/tools/{'y' * 6000}", json={"text": "x"}))
         replies.append(await client.get(f"/v1/images/img_{'z' * 6000}"))
-    assert [r.status_code for r in replies] == [200, 200, 200, 404, 404]
+        message = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "tools/call",
+            "params": {"name": long, "arguments": {}},
+        }
+        accept = {"Accept": "application/json, text/event-stream"}
+        replies.append(await client.post("/mcp", json=message, headers=accept))
+    assert [r.status_code for r in replies] == [200, 200, 200, 404, 404, 200]
     assert all(len(r.content) < 4000 for r in replies), [len(r.content) for r in replies]
     assert replies[0].json()["results"][0]["error"]["kind"] == "invalid_args"
 

@@ -30,7 +30,7 @@ from mcp.shared.exceptions import MCPError
 from starlette.requests import Request
 
 from tool_server.config import ServerConfig
-from tool_server.host import SESSION_HEADER, SubAgent, ToolHost, compact_schema
+from tool_server.host import SESSION_HEADER, SubAgent, ToolHost, compact_schema, echo
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def build_mcp(
     ) -> types.CallToolResult:
         if params.name not in subagents:
             raise MCPError(
-                types.INVALID_PARAMS, f"unknown tool {params.name!r}; tools: {', '.join(subagents)}"
+                types.INVALID_PARAMS, f"unknown tool {echo(params.name)!r}; tools: {', '.join(subagents)}"
             )
         host = get_host()
         response = await host.call_as_result(params.name, params.arguments or {}, session=_session(ctx))
