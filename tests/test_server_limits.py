@@ -801,3 +801,45 @@ def test_a_client_that_never_reads_its_reply_is_cut_off() -> None:
         deaf.close()
     assert (opened, left) == (1, 0)
     assert len(whole["echo"]) == 8_000_000
+
+
+# ---------------------------------------------------------------- refusals in the log
+
+
+def test_refusals_are_counted_and_warned_of_once_per_interval() -> None:
+    """The registry counts every 503 and says when a warning is due: the first at once, then at most one per
+    REFUSAL_LOG_EVERY_S, carrying the refusals since the last one."""
+    from tool_server.connections import REFUSAL_LOG_EVERY_S, ConnectionRegistry
+
+    registry = ConnectionRegistry(max_connections=1, per_peer=1, open_paths=frozenset())
+    due = [
+        registry.refusal(now=t) for t in (0.0, 1.0, 2.0, REFUSAL_LOG_EVERY_S + 0.5, REFUSAL_LOG_EVERY_S + 1)
+    ]
+    assert due == [1, None, None, 3, None] and registry.refused == 5
+
+
+def test_a_burst_of_refusals_is_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Thirty calls refused 503 while every slot runs a request log one warning, not thirty (under attack one
+    line per refusal was 1,465 lines a minute); each caller still gets its structured 503."""
+    share = 2
+    app, config = guarded_server(max_connections=share, max_connections_per_peer=share)
+    registry = config.http.registry  # type: ignore[union-attr]
+    slow = json.dumps({"text": "slow", "delay_s": 2.0}).encode()
+    with (
+        caplog.at_level(logging.WARNING, logger="tool_server.connections"),
+        serving(app, config=config) as url,
+    ):
+        port = int(url.rsplit(":", 1)[1])
+        held = fill(port, registry, slow, sources=["127.0.0.1"], share=share)
+        answers = []
+        for i in range(30):
+            with raw_socket(port) as sock:
+                sock.sendall(request_bytes(port, "POST", "/v1/tools/search", b'{"text": "%d"}' % i))
+                answers.append(first_bytes(sock))
+        for sock in held:
+            sock.close()
+    warnings = [
+        r for r in caplog.records if r.name == "tool_server.connections" and r.levelno == logging.WARNING
+    ]
+    assert all(answer.startswith(b"HTTP/1.1 503") for answer in answers), answers[:2]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
