@@ -19,7 +19,8 @@ a client registers what a user or a task attached (`POST /v1/attach`) before the
 only in the session that was shown it; anything else is an `invalid_args` failure listing the valid ones.
 
 Handles are 6 hex digits (24 bits): two keys in one session share a handle with odds of about n^2 / 3.4e7 for n
-things shown (a session of 50 hits: 1 in 13,000); the later registration then wins. Across sessions handles
+things shown (a session of 50 hits: 1 in 13,000); the later registration then wins, except that `POST /v1/attach`
+refuses two such keys in one call (422: the caller can pick another key). Across sessions handles
 never mix, and the result cache is keyed by what a handle resolves to, not by the handle.
 """
 

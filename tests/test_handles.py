@@ -5,6 +5,7 @@ video_summary) over its ASGI app, then every task family's prompt and observatio
 from __future__ import annotations
 
 import io
+import itertools
 import re
 import tracemalloc
 from collections import Counter
@@ -316,6 +317,23 @@ async def test_attachments_are_registered_before_the_first_turn(corpus: Path, tm
     async with ToolClient("http://tools", transport=httpx.MockTransport(wrong)) as client:
         with pytest.raises(ToolServerError, match="differ"):
             await client.attach([page], session="e1")
+
+
+async def test_two_attachments_sharing_a_handle_are_refused(corpus: Path) -> None:
+    """Two keys whose 24-bit handles collide, attached in one call, are a 422 naming the handle, and neither is
+    registered (before: the same handle came back twice, the second attachment silently replacing the first)."""
+    seen: dict[str, str] = {}
+    for n in itertools.count():  # about 5,000 keys give a collision
+        key = f"page-{n}"
+        first = seen.setdefault(handle_for("page", key), key)
+        if first != key:
+            break
+    twins = [Attachment("page", f"http://127.0.0.1/{k}", k) for k in (first, key)]
+    app = real_app(corpus)
+    async with app.router.lifespan_context(app), await client_of(app) as tools:
+        with pytest.raises(ToolServerError, match=f"422.*{twins[0].handle}"):
+            await tools.attach(twins, session="e1")
+        assert app.state.host.handles.listed("e1", "page") == []
 
 
 async def test_a_rollout_registers_its_attachments_and_a_failed_registration_is_infra() -> None:

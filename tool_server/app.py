@@ -297,7 +297,10 @@ async def attach(request: Request) -> Response:
         return _invalid_body(str(exc))
     session = request.headers.get(SESSION_HEADER, "default")
     items = [(a.kind, a.source, a.key, a.label) for a in body.attachments]
-    return JSONResponse({"handles": _host(request).attach(session, items)})
+    try:
+        return JSONResponse({"handles": _host(request).attach(session, items)})
+    except ValueError as exc:  # two keys sharing a handle
+        return _invalid_body(str(exc))
 
 
 def _attach_request(body: bytes) -> AttachRequest:

@@ -307,13 +307,18 @@ class ToolHost:
     def attach(self, session: str, attachments: list[tuple[HandleKind, str, str, str]]) -> list[str]:
         """Register what a user or a task attached, (kind, source, key, label) each, in `session` before its
         first turn; the handles, in order (`handle_for(kind, key)`: the caller can know them beforehand).
-        Sources are checked when a tool opens them, like any argument."""
-        handles = []
-        for kind, source, key, label in attachments:
+        Sources are checked when a tool opens them, like any argument. ValueError, nothing registered, when two
+        keys share a handle (24 bits: subagents/handles.py): one would silently stand for the other."""
+        keys: dict[str, str] = {}
+        for kind, _, key, _ in attachments:
             handle = handle_for(kind, key)
-            self.handles.add(session, handle, Ref(kind, source, label))
-            handles.append(handle)
-        return handles
+            if keys.setdefault(handle, key) != key:
+                raise ValueError(
+                    f"keys {echo(keys[handle])!r} and {echo(key)!r} share the handle {handle}: give one another key"
+                )
+        for kind, source, key, label in attachments:
+            self.handles.add(session, handle_for(kind, key), Ref(kind, source, label))
+        return [handle_for(kind, key) for kind, _, key, _ in attachments]
 
     async def call_as_result(self, name: str, arguments: Mapping[str, Any], *, session: str) -> ToolResponse:
         """Like `call`, but every outcome is a result (batch items, MCP): an overload refusal is `overloaded`,
