@@ -808,14 +808,13 @@ def test_a_client_that_never_reads_its_reply_is_cut_off() -> None:
 
 def test_refusals_are_counted_and_warned_of_once_per_interval() -> None:
     """The registry counts every 503 and says when a warning is due: the first at once, then at most one per
-    REFUSAL_LOG_EVERY_S, carrying the refusals since the last one."""
-    from tool_server.connections import REFUSAL_LOG_EVERY_S, ConnectionRegistry
+    LOG_EVERY_S, carrying the refusals since the last one."""
+    from tool_server.connections import LOG_EVERY_S, ConnectionRegistry
 
     registry = ConnectionRegistry(max_connections=1, per_peer=1, open_paths=frozenset())
-    due = [
-        registry.refusal(now=t) for t in (0.0, 1.0, 2.0, REFUSAL_LOG_EVERY_S + 0.5, REFUSAL_LOG_EVERY_S + 1)
-    ]
-    assert due == [1, None, None, 3, None] and registry.refused == 5
+    times = (0.0, 1.0, 2.0, LOG_EVERY_S + 0.5, LOG_EVERY_S + 1)
+    due = [registry.refusals.occurred(now=t) for t in times]
+    assert due == [1, None, None, 3, None] and registry.refusals.total == 5
 
 
 def test_a_burst_of_refusals_is_one_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -843,3 +842,22 @@ def test_a_burst_of_refusals_is_one_warning(caplog: pytest.LogCaptureFixture) ->
     ]
     assert all(answer.startswith(b"HTTP/1.1 503") for answer in answers), answers[:2]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
+
+
+def test_a_burst_of_clients_gone_mid_body_is_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    """Thirty clients that send half a body and hang up log one info line, not thirty (the slow-body attack,
+    its connections closed to make room, disconnects hundreds a second); /metrics still counts all thirty."""
+    body = json.dumps({"text": "x" * 100}).encode()
+    with caplog.at_level(logging.INFO, logger="tool_server.app"), serving(app_for(make_config())) as url:
+        port = int(url.rsplit(":", 1)[1])
+        head = request_bytes(port, "POST", "/v1/tools/search", Content_Type="application/json")
+        head = head.replace(b"Content-Length: 0", f"Content-Length: {len(body)}".encode())
+        for _ in range(30):
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(head + body[:20])
+                time.sleep(0.02)
+        time.sleep(0.5)
+        metrics = httpx.get(f"{url}/metrics", timeout=5).json()["tools"]["search"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "tool_server.app"]
+    assert metrics["errors_by_kind"] == {"cancelled": 30}
+    assert len(lines) == 1 and lines[0].startswith("client disconnected during POST /v1/tools/search"), lines

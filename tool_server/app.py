@@ -25,12 +25,14 @@ result, and the other calls keep theirs. Header `X-Conductor-Session` names the 
 Every route, /mcp included, answers only requests addressed to this server (limits.HostGuardMiddleware:
 Host 127.0.0.1/localhost/[::1] at the connection's port or in `allowed_hosts`, else 421; a foreign Origin
 403); in-process calls (httpx.ASGITransport, no socket) are exempt. A client that goes away before its
-request is read whole is logged as a disconnect (one info line) and counted `cancelled`, not as a bug.
+request is read whole is logged as a disconnect (an info line, at most one per 10 s) and counted `cancelled`, not
+as a bug.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import resource
 import time
@@ -54,7 +56,7 @@ from subagents.backends import build_llm
 from subagents.common import ToolResponse, fail
 from subagents.llm import LLM, BackendConfig, BackendError
 from tool_server.config import ServerConfig
-from tool_server.connections import HEALTH_RESERVE, guarded_h11
+from tool_server.connections import HEALTH_RESERVE, LogThrottle, guarded_h11
 from tool_server.host import (
     INTERNAL_MESSAGE,
     SESSION_HEADER,
@@ -139,7 +141,7 @@ def create_app(
     app.add_middleware(AuthMiddleware, token=token)  # outside the body limit: no body read before auth
     hosts = {"allowed_hosts": cfg.allowed_hosts, "allowed_origins": cfg.allowed_origins}
     app.add_middleware(HostGuardMiddleware, port=cfg.port, **hosts)  # added last = outermost
-    app.add_exception_handler(ClientDisconnect, _client_gone)
+    app.add_exception_handler(ClientDisconnect, functools.partial(_client_gone, LogThrottle()))
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(Exception, _internal_error)
     return app
@@ -195,10 +197,15 @@ async def _invalid_request(request: Request, exc: Exception) -> Response:
     return _invalid_body(errors_message(exc.errors()))
 
 
-async def _client_gone(request: Request, exc: Exception) -> Response:
-    """The client went away before its request was read whole (or was cut off by the request deadline):
-    nothing is broken, so one info line and no traceback. The answer is never delivered."""
-    logger.info("client disconnected during %s %s", request.method, request.url.path)
+async def _client_gone(said: LogThrottle, request: Request, exc: Exception) -> Response:
+    """The client went away before its request was read whole (or was cut off by the request deadline or the
+    body rate, or closed to make room): nothing is broken, so an info line and no traceback, at most one per
+    LOG_EVERY_S (`said`: an attack of slow bodies disconnects hundreds a second). The answer is never delivered."""
+    count = said.occurred(now=time.monotonic())
+    if count is not None:
+        logger.info(
+            "client disconnected during %s %s (%d since last said)", request.method, request.url.path, count
+        )
     return Response(status_code=400)
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -53,12 +54,32 @@ HEALTH_RESERVE = 64
 # Before a request body's rate is judged: its first bytes may wait out one lost packet's retransmission (Linux's
 # initial retransmission timeout is 1 s), and a body of a few packets is whole long before.
 BODY_GRACE_S = 2.0
-# The 503 warning is logged at most this often, counting the refusals since the last one: under attack a line per
-# refusal was 1,465 lines a minute, burying everything else in the log.
-REFUSAL_LOG_EVERY_S = 10.0
+# A line logged on every occurrence of what an attack repeats (a 503, a client gone) is said at most this often,
+# counting the occurrences since: under attack a warning per refusal was 1,465 lines a minute, burying the log.
+LOG_EVERY_S = 10.0
 # What a refused request is told to wait: a tool call's queue turns over within its queue deadline (20 s), but
 # a connection frees as soon as any request ends, usually well within a second.
 RETRY_AFTER_S = 1
+
+
+class LogThrottle:
+    """When a line logged on every occurrence of something may be said: the first at once, then at most once per
+    LOG_EVERY_S, with the occurrences since the last. Event-loop confined."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        """Every occurrence counted (for tests and metrics)."""
+        self._since = 0
+        self._said_at = -math.inf
+
+    def occurred(self, *, now: float) -> int | None:
+        """Count one occurrence at `now` (a monotonic clock); the occurrences to report if a line is due, else None."""
+        self.total += 1
+        self._since += 1
+        if now - self._said_at < LOG_EVERY_S:
+            return None
+        count, self._since, self._said_at = self._since, 0, now
+        return count
 
 
 class ConnectionRegistry:
@@ -75,10 +96,8 @@ class ConnectionRegistry:
         self._idle: dict[GuardedH11Protocol, None] = {}  # insertion order: the longest idle first
         self.evicted = 0
         """Idle connections closed to make room (for tests and logs)."""
-        self.refused = 0
-        """Requests answered 503 (for tests and logs)."""
-        self._unlogged = 0
-        self._logged_at = -REFUSAL_LOG_EVERY_S
+        self.refusals = LogThrottle()
+        """Requests answered 503, and when to say so."""
 
     def __len__(self) -> int:
         return len(self._peer_of)
@@ -123,16 +142,6 @@ class ConnectionRegistry:
         return path in self.open_paths or (
             len(self) <= self.max_connections and self._peers[peer] <= self.per_peer
         )
-
-    def refusal(self, *, now: float) -> int | None:
-        """Count a 503; the refusals to report when a warning is due now (the first at once, then one per
-        REFUSAL_LOG_EVERY_S, counting all since the last), else None."""
-        self.refused += 1
-        self._unlogged += 1
-        if now - self._logged_at < REFUSAL_LOG_EVERY_S:
-            return None
-        count, self._unlogged, self._logged_at = self._unlogged, 0, now
-        return count
 
     def _evict(self, eligible: Callable[[GuardedH11Protocol], bool]) -> None:
         """Close the longest-idle connection `eligible` accepts, if any."""
@@ -269,9 +278,11 @@ class GuardedH11Protocol(H11Protocol):
         if self.registry.admits(self, scope["path"]):
             await self._app(scope, receive, send)
             return
-        count = self.registry.refusal(now=self.loop.time())
+        count = self.registry.refusals.occurred(now=self.loop.time())
         if count is not None:
-            message = "503 to %s: connection caps reached, no idle connection to close (%d refused since last said)"
+            message = (
+                "503 to %s: connection caps reached, no idle connection to close (%d refused since last said)"
+            )
             logger.warning(message, self.client, count)
         body = b'{"error": {"kind": "overloaded", "message": "the server has no free connection; retry"}}'
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
