@@ -291,9 +291,11 @@ class GuardedH11Protocol(H11Protocol):
         await send({"type": "http.response.body", "body": body})
 
 
-def _cancelled(timer: asyncio.TimerHandle | None) -> None:
+def _cancelled(timer: asyncio.TimerHandle | None) -> asyncio.TimerHandle | None:
+    """Cancel `timer`, if any; None, what the attribute that held it becomes."""
     if timer is not None:
         timer.cancel()
+    return None
 
 
 def guarded_h11(
