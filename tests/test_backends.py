@@ -405,15 +405,21 @@ async def test_vllm_backend_answers_like_transformers() -> None:
 
 
 async def test_scored_replies_equal_their_full_forward_log_probs(tiny_policy: Path) -> None:
-    """`score` (the prompt once, then the replies batched over its KV cache, right-padded) gives each reply the
-    summed log-prob of its tokens and EOS that one forward of prompt + reply gives: page_qa's "extract" mode
-    ranks answer spans by it, so padding or cache reuse must not change a reply's score."""
+    """`score` (the prompt once, then the replies packed into one row over its KV cache under a mask that keeps
+    them apart) gives each reply the summed log-prob of its tokens and EOS that one forward of prompt + reply
+    gives: page_qa's "extract" mode ranks answer spans by it, so packing or cache reuse must not change a
+    reply's score, whatever the replies' lengths."""
     import torch
 
     llm = TransformersLLM(BackendConfig(model=str(tiny_policy)))
     assert llm.scores
     messages = [Message("system", "Answer briefly."), Message("user", "Where is the tower? Paris, France.")]
-    replies = ["Paris", "Paris, France", "not in the page"]
+    replies = [
+        "Paris",
+        "Paris, France",
+        "not in the page",
+        "The tower stands in Paris, the capital of France",
+    ]
     scores = await llm.score(messages, replies)
     prompt = llm.render(messages)
     eos = llm.tokenizer.eos_token_id
