@@ -163,7 +163,7 @@ def resume_point(cfg: TrainConfig, *, resume: Path | None, force: bool) -> tuple
 def load_tasks(cfg: TrainConfig) -> list[Task]:
     """The split's tasks; for an item family, its tasks at every horizon the curriculum can reach (prepared
     together, drawn by the current one)."""
-    if not hasattr(task_data.FAMILIES.get(cfg.task), "item_reward"):
+    if cfg.task not in task_data.ITEM_FAMILIES:
         tasks = task_data.load_family(cfg.task, cfg.run.split, data_dir=cfg.run.data_dir, limit=cfg.run.limit)
     else:
         load = functools.partial(

@@ -244,7 +244,7 @@ def _tasks(cfg: SFTConfig, split: str, limit: int | None) -> list[Task]:
     return [
         t
         for family in cfg.tasks
-        for n in (cfg.items if hasattr(task_data.FAMILIES.get(family), "item_reward") else (None,))
+        for n in (cfg.items if family in task_data.ITEM_FAMILIES else (None,))
         for t in load(family, items=n)
     ]
 

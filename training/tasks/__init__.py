@@ -6,8 +6,9 @@
     prepared(tasks, work_dir, *, data_dir=None)             context manager: the tasks ready to play
     oracle_reply(task, turns, *, trust_reference) -> str    the scripted expert's next reply (SFT)
 
-Item families (plate_audit, multihop_batch: N tasks of another family in one episode, training/tasks/batch.py)
-also take `load(..., items=N)` and have `item_reward(text, item_reference)`, the score of one recorded item.
+Item families (plate_audit, multihop_batch: N tasks of another family in one episode, training/tasks/batch.py;
+listed in `ITEM_FAMILIES`) also take `load(..., items=N)` and have `item_reward(text, item_reference)`, the score
+of one recorded item.
 
     tasks = load_family("plate_reading", "dev", limit=16)
     with prepared(tasks, work_dir) as ready:               # pages served, clips subtitled, as each family needs
@@ -31,6 +32,7 @@ from training.tasks.task import SPLITS, Task, TaskMeta, data_root, hash_split, l
 __all__ = [
     "FAMILIES",
     "GRADED",
+    "ITEM_FAMILIES",
     "SPLITS",
     "Task",
     "TaskMeta",
@@ -59,6 +61,9 @@ FAMILIES = {
 GRADED = {plates.NAME: plates.graded_reward, plate_audit.NAME: plate_audit.graded_reward}
 """The graded score of the families whose own reward is exact; `reward_for(..., kind="graded")` uses it."""
 
+ITEM_FAMILIES = frozenset({plate_audit.NAME, multihop_batch.NAME})
+"""The item families: their `load` takes `items=N` (items per task), and they score each item (`item_reward`)."""
+
 
 def load_family(
     name: str, split: str, *, data_dir: Path | None = None, limit: int | None = None, items: int | None = None
@@ -70,7 +75,7 @@ def load_family(
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; known: {SPLITS}")
     family = FAMILIES[name]
-    if items is not None and hasattr(family, "item_reward"):
+    if items is not None and name in ITEM_FAMILIES:
         return family.load(data_root(data_dir), split, limit=limit, items=items)
     return family.load(data_root(data_dir), split, limit=limit)
 
