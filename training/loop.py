@@ -43,7 +43,7 @@ from training.branching import BranchStats
 from training.checkpoint import TrainState
 from training.config import TrainConfig
 from training.run import Run, StepHook, cursor_for, next_tasks, record_step, steps_left
-from training.step import Collected, drop_stale, fresh_branches, score_groups, step_row
+from training.step import Collected, branches_of, drop_stale, score_groups, step_row
 from training.tasks import Task
 from training.update import UpdateStats
 
@@ -84,7 +84,7 @@ async def train_loop(run: Run, collector: Collector, learner: Learner, *, overla
             fresh, stale = drop_stale(
                 batch.groups, version=collector.version, max_staleness=cfg.max_staleness
             )
-            scored = score_groups(fresh, batch.tasks, cfg, fresh_branches(batch, fresh))
+            scored = score_groups(fresh, batch.tasks, cfg, branches_of(batch.groups, batch.branches, fresh))
             stats, lr = await learner.update(scored.sequences)
             train_s = time.monotonic() - t1
             await asyncio.wait({pending})  # weights never change under a running episode

@@ -2,7 +2,7 @@
 
     collected = Collected(step, tasks, state, groups, rollout_s)    # what a collector played (training/loop.py)
     fresh, stale = drop_stale(collected.groups, version=..., max_staleness=cfg.max_staleness)
-    scored = score_groups(fresh, collected.tasks, cfg, fresh_branches(collected, fresh))
+    scored = score_groups(fresh, collected.tasks, cfg, branches_of(collected.groups, collected.branches, fresh))
     stats = update(model, optimizer, scored.sequences, cfg)        # training/update.py
     row = step_row(version, collected, scored, stats, seconds=(train_s, sync_s), stale_dropped=stale)
 
@@ -155,7 +155,7 @@ def filter_groups(groups: Sequence[list[Episode]], cfg: TrainConfig) -> list[lis
             f"{len(failed) + len(inexact)} of {len(episodes)} episodes cannot be trained on "
             f"(limit {cfg.max_infra_failure_frac:.0%}): {'; '.join(reasons)}"
         )
-    return [list(g) for g in groups if not any(e.stop_reason == "infra_failed" for e in g)]
+    return [g for g in groups if not any(e.stop_reason == "infra_failed" for e in g)]
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ def score_groups(
     groups: Sequence[list[Episode]],
     tasks: Sequence[Task],
     cfg: TrainConfig,
-    branches: Sequence[list[list[BranchValues]]] | None = None,
+    branches: Sequence[list[list[BranchValues]] | None] | None = None,
 ) -> Scored:
     """filter_groups, then score every episode and build the training sequences (`branches[g]`: group g's
     continuation values under branch credit)."""
@@ -203,14 +203,8 @@ def score_groups(
     for e in (e for g in kept for e in g):
         parts += score(e, by_id[e.task_id], cfg.turn_rewards, cfg.reward_kind)
     successes = [task_data.success(by_id[e.task_id], e.answer) for g in kept for e in g]
-    values = branches if branches is not None else [None] * len(groups)
-    valid = [
-        (g, b)
-        for g, b in zip(groups, values, strict=True)
-        if not any(e.stop_reason == "infra_failed" for e in g)
-    ]
-    credit = [group_credit(g, cfg, b) for g, b in valid]
-    sequences = [s for (g, _), a in zip(valid, credit, strict=True) for s in lay(g, a)]
+    credit = [group_credit(g, cfg, b) for g, b in zip(kept, branches_of(groups, branches, kept), strict=True)]
+    sequences = [s for g, a in zip(kept, credit, strict=True) for s in lay(g, a)]
     ledgers = [ledger_scores(e, by_id[e.task_id]) for g in kept for e in g if by_id[e.task_id].items]
     equal = sum(len({e.reward for e in g}) == 1 for g in kept)
     return Scored(kept, sequences, successes, parts, ledgers, equal, sum(map(flat, credit)))
@@ -258,12 +252,17 @@ def drop_stale(
     return fresh, sum(map(len, groups)) - sum(map(len, fresh))
 
 
-def fresh_branches(batch: Collected, fresh: Sequence[list[Episode]]) -> list[list[list[BranchValues]]] | None:
-    """The branch values of the groups `drop_stale` kept, in their order."""
-    if batch.branches is None:
-        return None
-    kept = {id(g) for g in fresh}
-    return [b for g, b in zip(batch.groups, batch.branches, strict=True) if id(g) in kept]
+def branches_of(
+    groups: Sequence[list[Episode]],
+    branches: Sequence[list[list[BranchValues]] | None] | None,
+    kept: Sequence[list[Episode]],
+) -> list[list[list[BranchValues]] | None]:
+    """The branch values (`branches[g]`: group g's) of the groups in `kept`, a selection of `groups` in their
+    order (by `drop_stale` or `filter_groups`); Nones without branch credit."""
+    if branches is None:
+        return [None] * len(kept)
+    chosen = {id(g) for g in kept}
+    return [b for g, b in zip(groups, branches, strict=True) if id(g) in chosen]
 
 
 def step_row(
