@@ -9,6 +9,8 @@ import it. A local cluster is sized so that every actor a run asks for fits: Ray
 so on a 2-core machine a run of 2 rollout workers, 1 trainer worker and 2 tool replicas starts (oversubscribed,
 said in the log) instead of waiting forever for CPUs that will never come. Each actor sizes its torch threads
 to the CPUs it asked for (`actor_threads`), so two actors on one core do not each spin up a thread per core.
+A local cluster keeps its files (and its sockets) under a short temp dir when TMPDIR is too long for them
+(`ray_temp_dir`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ logger = logging.getLogger(__name__)
 
 LOCAL = "local"
 """`address` for a cluster started by (and ending with) this process."""
+
+AF_UNIX_PATH_MAX = 107
+"""The longest socket path Linux accepts (108 bytes of `sun_path` with the final NUL)."""
+RAY_SOCKET_TAIL = "/ray/session_2000-01-01_00-00-00_000000_4194304/sockets/plasma_store.9"
+"""The longest path Ray puts below its temp root for a socket (a session named by date and a 7-digit pid, a
+numbered socket file): Ray refuses to start when the whole passes AF_UNIX_PATH_MAX."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +155,7 @@ def cluster(cfg: RayConfig) -> Iterator[ClusterInfo]:
         "configure_logging": False,
     }
     if local:
+        kwargs["_temp_dir"] = ray_temp_dir()
         cpus = max(float(os.cpu_count() or 1), cfg.cpus_needed)
         if cpus > (os.cpu_count() or 1):
             logger.info(
@@ -166,6 +175,21 @@ def cluster(cfg: RayConfig) -> Iterator[ClusterInfo]:
 
             serve.shutdown()
         ray.shutdown()
+
+
+def ray_temp_dir() -> str | None:
+    """Where a local cluster keeps its files: None (Ray's own choice: $RAY_TMPDIR, else $TMPDIR, else /tmp) when
+    its socket paths fit AF_UNIX_PATH_MAX, else /tmp/ray-UID, said in the log. A long TMPDIR (a CI runner's, a
+    pytest sandbox's) otherwise stops Ray at start-up with "AF_UNIX path length cannot exceed 107 bytes"."""
+    root = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    if len((root + RAY_SOCKET_TAIL).encode()) <= AF_UNIX_PATH_MAX:
+        return None
+    short = f"/tmp/ray-{os.getuid()}"
+    logger.info(
+        "temp dir %s is too long for Ray's socket paths (at most %d bytes): the local cluster uses %s",
+        root, AF_UNIX_PATH_MAX, short,
+    )  # fmt: skip
+    return short
 
 
 def worker_env() -> dict[str, str]:
