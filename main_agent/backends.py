@@ -1,11 +1,11 @@
 """Which implementation samples the policy, and the one place that builds it (`[sampling] backend`).
 
-    policy, tokenizer = load_policy(ref, sampling)     # from a model reference: ask, evaluation, SFT, training
+    policy, tokenizer = load_policy(ref, sampling)     # from a model reference: ask, evaluation, SFT
     policy = build_policy(backend, tokenizer, sampling, model=..., folder=..., version=...)   # from weights in hand
 
-`chosen_backend` resolves "auto"; `build_policy` is the one switch over "transformers", "vllm" and "server", used
-by `load_policy`, the trainer's sampler (training/sampler.py) and the Ray rollout workers
-(training/ray_rollout.py). The contract is main_agent/policy.py; each implementation has its own file, and the
+`chosen_backend` resolves "auto"; `build_policy` is the one switch over "transformers", "vllm" and "server"
+(`build_reloadable` the last two, whose weights reload from a folder), used by `load_policy` and by the
+trainer's sampler (training/sampler.py), in this process and in every Ray rollout worker. The contract is main_agent/policy.py; each implementation has its own file, and the
 vLLM one (an optional extra) is imported only when asked for.
 """
 
@@ -17,7 +17,7 @@ from typing import Literal
 
 from conductor.models import resolve_model
 from main_agent.openai_policy import OpenAIPolicy
-from main_agent.policy import Policy, PolicyError, SamplingConfig
+from main_agent.policy import Policy, PolicyError, ReloadablePolicy, SamplingConfig
 from main_agent.transformers_policy import TransformersPolicy, load_model, tokenizer_dir
 
 
@@ -93,14 +93,34 @@ def build_policy(
     weight_transfer: Literal["nccl", "ipc"] | None = None,
 ) -> Policy:
     """The policy `backend` samples with, at `version`: "transformers" samples `model` (a module in this
-    process, used as it is; `max_batch` episodes share one generate); "vllm" starts an engine on the dense
-    checkpoint in `folder` (`max_model_len`, `dtype`, and `weight_transfer` for a GPU weight push); "server"
-    talks to `sampling.url`, whose weights the caller loads (`reload_weights`). `seed` seeds the engines' and
-    servers' sampling."""
+    process, used as it is; `max_batch` episodes share one generate); "vllm" and "server" are `build_reloadable`'s.
+    """
     if backend == "transformers":
         assert model is not None, "the transformers backend samples a model in this process"
         return TransformersPolicy(model, tokenizer, cfg=sampling, max_batch=max_batch, version=version)
-    elif backend == "server":
+    return build_reloadable(
+        backend, tokenizer, sampling, folder=folder, version=version, seed=seed, max_model_len=max_model_len,
+        dtype=dtype, weight_transfer=weight_transfer,
+    )  # fmt: skip
+
+
+def build_reloadable(
+    backend: str,
+    tokenizer,
+    sampling: SamplingConfig,
+    *,
+    folder: Path | None,
+    version: int = 0,
+    seed: int = 0,
+    max_model_len: int = 4096,
+    dtype: Literal["float32", "bfloat16"] = "float32",
+    weight_transfer: Literal["nccl", "ipc"] | None = None,
+) -> ReloadablePolicy:
+    """The policy `backend` samples with at `version`, whose weights reload from a folder (`reload_weights`):
+    "vllm" starts an engine on the dense checkpoint in `folder` (`max_model_len`, `dtype`, and `weight_transfer`
+    for a GPU weight push); "server" talks to `sampling.url`, whose weights the caller loads. `seed` seeds the
+    engines' and servers' sampling."""
+    if backend == "server":
         assert sampling.url is not None  # SamplingConfig checks it
         policy = OpenAIPolicy(sampling.url, sampling.model, tokenizer, cfg=sampling, seed=seed)
         policy.version = version

@@ -14,6 +14,9 @@ An implementation per file, picked by `[sampling] backend` in one place (main_ag
   learn from. `reload_weights` makes a vLLM server load the trainer's weights.
 - `VLLMPolicy` (vllm_policy.py): a vLLM engine in this process, for the trainer on a GPU.
 
+The last two are `ReloadablePolicy`s: their weights load in place from a checkpoint folder, which is how a trainer
+hands them its weights (training/sampler.py); the trainer updates the first one's `model` itself.
+
 Sampler log-probs are log-softmax(logits / temperature) of the sampled token: the distribution actually
 sampled from. Training uses temperature 1 so they match what the trainer recomputes.
 """
@@ -21,6 +24,7 @@ sampled from. Training uses temperature 1 so they match what the trainer recompu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Protocol
 
 
@@ -40,6 +44,13 @@ class Policy(Protocol):
     async def sample(self, prompt_ids: list[int], *, max_new_tokens: int) -> Sample: ...
 
     async def aclose(self) -> None: ...
+
+
+class ReloadablePolicy(Policy, Protocol):
+    """A policy whose weights reload in place from a checkpoint folder (HF config and safetensors): a vLLM engine
+    in this process or a `vllm serve` process. Call `reload_weights` while no sample is running."""
+
+    async def reload_weights(self, folder: Path) -> None: ...
 
 
 @dataclass(frozen=True)
