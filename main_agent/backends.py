@@ -5,8 +5,9 @@
 
 `chosen_backend` resolves "auto"; `build_policy` is the one switch over "transformers", "vllm" and "server"
 (`build_reloadable` the last two, whose weights reload from a folder), used by `load_policy` and by the
-trainer's sampler (training/sampler.py), in this process and in every Ray rollout worker. The contract is main_agent/policy.py; each implementation has its own file, and the
-vLLM one (an optional extra) is imported only when asked for.
+trainer's sampler (training/sampler.py), in this process and in every Ray rollout worker. The contract is
+main_agent/policy.py; each implementation has its own file, and the vLLM one (an optional extra) is imported only
+when asked for.
 """
 
 from __future__ import annotations
