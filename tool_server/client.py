@@ -124,11 +124,13 @@ class ToolClient:
         timeout: httpx.Timeout = DEFAULT_TIMEOUT,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        self.url = base_url.rstrip("/")
+        """The server's base URL (another process's client reaches the same server there)."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         # Pool limits follow the concurrency cap so queued calls wait on the semaphore, not inside httpx.
         limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
         self._http = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
+            base_url=self.url,
             headers=headers,
             timeout=timeout,
             limits=limits,

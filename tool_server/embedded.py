@@ -1,18 +1,21 @@
-"""How a run reaches its tools: a running server at a URL, or one started in this process for the caller.
+"""How a run reaches its tools: a running server at a URL, or one started for the caller, in this process or
+as replicas on Ray Serve.
 
     access = ToolAccess()                                          # [tools] of a run's settings: no URL
     async with open_tools(access, roots=["/data/plates"], loopback=True) as tools:    # a ToolClient
         await tools.call("image_ops", {"op": "load", "image": "/data/plates/a.jpg"})
 
 The in-process server is the real app (tool_server/app.py) driven through httpx's ASGI transport: no port is
-opened. It starts from `access.config` (a server TOML: which models answer for the sub-agents, their limits) or
-the defaults, plus what the caller's own inputs need (`embedded_config`): their folders readable, loopback pages
-fetchable, a corpus (or SearXNG) to search. This is the one place `conductor ask`, training, evaluation and
-SFT get tools.
+opened. A run on Ray deploys the same app on Ray Serve instead (`replicas`, tool_server/ray_serve.py), whose URL
+its rollout workers reach (`tools.url`). Either starts from `access.config` (a server TOML: which models answer
+for the sub-agents, their limits) or the defaults, plus what the caller's own inputs need (`embedded_config`):
+their folders readable, loopback pages fetchable, a corpus (or SearXNG) to search. This is the one place
+`conductor ask`, training (in this process or on Ray), evaluation and SFT get tools.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from conductor.cluster import RayConfig
 from tool_server.client import ToolClient
 from tool_server.config import ServerConfig, load_config
 
@@ -85,28 +89,66 @@ async def open_tools(
     search_url: str | None = None,
     overrides: Sequence[str] = (),
     transport: httpx.AsyncBaseTransport | None = None,
+    replicas: RayConfig | None = None,
+    shared_cache: Path | None = None,
 ) -> AsyncIterator[ToolClient]:
     """A client for `access.url` (checked with /health), or for a server started here (`embedded_config`;
     `corpus`, `persist_index` and `search_url` configure its search tool; `overrides` are `--set` overrides of
-    its settings, e.g. config.reader_overrides).
+    its settings, e.g. config.reader_overrides): in this process, or with `replicas` (inside
+    `conductor.cluster.cluster`) `replicas.tool_replicas` replicas on Ray Serve, sharing their result cache in
+    the `shared_cache` folder (`with_cache_folder`).
 
     `transport` (tests) stands in for the server. Raises ToolServerError when the URL does not answer.
     """
     async with contextlib.AsyncExitStack() as stack:
         if transport is None and access.url is None:
-            from tool_server.app import create_app
-
             base = load_config(access.config, overrides)
             cfg = embedded_config(
                 base, roots=roots, loopback=loopback, corpus=corpus, persist_index=persist_index,
                 search_url=search_url,
             )  # fmt: skip
-            app = create_app(cfg)
-            await stack.enter_async_context(app.router.lifespan_context(app))
-            transport = httpx.ASGITransport(app=app)
+            if replicas is None:
+                transport = await stack.enter_async_context(in_process(cfg))
+            else:
+                served = with_cache_folder(cfg, shared_cache)
+                access = dataclasses.replace(
+                    access, url=await stack.enter_async_context(on_ray(served, replicas))
+                )
         url = access.url or EMBEDDED_URL
         client = ToolClient(url, transport=transport, max_concurrency=access.max_inflight_calls)
         tools = await stack.enter_async_context(client)
         if access.url is not None and transport is None:
             await tools.health()  # fail here, with the URL, rather than in the first episode
         yield tools
+
+
+@contextlib.asynccontextmanager
+async def in_process(cfg: ServerConfig) -> AsyncIterator[httpx.AsyncBaseTransport]:
+    """The tool server `cfg` describes, in this process (its models loaded, released on exit), as a transport."""
+    from tool_server.app import create_app
+
+    app = create_app(cfg)
+    async with app.router.lifespan_context(app):
+        yield httpx.ASGITransport(app=app)
+
+
+@contextlib.asynccontextmanager
+async def on_ray(cfg: ServerConfig, replicas: RayConfig) -> AsyncIterator[str]:
+    """The tool server `cfg` describes, deployed on Ray Serve as `replicas` says (tool_server/ray_serve.py);
+    its URL, until the deployment is deleted on exit."""
+    from tool_server import ray_serve
+
+    url = await asyncio.to_thread(ray_serve.deploy, cfg, replicas)
+    try:
+        yield url
+    finally:
+        ray_serve.shutdown()
+
+
+def with_cache_folder(server: ServerConfig, folder: Path | None) -> ServerConfig:
+    """`server` with its result cache on disk in `folder` unless it names one: each replica keeps its own memory
+    cache, the folder is what they share (a result computed by one replica is a hit on every other; measured in
+    tool_server/ray_serve.py)."""
+    if folder is None or not server.cache.enabled or server.cache.directory is not None:
+        return server
+    return dataclasses.replace(server, cache=dataclasses.replace(server.cache, directory=folder))

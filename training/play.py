@@ -1,6 +1,6 @@
 """Playing tasks: the one place training, evaluation and the SFT expert turn tasks into episodes.
 
-    async with tool_session(tasks, work_dir=..., tools_url=None) as (tools, ready):   # server + prepared tasks
+    async with tool_session(tasks, work_dir=..., access=cfg.tools) as (tools, ready):   # server + prepared tasks
         groups = await play(ready, lambda task: policy, tools=tools, tokenizer=tok, cfg=rollout_cfg,
                             group_size=4, max_concurrent=8)                             # [task][episode]
 
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from conductor.cluster import RayConfig
 from main_agent.policy import Policy
 from main_agent.rollout import ProgressHook, RolloutConfig, RolloutTask, rollout
 from main_agent.types import Episode
@@ -101,16 +102,20 @@ async def tool_session(
     access: ToolAccess,
     data_dir: Path | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
+    replicas: RayConfig | None = None,
 ) -> AsyncIterator[tuple[ToolClient, list[Task]]]:
-    """A tool client and the tasks ready to play (`tasks.prepared` under `work_dir`).
-
-    Without `access.url` the tool server runs in this process, allowed to read the tasks' media folders and to
-    fetch their loopback pages, with search over their corpus (`tool_server.embedded`); `transport` (tests) replaces the server. The page
-    server binds 127.0.0.1, so with `access.url` multihop tasks need that server on this machine.
+    """A tool client and the tasks ready to play (`tasks.prepared` under `work_dir`), whichever host serves the
+    tools (`tool_server.embedded.open_tools`): the server at `access.url`; else one started for the tasks, allowed
+    to read their media folders, fetch their loopback pages and search their corpus (`server_needs`), in this
+    process (`transport`, in tests, replaces it) or, for a run on Ray, `replicas.tool_replicas` replicas on Ray
+    Serve sharing their result cache in `work_dir/tool_cache/` (the client's `url` is theirs). The page server
+    binds 127.0.0.1, so with `access.url` multihop tasks need that server on this machine.
     """
     with task_data.prepared(tasks, work_dir, data_dir=data_dir) as ready:
         roots, loopback, corpus = server_needs(ready)
-        async with open_tools(
-            access, roots=roots, loopback=loopback, corpus=corpus, transport=transport
-        ) as tools:
-            yield tools, ready
+        tools = open_tools(
+            access, roots=roots, loopback=loopback, corpus=corpus, transport=transport, replicas=replicas,
+            shared_cache=work_dir / "tool_cache",
+        )  # fmt: skip
+        async with tools as client:
+            yield client, ready
