@@ -85,7 +85,7 @@ async def collect_local(cfg, warm, timed) -> dict[str, float]:
     """Row a: the single-process path (in-process sampler and tool server)."""
     from main_agent.backends import load_policy
     from training import play
-    from training.run import seed_step
+    from training.data_order import seed_step
 
     sampling = dataclasses.replace(cfg.sampling, backend="transformers")  # what a rollout worker samples with
     policy, tokenizer = load_policy(cfg.run.policy, sampling, max_batch=cfg.max_concurrent_episodes)

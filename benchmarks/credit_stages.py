@@ -26,7 +26,7 @@ from tool_server.client import ToolClient
 from training.branching import branch_values, chosen_turns, continue_from, sampled_tokens, states, trainable
 from training.config import TrainConfig
 from training.play import play
-from training.run import seed_step
+from training.data_order import seed_step
 from training.step import rewarded
 from training.tasks import Task
 

@@ -9,7 +9,7 @@ import pytest
 from training.checkpoint import TrainState
 from training.config import TrainConfig
 from training.curriculum import Horizon, HorizonConfig, advance, horizons
-from training.run import next_horizon, next_tasks
+from training.data_order import next_horizon, next_tasks
 from training.tasks import Task
 
 CFG = HorizonConfig(items=2, max_items=8, raise_at=0.5, window=4, factor=2)

@@ -222,8 +222,16 @@ class FakeEngine:
 
 
 class FakeSampler:
+    """A sampler whose engine is `engine` and whose policy samples its version."""
+
     def __init__(self, engine: FakeEngine) -> None:
-        self.engine, self.version = engine, 0
+        self.version, self.policy, self._engine = 0, self, engine
+
+    def engine(self) -> FakeEngine:
+        return self._engine
+
+    def streamed(self, version: int) -> None:
+        self.version = version
 
     async def sample(self, prompt_ids: list[int], *, max_new_tokens: int) -> int:
         return self.version
@@ -237,20 +245,15 @@ async def test_a_worker_samples_nothing_between_the_start_and_finish_of_a_gpu_pu
 
     worker = object.__new__(RolloutWorker)  # the actor's state without loading a model
     engine = FakeEngine()
-    worker.backend, worker.policy, worker.version, worker.swap = (
-        "vllm",
-        FakeSampler(engine),
-        0,
-        asyncio.Lock(),
-    )
+    worker.sampler, worker.swap = FakeSampler(engine), asyncio.Lock()
     await worker.start_weight_update()
     waiting = asyncio.ensure_future(worker.sample([1, 2], 4))
     await asyncio.sleep(0.05)
     assert not waiting.done()
     await worker.finish_weight_update(3)
-    assert await waiting == 3 and worker.version == 3
+    assert await waiting == 3 and worker.sampler.version == 3
     assert engine.calls == ["start", "finish", "reset_prefix_cache"]
-    worker.policy = FakeSampler(FakeEngine(fail_start=True))
+    worker.sampler = FakeSampler(FakeEngine(fail_start=True))
     with pytest.raises(RuntimeError, match="engine refused"):
         await worker.start_weight_update()
     assert not worker.swap.locked()

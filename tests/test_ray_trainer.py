@@ -19,14 +19,15 @@ import torch
 from conductor.cluster import RayConfig, cluster
 from main_agent.tokens import TrainSequence, micro_batches
 from training.checkpoint import TrainState
-from training.config import RunSettings, TrainConfig
+from training.config import RunSettings, TrainConfig, config_json
+from training.learner import load_learner
 from training.loss import token_logprobs
-from training.run import config_json, load_learner
+from training.sampler import sampler_state
 from training.update import DataParallel, accumulate_gradients, update
 
 ray = pytest.importorskip("ray")
 
-from training.ray_trainer import TrainerGroup, sampler_state  # noqa: E402  # after the skip: needs ray
+from training.ray_trainer import TrainerGroup  # noqa: E402  # after the skip: needs ray
 
 
 @pytest.fixture(scope="module")

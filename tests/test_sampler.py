@@ -1,4 +1,4 @@
-"""Weight sync from the trainer to its sampler: in-process copy, folders for vLLM, the dev routes of a server.
+"""The sampler and how the trainer's weights reach it: in-process copy, folders for vLLM, the dev routes of a server.
 
 The vLLM engine itself is exercised in tests/test_vllm.py (skipped without the `vllm` extra); here a loopback
 server speaking vLLM's completions and dev-mode protocol stands in for `vllm serve`.
@@ -21,7 +21,7 @@ from tests.test_train import check_run_trained, final_weights, parity_score, tin
 from training import step as step_module
 from training.config import ConfigError, TrainConfig, load_train_config
 from training.loop import train
-from training.sampler import dense_parameters, export_weights, merged, sync_weights
+from training.sampler import Sampler, dense_parameters, export_weights, merged, sampler_settings
 
 
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -29,17 +29,50 @@ def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-async def test_sync_weights_copies_into_the_samplers_own_model(tmp_path: Path) -> None:
-    """After a sync the sampler's weights equal the trained ones but are separate tensors; the version goes up."""
-    trained, sampler = tiny_llama(258), tiny_llama(258)
+async def test_a_load_copies_into_the_samplers_own_model(tmp_path: Path) -> None:
+    """The first load makes the sampler its own copy of the trained model; after a later load its weights equal
+    the trained ones but are separate tensors, at the version loaded."""
+    cfg = TrainConfig(run_dir=tmp_path, sampling=SamplingConfig(backend="transformers"))
+    trained = tiny_llama(258)
+    sampler = Sampler(sampler_settings(cfg), ByteChatTokenizer())
+    await sampler.load(trained, 3)
+    assert isinstance(sampler.policy, TransformersPolicy) and sampler.policy.model is sampler.model
     with torch.no_grad():
         trained.model.embed_tokens.weight.add_(1.0)
-    policy = TransformersPolicy(sampler, ByteChatTokenizer(), version=3)
-    seconds = await sync_weights(trained, policy, TrainConfig(run_dir=tmp_path))
-    assert policy.version == 4 and seconds >= 0.0
-    assert same_weights(sampler, trained)
-    assert sampler.model.embed_tokens.weight.data_ptr() != trained.model.embed_tokens.weight.data_ptr()
+    assert not same_weights(sampler.model, trained)
+    await sampler.load(trained, sampler.version + 1)
+    assert sampler.version == 4 and same_weights(sampler.model, trained)
+    assert sampler.model.model.embed_tokens.weight.data_ptr() != trained.model.embed_tokens.weight.data_ptr()
     assert not (tmp_path / "sampler").exists()  # the in-process copy needs no folder
+    await sampler.aclose()
+
+
+async def test_a_pushed_state_loads_into_the_samplers_own_model(tmp_path: Path) -> None:
+    """A Ray rollout worker's sampler samples its own model (no copy) and loads pushed weights into it; a key
+    the model lacks is refused."""
+    cfg = TrainConfig(run_dir=tmp_path, sampling=SamplingConfig(backend="transformers"))
+    mine, trained = tiny_llama(258), tiny_llama(258)
+    with torch.no_grad():
+        trained.model.norm.weight.add_(1.0)
+    sampler = Sampler(sampler_settings(cfg, rank=1), ByteChatTokenizer(), model=mine)
+    await sampler.load_state(trained.state_dict(), 2)
+    assert sampler.policy.model is mine and same_weights(mine, trained) and sampler.version == 2
+    with pytest.raises(AssertionError, match="weights the sampler does not have"):
+        await sampler.load_state({"nowhere.weight": torch.zeros(1)}, 3)
+    await sampler.aclose()
+
+
+def test_a_rollout_worker_samples_from_its_own_folder_and_seed(tmp_path: Path) -> None:
+    """Ray rollout worker r writes its weights under sampler/worker-r/ and seeds its engine seed + r; it takes
+    a GPU push when `[ray] weight_push` names one; the run's own sampler never does."""
+    from conductor.cluster import RayConfig
+
+    cfg = TrainConfig(run_dir=tmp_path, ray=RayConfig(weight_push="ipc"))
+    run, worker = sampler_settings(cfg), sampler_settings(cfg, rank=2)
+    assert run.folder == tmp_path / "sampler" and run.seed == 0 and run.weight_transfer is None
+    assert worker.folder == tmp_path / "sampler" / "worker-2" and worker.seed == 2
+    assert worker.weight_transfer == "ipc"
+    assert sampler_settings(TrainConfig(run_dir=tmp_path), rank=2).weight_transfer is None
 
 
 def test_export_writes_a_loadable_checkpoint_and_keeps_only_the_newest(tmp_path: Path) -> None:
@@ -167,7 +200,6 @@ async def test_a_vllm_sampler_computes_in_the_trainers_precision(
     """The vLLM engine is started in the update's precision (bfloat16 for a bf16 trainer, float32 otherwise) on
     the run's current weights."""
     import main_agent.vllm_policy
-    from training.sampler import start_sampler
 
     started: dict[str, object] = {}
 
@@ -177,6 +209,8 @@ async def test_a_vllm_sampler_computes_in_the_trainers_precision(
 
     monkeypatch.setattr(main_agent.vllm_policy.VLLMPolicy, "start", fake_start)
     cfg = TrainConfig(run_dir=tmp_path, precision=precision, sampling=SamplingConfig(backend="vllm"))
-    assert await start_sampler(cfg, tiny_llama(258), None, version=2) == "engine"
+    sampler = Sampler(sampler_settings(cfg), None)
+    await sampler.load(tiny_llama(258), 2)
+    assert sampler.policy == "engine"
     assert started["dtype"] == dtype and started["version"] == 2
     assert started["folder"] == tmp_path / "sampler" / "v2"

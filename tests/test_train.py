@@ -34,9 +34,9 @@ from training.config import (
     config_to_dict,
     load_train_config,
 )
+from training.data_order import next_tasks
 from training.loop import train
 from training.metrics import read_metrics, rollout_metrics, step_line
-from training.run import next_tasks
 from training.step import InfraFailure, drop_stale, filter_groups, group_to_sequences, score, score_groups
 from training.tasks import Task
 from training.update import update
@@ -608,7 +608,7 @@ def test_the_trained_weights_load_in_process_whatever_samples(
     async def started():
         session = local_session(cfg, resume=None, force=False, transport=fake_tool_server())
         async with session as (_, collector, learner):
-            return collector.policy, learner.trainable.model
+            return collector.sampler.policy, learner.trainable.model
 
     policy, model = asyncio.run(started())
     assert isinstance(policy, TransformersPolicy) and model is not policy.model
@@ -622,10 +622,10 @@ def test_precision_auto_is_bf16_exactly_where_the_hardware_has_it(
     monkeypatch: pytest.MonkeyPatch, native: bool, setting: str, expected: str
 ) -> None:
     """ "auto" becomes bf16 on hardware with bf16 matmuls and fp32 elsewhere; an explicit setting is kept."""
-    from training import run as run_module
+    from training import learner
 
-    monkeypatch.setattr(run_module, "native_bf16", lambda device: native)
-    assert run_module.with_precision(TrainConfig(precision=setting), "cpu").precision == expected
+    monkeypatch.setattr(learner, "native_bf16", lambda device: native)
+    assert learner.with_precision(TrainConfig(precision=setting), "cpu").precision == expected
 
 
 def test_native_bf16_follows_the_cpu_flags() -> None:

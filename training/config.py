@@ -207,6 +207,11 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     return to_dict(cfg)
 
 
+def config_json(cfg: TrainConfig) -> str:
+    """The resolved settings a checkpoint stores (and `training.run.resume_point` compares)."""
+    return json.dumps(config_to_dict(cfg), sort_keys=True)
+
+
 def config_hash(cfg: TrainConfig) -> str:
     """A short stable digest of every setting, logged with the run so results can be matched to settings."""
     text = json.dumps(config_to_dict(cfg), sort_keys=True)

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from main_agent.policy import Policy
 from main_agent.tokens import TrainSequence
 from main_agent.types import Episode
 from tool_server.client import ToolClient
@@ -29,21 +29,12 @@ from training import checkpoint as ckpt
 from training import play
 from training.advantages import BranchValues
 from training.branching import BranchStats, branch_values
-from training.config import TrainConfig
-from training.run import (
-    Run,
-    StepHook,
-    Trainable,
-    config_json,
-    first_state,
-    load_learner,
-    load_tasks,
-    open_log,
-    resume_learner,
-    resume_point,
-    seed_step,
-)
-from training.sampler import start_sampler, sync_weights
+from training.checkpoint import TrainState
+from training.config import TrainConfig, config_json
+from training.data_order import seed_step
+from training.learner import Trainable, load_learner, resume_learner
+from training.run import Run, StepHook, open_run
+from training.sampler import Sampler, sampler_settings
 from training.step import rewarded
 from training.tasks import Task
 from training.update import UpdateStats, update
@@ -54,30 +45,29 @@ class LocalCollector:
     """Plays a step's groups in this process with the run's sampler."""
 
     cfg: TrainConfig
-    policy: Policy
-    tokenizer: object
+    sampler: Sampler
     tools: ToolClient
 
     @property
     def version(self) -> int:
         """The policy version the sampler holds."""
-        return self.policy.version
+        return self.sampler.version
 
     async def collect(
         self, tasks: Sequence[Task], step: int
     ) -> tuple[list[list[Episode]], list[list[list[BranchValues]]] | None, BranchStats | None]:
         """G episodes of each task, all in flight together (at most `max_concurrent_episodes`: the sampler
         batches their turns), seeded by (seed, step); then branch credit's continuations, if that is the mode."""
-        cfg = self.cfg
+        cfg, policy, tokenizer = self.cfg, self.sampler.policy, self.sampler.tokenizer
         seed_step(cfg, step)
         groups = await play.play(
-            tasks, lambda _: self.policy, tools=self.tools, tokenizer=self.tokenizer, cfg=cfg.rollout,
+            tasks, lambda _: policy, tools=self.tools, tokenizer=tokenizer, cfg=cfg.rollout,
             group_size=cfg.group_size, max_concurrent=cfg.max_concurrent_episodes,
         )  # fmt: skip
         if cfg.credit.mode != "branch":
             return groups, None, None
         branches, branching = await branch_values(
-            groups, tasks, policy=self.policy, tools=self.tools, tokenizer=self.tokenizer, cfg=cfg, step=step,
+            groups, tasks, policy=policy, tools=self.tools, tokenizer=tokenizer, cfg=cfg, step=step,
             reward_of=rewarded(cfg.turn_rewards, cfg.reward_kind),
         )  # fmt: skip
         return groups, branches, branching
@@ -85,10 +75,10 @@ class LocalCollector:
 
 @dataclass
 class LocalLearner:
-    """Steps the trained model in this process and pushes its weights to the collector's sampler."""
+    """Steps the trained model in this process and loads its weights into the collector's sampler."""
 
     trainable: Trainable
-    sampler: Policy
+    sampler: Sampler
 
     async def update(self, sequences: Sequence[TrainSequence]) -> tuple[UpdateStats, float]:
         """One optimizer step (training/update.py) in a worker thread, the schedule moved after a step that was
@@ -102,7 +92,9 @@ class LocalLearner:
 
     async def sync(self) -> float:
         """The trained weights into the sampler, its version one up; the seconds it took."""
-        return await sync_weights(self.trainable.model, self.sampler, self.trainable.cfg)
+        start = time.monotonic()
+        await self.sampler.load(self.trainable.model, self.sampler.version + 1)
+        return time.monotonic() - start
 
     def save(self, step: int, run: Run) -> None:
         """Checkpoint `step_N` (training/checkpoint.py): weights, optimizer, schedule, the run's state."""
@@ -122,27 +114,27 @@ async def local_session(
     on_step: StepHook | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> AsyncIterator[tuple[Run, LocalCollector, LocalLearner]]:
-    """Load the policy (and its checkpoint when resuming) on its device, the optimizer, the sampler, the tasks
-    and the tool client (training.play.tool_session: `transport` replaces the server in tests; else `[tools]`,
-    a server at its url or one in this process); the sampler and the log are released whatever happens."""
-    cfg, latest = resume_point(cfg, resume=resume, force=force)
-    trainable = load_learner(cfg)
-    cfg = trainable.cfg
-    tasks = load_tasks(cfg)
-    state = resume_learner(trainable, latest) if latest is not None else first_state(cfg, tasks)
-    policy = await start_sampler(cfg, trainable.model, trainable.tokenizer, version=state.policy_version)
-    try:
-        log = open_log(cfg, state)
-        with log:
-            session = play.tool_session(
-                tasks, work_dir=cfg.run_dir, access=cfg.tools, data_dir=cfg.run.data_dir, transport=transport
-            )
-            async with session as (tools, ready):
-                run = Run(cfg, ready, state, log, on_step)
-                yield (
-                    run,
-                    LocalCollector(cfg, policy, trainable.tokenizer, tools),
-                    LocalLearner(trainable, policy),
-                )
-    finally:
-        await policy.aclose()
+    """The run opened (training.run.open_run: the learner in this process, `start_trainable`; the tool client
+    from `[tools]`, or `transport` in tests), and the sampler holding the run's current weights; all released
+    whatever happens."""
+    opened = open_run(
+        cfg, resume=resume, force=force, start_learner=start_trainable, on_step=on_step, transport=transport
+    )
+    async with opened as (run, learner, tools):
+        sampler = Sampler(sampler_settings(run.cfg), learner.tokenizer)
+        try:
+            await sampler.load(learner.model, run.state.policy_version)
+            yield run, LocalCollector(run.cfg, sampler, tools), LocalLearner(learner, sampler)
+        finally:
+            await sampler.aclose()
+
+
+@contextlib.asynccontextmanager
+async def start_trainable(
+    cfg: TrainConfig, checkpoint: Path | None
+) -> AsyncIterator[tuple[Trainable, TrainConfig, TrainState | None]]:
+    """The policy on its device, its optimizer and schedule (training/learner.py), loaded from `checkpoint` when
+    resuming; the settings as it resolved them, and the checkpoint's state."""
+    learner = load_learner(cfg)
+    state = resume_learner(learner, checkpoint) if checkpoint is not None else None
+    yield learner, learner.cfg, state

