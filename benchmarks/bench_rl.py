@@ -44,8 +44,8 @@ from training.checkpoint import find_latest  # noqa: E402
 from training.config import load_train_config  # noqa: E402
 from training.evaluate import EvalConfig, summarise  # noqa: E402
 from training.metrics import read_metrics  # noqa: E402
-from training.play import play, tool_session  # noqa: E402
-from training.sft import OraclePolicy  # noqa: E402
+from training.play import tool_session  # noqa: E402
+from training.sft import play_experts  # noqa: E402
 
 CREDITS = ("outcome", "turn")
 
@@ -149,17 +149,9 @@ async def _play_expert(family: str, n: int):
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-expert-") as work:
         async with tool_session(tasks, work_dir=Path(work), access=cfg.tools) as (tools, ready):
-            experts = {t.task_id: OraclePolicy(t, tokenizer) for t in ready}
-            groups = await play(
-                ready,
-                lambda task: experts[task.task_id],
-                tools=tools,
-                tokenizer=tokenizer,
-                cfg=cfg.rollout,
-                max_concurrent=cfg.max_concurrent_episodes,
-                on_turn_for=lambda task: experts[task.task_id].observe,
+            episodes = await play_experts(
+                ready, tools, tokenizer, rollout=cfg.rollout, max_concurrent=cfg.max_concurrent_episodes
             )
-    episodes = [group[0] for group in groups]
     return summarise(ready, episodes, policy="expert", wall_s=time.monotonic() - start)
 
 

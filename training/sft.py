@@ -10,7 +10,8 @@
    by default writes it only when an observation showed it, so no demonstration teaches stating what no tool
    showed; otherwise it answers its own reading, which then fails the success filter. `trust_reference=True`
    answers the reference regardless (more data, less honest).
-2. `generate_expert_episodes` keeps the successful episodes (`tasks.success`; item tasks: `worth_imitating`).
+2. `play_experts` plays them, and `generate_expert_episodes` keeps the successful episodes (`tasks.success`; item
+   tasks: `worth_imitating`).
 3. `sft` minimises the cross-entropy of the oracle's tokens only (the loss mask of `main_agent.tokens`: 0 on the
    prompt and every observation), on exactly the ids the rollout laid down.
 4. `run_sft` evaluates a small dev sample before and after (format validity, success) and reports both.
@@ -90,21 +91,38 @@ class OraclePolicy:
         return None
 
 
-async def generate_expert_episodes(
-    tasks: Sequence[Task], tools: ToolClient, tokenizer, cfg: SFTConfig
+async def play_experts(
+    tasks: Sequence[Task],
+    tools: ToolClient,
+    tokenizer,
+    *,
+    rollout: RolloutConfig,
+    max_concurrent: int,
+    trust_reference: bool = False,
 ) -> list[Episode]:
-    """The oracle's successful episodes, in task order; the kept and played counts per family are logged."""
-    experts = {t.task_id: OraclePolicy(t, tokenizer, trust_reference=cfg.trust_reference) for t in tasks}
+    """The oracle's episode of each task, in task order, whatever its outcome: one expert per task, watching its
+    own turns, at most `max_concurrent` in flight."""
+    experts = {t.task_id: OraclePolicy(t, tokenizer, trust_reference=trust_reference) for t in tasks}
     groups = await play(
         tasks,
         lambda task: experts[task.task_id],
         tools=tools,
         tokenizer=tokenizer,
-        cfg=cfg.rollout,
-        max_concurrent=cfg.max_concurrent_episodes,
+        cfg=rollout,
+        max_concurrent=max_concurrent,
         on_turn_for=lambda task: experts[task.task_id].observe,
     )
-    episodes = [group[0] for group in groups]
+    return [group[0] for group in groups]
+
+
+async def generate_expert_episodes(
+    tasks: Sequence[Task], tools: ToolClient, tokenizer, cfg: SFTConfig
+) -> list[Episode]:
+    """The oracle's successful episodes, in task order; the kept and played counts per family are logged."""
+    episodes = await play_experts(
+        tasks, tools, tokenizer, rollout=cfg.rollout, max_concurrent=cfg.max_concurrent_episodes,
+        trust_reference=cfg.trust_reference,
+    )  # fmt: skip
     played = Counter(t.family for t in tasks)
     kept = [(t, e) for t, e in zip(tasks, episodes, strict=True) if worth_imitating(t, e)]
     counts = Counter(t.family for t, _ in kept)
