@@ -20,66 +20,32 @@ Token accounting: `tokens_read` counts what the sub-agent consumed on the caller
 prompt tokens it fed its model); `tokens_returned` counts the tokens of `observation()`, the compact text the
 main policy actually reads. Their ratio is how the project shows that delegation keeps the main context small.
 
-This module imports nothing else from the project (the sub-agents' model contract, subagents/llm.py, only for a
-type hint).
+The errors are defined in subagents/errors.py and the handle table in subagents/handles.py (both part of this
+contract, and importable from here); this module imports nothing else from the project (the sub-agents' model
+contract, subagents/llm.py, only for a type hint).
 """
 
 from __future__ import annotations
 
 import stat
-import sys
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Generic, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
+
+from subagents.errors import ErrorKind, ToolError, ToolFailure
+from subagents.handles import Handles, Ref
 
 if TYPE_CHECKING:  # only for type hints: the contract of the sub-agents' models imports nothing back
     from subagents.llm import LLM
-
-ErrorKind = Literal[
-    "invalid_args",  # the caller's arguments are wrong: the policy can fix them
-    "blocked_url",  # the SSRF guard refused the URL
-    "fetch_failed",  # the remote answered badly or not at all
-    "too_large",  # a body, image or video exceeded a cap
-    "timeout",  # a deadline ran out
-    "unsupported_media",  # a format we refuse to decode (EPS, broken files, no video stream ...)
-    "backend_error",  # the model behind the sub-agent failed (refused connection, 5xx, context length ...)
-    "not_found",  # an id, file or page that does not exist
-    "overloaded",  # the per-tool concurrency cap and queue deadline were hit
-    "internal",  # a bug in the tool server or a sub-agent (logged server-side with its traceback)
-]
-
-# The kinds a caller may retry unchanged: the outside world may behave differently next time.
-RETRYABLE_KINDS: frozenset[str] = frozenset({"fetch_failed", "timeout", "backend_error", "overloaded"})
 
 # Observations longer than this many characters are cut with a visible marker (roughly 300 tokens of
 # English for SmolLM2's tokenizer): the main policy's context is the scarce resource.
 MAX_OBSERVATION_CHARS = 1200
 TRUNCATION_MARKER = " …[truncated {n} chars]"
-
-
-class ToolError(BaseModel):
-    """Why a call did not produce a result, in a form the policy can read and the trainer can count."""
-
-    model_config = ConfigDict(frozen=True)
-    kind: ErrorKind
-    message: str
-    retryable: bool = False
-
-
-class ToolFailure(Exception):
-    """Raised inside a sub-agent's helpers and turned into `ToolError` at the top of its `run`."""
-
-    def __init__(self, kind: ErrorKind, message: str, *, retryable: bool | None = None) -> None:
-        super().__init__(f"{kind}: {message}")
-        self.error = ToolError(
-            kind=kind, message=message, retryable=kind in RETRYABLE_KINDS if retryable is None else retryable
-        )
 
 
 class ToolResponse(BaseModel):
@@ -192,122 +158,6 @@ class Files:
     """Folders whose files image_ops may load, video_summary may watch and page_qa may open as file:// URLs
     (search hands out such URLs, so a search corpus belongs under a root). Relative names start in the first.
     Empty: no local files at all."""
-
-
-# ---------------------------------------------------------------- handles (subagents/handles.py says why)
-HandleKind = Literal["page", "video", "image"]
-MAX_LISTED = 8  # valid handles named in an invalid_args message: enough to pick from, short to read
-
-
-@dataclass(frozen=True)
-class Ref:
-    """What a handle stands for: its kind, what the tool opens (a URL or a path under the files roots) and a
-    short label for listings (a title or a file name; never a path)."""
-
-    kind: HandleKind
-    source: str
-    label: str = ""
-
-
-# What one entry of the handle table costs beyond its strings: the Ref, the table's slot and links (measured with
-# tracemalloc on CPython 3.11: ~160 bytes; rounded up).
-HANDLE_ENTRY_BYTES = 256
-
-
-class Handles:
-    """handle -> Ref per session, bounded like the image store: at most `max_per_session` handles per session,
-    `max_sessions` sessions and `max_bytes` in all (strings included), the least recently used first out: a
-    registration, `resolve` and `get` count as use of the handle's session. One lock guards the maps."""
-
-    def __init__(
-        self, *, max_per_session: int = 256, max_sessions: int = 256, max_bytes: int = 32 << 20
-    ) -> None:
-        # 256 per session: a 100-call episode of 5-hit searches shows ~500 hits, but reads a few of the recent.
-        # 256 sessions: 64 concurrent episodes (the image store's bound) with room for finished ones' replays.
-        # 32 MiB: 64 sessions of 256 search hits (~400 bytes each with a corpus URL) take 6.5 MB; the count bounds
-        # alone let 2 KB sources take 150 MB, and an attacker's 4 KB ones 2 GB.
-        self.max_per_session = max_per_session
-        self.max_sessions = max_sessions
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        """What the table holds now, by `entry_bytes`."""
-        self._lock = threading.Lock()
-        self._sessions: OrderedDict[str, OrderedDict[str, Ref]] = OrderedDict()
-
-    def add(self, session: str, handle: str, ref: Ref) -> None:
-        """Register `handle` for `ref` in `session` (a later registration of the same handle replaces it)."""
-        with self._lock:
-            table = self._sessions.get(session)
-            if table is None:
-                if len(self._sessions) >= self.max_sessions:
-                    self._drop_session()
-                table = self._sessions[session] = OrderedDict()
-            self._sessions.move_to_end(session)
-            old = table.pop(handle, None)
-            self.bytes -= 0 if old is None else entry_bytes(handle, old)
-            table[handle] = ref
-            self.bytes += entry_bytes(handle, ref)
-            if len(table) > self.max_per_session:
-                self._drop_entry(table)
-            while (
-                self.bytes > self.max_bytes
-            ):  # other sessions first; a session alone past it loses its oldest
-                self._drop_session() if len(self._sessions) > 1 else self._drop_entry(table)
-
-    def resolve(self, session: str, handle: str, kind: HandleKind) -> Ref:
-        """The Ref of `handle` in `session`; invalid_args naming the valid handles of `kind` for anything else."""
-        with self._lock:
-            table = self._sessions.get(session, OrderedDict())
-            ref = table.get(handle)
-            if ref is not None and ref.kind == kind:
-                table.move_to_end(handle)
-                self._sessions.move_to_end(session)
-                return ref
-            valid = _of_kind(table, kind)
-        raise ToolFailure("invalid_args", unknown_message(handle[:40], kind, valid))
-
-    def get(self, session: str, handle: str) -> Ref | None:
-        """The Ref of `handle` in `session`, or None (no error: for callers that fall back to another store)."""
-        with self._lock:
-            ref = self._sessions.get(session, OrderedDict()).get(handle)
-            if ref is not None:
-                self._sessions.move_to_end(session)
-            return ref
-
-    def listed(self, session: str, kind: HandleKind) -> list[str]:
-        """The session's handles of `kind`, most recently registered or used first, at most MAX_LISTED."""
-        with self._lock:
-            return _of_kind(self._sessions.get(session, OrderedDict()), kind)
-
-    def _drop_session(self) -> None:
-        """Forget the least recently used session (call with the lock held)."""
-        _, table = self._sessions.popitem(last=False)
-        self.bytes -= sum(entry_bytes(handle, ref) for handle, ref in table.items())
-
-    def _drop_entry(self, table: OrderedDict[str, Ref]) -> None:
-        """Forget the least recently used handle of `table` (call with the lock held)."""
-        handle, ref = table.popitem(last=False)
-        self.bytes -= entry_bytes(handle, ref)
-
-
-def entry_bytes(handle: str, ref: Ref) -> int:
-    """What one handle of the table costs: its strings as Python holds them, plus HANDLE_ENTRY_BYTES."""
-    strings = (handle, ref.source, ref.label)
-    return sum(map(sys.getsizeof, strings)) + HANDLE_ENTRY_BYTES
-
-
-def _of_kind(table: OrderedDict[str, Ref], kind: HandleKind) -> list[str]:
-    """A session's handles of `kind`, most recent first, at most MAX_LISTED (call with the lock held)."""
-    return [h for h, r in reversed(table.items()) if r.kind == kind][:MAX_LISTED]
-
-
-def unknown_message(handle: str, kind: HandleKind, valid: list[str]) -> str:
-    """`no page d_000000 in this episode; pages shown: d_3fa9c1, d_77aa01` (or how to get one)."""
-    if valid:
-        return f"no {kind} {handle!r} in this episode; {kind}s shown: {', '.join(valid)}"
-    how = {"page": "search first, or use a page listed in the task", "video": "use the video listed in the task",
-           "image": "use an image id a tool returned"}[kind]  # fmt: skip
-    return f"no {kind} {handle!r} in this episode: {how}"
 
 
 @dataclass(frozen=True)

@@ -51,16 +51,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from subagents import ocr
-from subagents.common import (
-    MAX_LISTED,
-    Runtime,
-    ToolFailure,
-    ToolResponse,
-    guarded,
-    local_file,
-    shown_path,
-)
-from subagents.handles import content_key, load_derivation, looks_like_handle
+from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, local_file, shown_path
+from subagents.handles import MAX_LISTED, content_key, load_derivation, looks_like_handle
 from subagents.llm import LLM
 
 NAME = "image_ops"

@@ -39,9 +39,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from conductor.models import conductor_home
-from subagents.common import Ref, Runtime, ToolFailure, ToolResponse, bm25_terms, guarded
+from subagents.common import Runtime, ToolFailure, ToolResponse, bm25_terms, guarded
 from subagents.documents import Document, Progress, document_paths, read_folder
-from subagents.handles import handle_for
+from subagents.handles import Ref, handle_for
 from subagents.llm import LLM
 
 logger = logging.getLogger(__name__)

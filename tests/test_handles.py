@@ -17,8 +17,8 @@ from PIL import Image
 
 from main_agent.rollout import RolloutConfig, RolloutTask, rollout
 from subagents import image_ops
-from subagents.common import Handles, Ref, Runtime, ToolFailure
-from subagents.handles import Attachment, content_key, file_key, handle_for
+from subagents.common import Runtime, ToolFailure
+from subagents.handles import Attachment, Handles, Ref, content_key, file_key, handle_for
 from subagents.image_ops import Config, ImageStore, Request
 from tests.fakes import TOOLS, ByteChatTokenizer, ScriptedPolicy, call_text, echo_tool, fake_tool_server
 from tests.tool_server_fakes import FakeFactory, make_config

@@ -101,7 +101,7 @@ class Attachment(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     kind: Literal["page", "video", "image"]
     # 2,048: what page_qa takes as a URL (a handle's source reaches the tool unchecked by its Request); no real
-    # path is longer, and the handle table holds at most 32 MiB of them (subagents.common.Handles).
+    # path is longer, and the handle table holds at most 32 MiB of them (subagents.handles.Handles).
     source: str = Field(min_length=1, max_length=2048)
     key: str = Field(min_length=1, max_length=300)
     label: str = Field(default="", max_length=200)

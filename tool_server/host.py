@@ -29,9 +29,9 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ValidationError
 
 from conductor.settings import ConfigError
-from subagents.common import HandleKind, Handles, Ref, Runtime, ToolFailure, ToolResponse, fail
+from subagents.common import Runtime, ToolFailure, ToolResponse, fail
 from subagents.fetch import Fetcher
-from subagents.handles import handle_for, looks_like_handle
+from subagents.handles import HandleKind, Handles, Ref, handle_for, looks_like_handle
 from subagents.llm import LLM, BackendConfig
 from subagents.transformers_llm import TransformersLLM
 from tool_server.cache import ResultCache, cache_key
