@@ -7,6 +7,6 @@ host.py        ToolHost: what the running server holds and how one call goes thr
 app.py         create_app(cfg) -> FastAPI and serve(cfg); the routes
 mcp_server.py  the same tools over MCP (Streamable HTTP, stateless) mounted at /mcp
 client.py      ToolClient, what the rollout uses to call the server
-embedded.py    ToolAccess and open_tools: a server at a URL, or one in this process
+embedded.py    ToolAccess and open_tools: a server at a URL, or one started here (in this process or on Ray Serve)
 ray_serve.py   the same app as replicas on Ray Serve (`conductor train --ray`)
 """
