@@ -14,18 +14,16 @@ Regions. `find_text` names its regions r1..rk (largest first) within the image i
 and read take `region="r2"` instead of a box, and image_ops grows the region by its height on every side,
 clamped to the image (`region_box`): the margin the reader needs, so the policy never does box arithmetic.
 
-Two OCR ops (subagents/ocr.py: the process's one rapidocr engine) model two ways of looking. `find_text`
-runs the text detector alone at the image's own resolution (rapidocr caps the long side at 2000 px) and
-returns where text is, labelled by shape and confidence, never what it says: it tells the caller where to
-zoom. `read` is the only reader: it sees the image resized to `reader_side` (384 px) on the long
-side, like a vision model's fixed input, so small text needs a crop or zoom first. On the first 40 shared US
-plate photos `read` finds 14 plates in the full photo and 30 after a crop to 3x the plate box; on 40 train
-photos a zoom on the detector's box around the plate, grown by one box height on every side, reads 32.
+Two OCR ops model two ways of looking (subagents/image_text.py): `find_text` says where text is, never what it
+says; `read` is the only reader, and sees the image at `reader_side` (384 px) on its long side, so small text
+needs a crop or zoom first. On the first 40 shared US plate photos `read` finds 14 plates in the full photo and
+30 after a crop to 3x the plate box; on 40 train photos a zoom on the detector's box around the plate, grown by
+one box height on every side, reads 32.
 
-Decoding is guarded: a format allowlist checked from the header before decoding, byte and pixel caps (PIL's
-bomb warning raised as an error too), a pixel cap on every output, truncated files refused, EXIF orientation
-applied; local paths only under the server's `[files] roots`, URLs only via the SSRF-safe fetcher. No deadline inside a
-call: every input is bounded by the caps, and CPU work runs in worker threads.
+Decoding is guarded (subagents/pixels.py: a format allowlist checked from the header, byte and pixel caps), and
+so is every output (a pixel cap); local paths only under the server's `[files] roots`, URLs only via the
+SSRF-safe fetcher. No deadline inside a call: every input is bounded by the caps, and CPU work runs in worker
+threads.
 
 `tokens_read`: the text `read` recognised, in `rt.count_tokens`; 0 for pixel ops and `find_text` (no text).
 """
@@ -40,20 +38,19 @@ import io
 import json
 import math
 import re
-import struct
 import threading
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from subagents import ocr
 from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, local_file, shown_path
 from subagents.handles import MAX_LISTED, content_key, load_derivation, looks_like_handle
+from subagents.image_text import TextBox, find_text, read_text
 from subagents.llm import LLM
+from subagents.pixels import check_pixels, decode, pixel_box, region_box, scaled
 
 NAME = "image_ops"
 # Not cached: a call writes into the caller's per-session image store (a load creates an image id, a zoom a new
@@ -64,7 +61,6 @@ DESCRIPTION = (
     "text regions (r1, r2, ...), read reads text at low resolution (zoom on a region first); load adds one."
 )
 
-ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")  # for GIF and TIFF only frame 0 is read
 Op = Literal["load", "crop", "zoom", "rotate", "flip", "autocontrast", "find_text", "read"]
 REGION_OPS = ("zoom", "crop", "read")  # the ops that take `region`
 _DATA_URI = re.compile(r"data:image/[\w.+-]+;base64,", re.IGNORECASE)
@@ -97,22 +93,6 @@ class Request(BaseModel):
         if self.region is not None and self.op not in REGION_OPS:
             raise ValueError(f"region is for {', '.join(REGION_OPS)}; {self.op} takes none")
         return self
-
-
-class TextBox(BaseModel):
-    """One detected text region: its id within the image (r1 is the largest), its box [x0,y0,x1,y1] in
-    the image's pixels, the detector's confidence and a label from its shape and confidence (`region_label`).
-    Its text is not read: `read` is the only reader."""
-
-    id: str = ""
-    box: list[int]
-    score: float
-    label: str
-
-    def line(self) -> str:
-        """`r1 plate-like 133x35 0.73`: what the policy reads of it (the size tells a plate from a sign)."""
-        width, height = self.box[2] - self.box[0], self.box[3] - self.box[1]
-        return f"{self.id} {self.label} {width}x{height} {self.score:.2f}"
 
 
 class Response(ToolResponse):
@@ -181,7 +161,9 @@ async def _run(request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Respon
         image = await stored(request.image, cfg, rt)
     elif request.op == "load":
         data = await source_bytes(request.image, cfg, rt)
-        image = await asyncio.to_thread(decode, data, cfg)
+        image = await asyncio.to_thread(
+            decode, data, max_bytes=cfg.max_bytes, max_pixels=cfg.max_input_pixels
+        )
         image_id = rt.state.put(rt.session, image, load_derivation(content_key(data)))
     else:
         image = await stored(request.image, cfg, rt)
@@ -222,7 +204,7 @@ async def stored(image_id: str, cfg: Config, rt: Runtime[ImageStore]) -> Image.I
     made = load_derivation(content_key(data))
     if derived_id(made) != image_id:
         raise ToolFailure("not_found", f"image {image_id} changed since it was attached")
-    image = await asyncio.to_thread(decode, data, cfg)
+    image = await asyncio.to_thread(decode, data, max_bytes=cfg.max_bytes, max_pixels=cfg.max_input_pixels)
     rt.state.put(rt.session, image, made)
     return image
 
@@ -278,61 +260,6 @@ def read_local(raw: str, cfg: Config, roots: tuple[str, ...]) -> bytes:
         raise ToolFailure("invalid_args", f"cannot read image {shown!r}: {exc.strerror}") from None
 
 
-def decode(data: bytes, cfg: Config) -> Image.Image:
-    """RGB pixels of an allowed format with EXIF orientation applied; ToolFailure for anything refused."""
-    if len(data) > cfg.max_bytes:
-        raise ToolFailure("too_large", f"the image is {len(data)} bytes, over {cfg.max_bytes}")
-    Image.MAX_IMAGE_PIXELS = cfg.max_input_pixels  # process-wide, but a server runs one Config
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS) as img:
-                # `formats=` already refuses others; MPO is a camera JPEG with a second picture (read frame 0)
-                if img.format not in (*ALLOWED_FORMATS, "MPO"):
-                    raise ToolFailure("unsupported_media", f"{img.format} images are not accepted")
-                check_pixels(img.size, cfg.max_input_pixels, what="the image")
-                img.load()  # a GIF or TIFF loads its first frame
-                return ImageOps.exif_transpose(img).convert("RGB")
-    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
-        raise ToolFailure("too_large", f"the image has too many pixels: {exc}") from None
-    except UnidentifiedImageError:
-        raise ToolFailure("unsupported_media", f"not an image in one of {ALLOWED_FORMATS}") from None
-    except (OSError, SyntaxError, ValueError, EOFError, struct.error) as exc:  # truncated or corrupt data
-        raise ToolFailure("unsupported_media", f"the image cannot be decoded: {exc}") from None
-
-
-def check_pixels(size: tuple[int, int], limit: int, *, what: str) -> None:
-    if size[0] * size[1] > limit:
-        raise ToolFailure("too_large", f"{what} would be {size[0]}x{size[1]}, over {limit} pixels")
-
-
-def pixel_box(box: list[float] | None, size: tuple[int, int]) -> tuple[int, int, int, int]:
-    """`box` in whole pixels (fractions when every value is at most 1); the whole image when None."""
-    width, height = size
-    if box is None:
-        return (0, 0, width, height)
-    if len(box) != 4 or not all(map(math.isfinite, box)) or min(box) < 0:
-        raise ToolFailure("invalid_args", f"box {box} must be 4 finite numbers >= 0: [x0,y0,x1,y1]")
-    x0, y0, x1, y1 = box
-    if max(box) <= 1:
-        x0, y0, x1, y1 = x0 * width, y0 * height, x1 * width, y1 * height
-    if x1 > width or y1 > height:
-        raise ToolFailure("invalid_args", f"box {box} is not inside the {width}x{height} image")
-    left, top, right, bottom = math.floor(x0), math.floor(y0), math.ceil(x1), math.ceil(y1)
-    if right <= left or bottom <= top:
-        raise ToolFailure("invalid_args", f"box {box} is empty: it needs x1 > x0 and y1 > y0")
-    return (left, top, right, bottom)
-
-
-def region_box(box: list[int], size: tuple[int, int]) -> list[int]:
-    """A found region [x0, y0, x1, y1] grown by its height on every side, inside the `size` image: the margin
-    the reader needs (on 40 train plate photos a tight box read 15 plates, this one 32)."""
-    width, height = size
-    pad = box[3] - box[1]
-    x0, y0 = max(0, box[0] - pad), max(0, box[1] - pad)
-    return [x0, y0, max(x0 + 1, min(width, box[2] + pad)), max(y0 + 1, min(height, box[3] + pad))]
-
-
 def transform(image: Image.Image, request: Request, cfg: Config) -> Image.Image:
     """The new image a pixel op makes; the source is never modified."""
     if request.op == "crop":
@@ -355,62 +282,6 @@ def transform(image: Image.Image, request: Request, cfg: Config) -> Image.Image:
     if request.op == "autocontrast":
         return ImageOps.autocontrast(image, cutoff=1)  # ignore the 1% extremes: specks and glare
     raise AssertionError(f"transform() got op {request.op!r}")
-
-
-# Detector confidence under this is labelled "faint": on the shared plate photos most regions scoring 0.5-0.6
-# (rapidocr keeps boxes from 0.5) were shadows, grilles and logos, though a few plates score there too.
-FAINT_SCORE = 0.6
-# Width / height of a text region. Plates the detector boxed on the shared photos measure 2.1-5.1 (EU and US);
-# a caption or a street sign's line of words runs past 7; single glyphs and stacked text fall under 2.
-PLATE_ASPECT = (2.0, 7.0)
-
-
-def region_label(box: list[int], score: float) -> str:
-    """A coarse kind from shape and confidence: faint, line (long), plate-like, or block (short or stacked)."""
-    aspect = (box[2] - box[0]) / max(1, box[3] - box[1])
-    if score < FAINT_SCORE:
-        return "faint"
-    if aspect >= PLATE_ASPECT[1]:
-        return "line"
-    return "plate-like" if aspect >= PLATE_ASPECT[0] else "block"
-
-
-def find_text(image: Image.Image, box: list[float] | None) -> list[TextBox]:
-    """Text regions in `box` (or everywhere) at full resolution, largest first (then most confident), in image
-    pixels. The largest text is what a photo is about: on the shared plate photos the plate is the largest region
-    in 194 of 230 train photos and 40 of 47 dev ones, the most confident in 96 and 22 (regions of a sign, a grille
-    or a sticker often score higher), so r1 is the one to read first."""
-    left, top, right, bottom = pixel_box(box, image.size)
-    region = image if box is None else image.crop((left, top, right, bottom))  # no copy of a whole image
-    return sorted(detect(region, offset=(left, top)), key=lambda b: (-area(b.box), -b.score))
-
-
-def area(box: list[int]) -> int:
-    """Pixels in a [x0, y0, x1, y1] box."""
-    return (box[2] - box[0]) * (box[3] - box[1])
-
-
-def read_text(image: Image.Image, box: list[float] | None, *, side: int) -> list[str]:
-    """Text lines of `box` (or the whole image) seen at `side` pixels on its longest side, in reading order."""
-    region = image if box is None else image.crop(pixel_box(box, image.size))
-    return ocr.read(scaled(region, side, Image.Resampling.BICUBIC))
-
-
-def scaled(image: Image.Image, side: int, resample: Image.Resampling) -> Image.Image:
-    """`image` resized (up or down) so that its longest side is `side` pixels."""
-    scale = side / max(image.size)
-    size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
-    return image.resize(size, resample)
-
-
-def detect(image: Image.Image, *, offset: tuple[int, int] = (0, 0)) -> list[TextBox]:
-    """Text regions from the detector alone, boxes shifted by `offset`, each labelled (`region_label`)."""
-    regions = []
-    for quad, score in ocr.detect(image):
-        xs, ys = [p[0] + offset[0] for p in quad], [p[1] + offset[1] for p in quad]
-        box = [math.floor(min(xs)), math.floor(min(ys)), math.ceil(max(xs)), math.ceil(max(ys))]
-        regions.append(TextBox(box=box, score=round(score, 3), label=region_label(box, score)))
-    return regions
 
 
 class ImageStore:

@@ -23,7 +23,7 @@ import pytest
 from PIL import Image, ImageDraw, ImageFont
 from pydantic import ValidationError
 
-from subagents import image_ops, ocr
+from subagents import image_ops, image_text, ocr, pixels
 from subagents.common import Runtime, ToolFailure, approx_tokens
 from subagents.image_ops import Config, ImageStore, Request, Response, TextBox
 
@@ -159,7 +159,7 @@ async def test_a_decompression_bomb_is_refused_from_its_header(declared: tuple[i
 async def test_pil_bomb_warning_alone_stops_a_bomb(monkeypatch: pytest.MonkeyPatch) -> None:
     """The second line holds by itself: with our own header check disabled, PIL's DecompressionBombWarning
     (raised as an error around open/load) still makes a bomb too_large."""
-    monkeypatch.setattr(image_ops, "check_pixels", lambda *args, **kwargs: None)
+    monkeypatch.setattr(pixels, "check_pixels", lambda *args, **kwargs: None)
     response = await call(runtime(), CFG, op="load", image=data_uri(png_declaring(8000, 8000)))
     assert response.error is not None and response.error.kind == "too_large", response.error
 
@@ -487,7 +487,7 @@ def test_the_tool_schema_is_flat() -> None:
 )
 def test_region_labels_come_from_shape_and_confidence(box: list[int], score: float, label: str) -> None:
     """find_text labels a region from its aspect ratio and the detector's confidence, never from its text."""
-    assert image_ops.region_label(box, score) == label
+    assert image_text.region_label(box, score) == label
 
 
 def test_ocr_summaries_are_compact_and_only_read_quotes_text() -> None:
