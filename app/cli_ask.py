@@ -18,33 +18,42 @@ import typer
 from app.cli_common import READER_MODEL_HELP, READER_URL_HELP, STARTED, quiet_logging, setup_logging
 from conductor.models import DEFAULT_POLICY
 
-
-def _option(kind, text: str, *names: str):
-    """A typer option of type `kind` with its help `text` (and its flag `names`, when not the parameter's)."""
-    return Annotated[kind, typer.Option(*names, help=text)]
-
-
 # `ask`'s options, one line each in its signature
-Urls = _option(list[str] | None, "A page the policy may read: a URL or a local file (repeatable).", "--url")
-ImagePath = _option(Path | None, "An image the policy may inspect.")
-VideoPath = _option(Path | None, "A video the policy may summarise.")
-Corpus = _option(Path | None, "Folder of HTML, Markdown, text and PDF files to search (indexed once).")
-SearchUrl = _option(str | None, "Search the web through this SearXNG instance instead of a folder.")
-PolicyRef = _option(
-    str, "Policy: the shipped default, a built-in model name, a checkpoint or an adapter dir."
-)
-PolicyUrl = _option(str | None, "OpenAI-compatible endpoint serving the policy (e.g. vLLM serve).")
-PolicyModel = _option(str | None, "Model name served at --policy-url (default: the first it lists).")
-ReaderUrl = _option(str | None, READER_URL_HELP)
-ReaderModel = _option(str | None, READER_MODEL_HELP)
-ToolsUrl = _option(str | None, "A running tool server (default: start one in-process).")
-MaxTurns = _option(int, "Policy turns before giving up.")
-Tools = _option(list[str] | None, "Offer only this sub-agent (repeatable).", "--tool")
-RequireCall = _option(
-    bool | None, "Open the first turn with a tool call (default: only for the untrained built-in model)."
-)
-TracePath = _option(Path | None, "Write a self-contained HTML trace here.")
-JsonOut = _option(bool, "Print the episode as JSON instead of the live view.", "--json")
+Urls = Annotated[
+    list[str] | None,
+    typer.Option("--url", help="A page the policy may read: a URL or a local file (repeatable)."),
+]
+ImagePath = Annotated[Path | None, typer.Option(help="An image the policy may inspect.")]
+VideoPath = Annotated[Path | None, typer.Option(help="A video the policy may summarise.")]
+Corpus = Annotated[
+    Path | None, typer.Option(help="Folder of HTML, Markdown, text and PDF files to search (indexed once).")
+]
+SearchUrl = Annotated[
+    str | None, typer.Option(help="Search the web through this SearXNG instance instead of a folder.")
+]
+PolicyRef = Annotated[
+    str,
+    typer.Option(help="Policy: the shipped default, a built-in model name, a checkpoint or an adapter dir."),
+]
+PolicyUrl = Annotated[
+    str | None, typer.Option(help="OpenAI-compatible endpoint serving the policy (e.g. vLLM serve).")
+]
+PolicyModel = Annotated[
+    str | None, typer.Option(help="Model name served at --policy-url (default: the first it lists).")
+]
+ReaderUrl = Annotated[str | None, typer.Option(help=READER_URL_HELP)]
+ReaderModel = Annotated[str | None, typer.Option(help=READER_MODEL_HELP)]
+ToolsUrl = Annotated[str | None, typer.Option(help="A running tool server (default: start one in-process).")]
+MaxTurns = Annotated[int, typer.Option(help="Policy turns before giving up.")]
+Tools = Annotated[list[str] | None, typer.Option("--tool", help="Offer only this sub-agent (repeatable).")]
+RequireCall = Annotated[
+    bool | None,
+    typer.Option(
+        help="Open the first turn with a tool call (default: only for the untrained built-in model)."
+    ),
+]
+TracePath = Annotated[Path | None, typer.Option(help="Write a self-contained HTML trace here.")]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print the episode as JSON instead of the live view.")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v")]
 
 

@@ -37,11 +37,15 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from conductor.cluster import RayConfig, actor_threads, require_ray
 from main_agent.types import Episode
 from training.config import TrainConfig
 from training.tasks import Task
+
+if TYPE_CHECKING:
+    from tool_server.client import ToolClient
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +69,7 @@ class RolloutWorker:
         # No weights to sample until the first `load_weights`: a sampler never runs the starting guess.
         self.sampler = Sampler(sampler_settings(cfg, rank=rank), tokenizer, model=model)
         self.swap = asyncio.Lock()  # held while collecting: weights never change under an episode
-        self.tools = None
+        self.tools: ToolClient | None = None
 
     def pid(self) -> int:
         """The worker's process id (tests kill it)."""
