@@ -6,6 +6,7 @@ server speaking vLLM's completions and dev-mode protocol stands in for `vllm ser
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,64 @@ async def test_a_vllm_sampler_computes_in_the_trainers_precision(
     assert sampler.policy == "engine"
     assert started["dtype"] == dtype and started["version"] == 2
     assert started["folder"] == tmp_path / "sampler" / "v2"
+
+
+class SavedTokenizer(ByteChatTokenizer):
+    """The byte tokenizer, written beside exported weights as an HF tokenizer would be."""
+
+    def save_pretrained(self, folder: Path) -> None:
+        (Path(folder) / "tokenizer_config.json").write_text("{}")
+
+
+class RecordingEngine:
+    """An `AsyncLLM` stand-in: the folders `reload_policy` is asked to load, and prefix-cache resets."""
+
+    def __init__(self) -> None:
+        self.reloads: list[str] = []
+        self.resets = 0
+
+    async def collective_rpc(self, method: str, kwargs: dict) -> None:
+        assert method == "reload_policy"
+        self.reloads.append(kwargs["weights_path"])
+
+    async def reset_prefix_cache(self) -> None:
+        self.resets += 1
+
+    def shutdown(self) -> None:
+        pass
+
+
+async def test_a_workers_vllm_sampler_starts_once_reloads_in_place_and_takes_streamed_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray rollout worker 1 under an IPC weight push: the first load starts its engine on the exported folder
+    (seed + 1, the transport named, pickled IPC handles allowed), a later one reloads the next folder in place;
+    weights streamed into the engine (`engine`) are labelled by `streamed`."""
+    import main_agent.vllm_policy
+    from conductor.cluster import RayConfig
+    from main_agent.vllm_policy import VLLMPolicy
+
+    engine, started = RecordingEngine(), {}
+
+    def fake_start(folder: Path, tokenizer, **kwargs):
+        started.update(kwargs, folder=folder)
+        return VLLMPolicy(engine, tokenizer, cfg=kwargs["cfg"], version=kwargs["version"])
+
+    monkeypatch.setattr(main_agent.vllm_policy.VLLMPolicy, "start", fake_start)
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    cfg = TrainConfig(
+        run_dir=tmp_path, sampling=SamplingConfig(backend="vllm"), ray=RayConfig(weight_push="ipc")
+    )
+    model = tiny_llama(258)
+    sampler = Sampler(sampler_settings(cfg, rank=1), SavedTokenizer(), model=model)
+    await sampler.load_state(model.state_dict(), 0)
+    folder = tmp_path / "sampler" / "worker-1"
+    assert started["folder"] == folder / "v0" and started["seed"] == 1 and started["weight_transfer"] == "ipc"
+    assert (folder / "v0" / "tokenizer_config.json").is_file()  # the folder an engine starts on is complete
+    assert os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1" and engine.reloads == []
+    await sampler.load_state(model.state_dict(), 1)
+    assert engine.reloads == [str(folder / "v1")] and engine.resets == 1 and sampler.version == 1
+    assert sampler.engine() is engine
+    sampler.streamed(2)
+    assert sampler.version == 2 and sampler.policy.version == 2
+    await sampler.aclose()
