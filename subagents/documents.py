@@ -22,6 +22,7 @@ import io
 import json
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -192,6 +193,49 @@ def plain_text(raw: bytes) -> tuple[str, str]:
     if first.startswith("# "):
         return first[2:].strip(), rest.strip()
     return "", text
+
+
+_MD_HEADING = re.compile(r"^\s{0,3}#{1,6}\s+(.*?)(?:\s+#+)?\s*$")
+_MD_RULE = re.compile(r"^\s{0,3}(?:[-=*_]\s*){3,}$")  # a setext underline or a thematic break
+_MD_FENCE = re.compile(r"^\s{0,3}(?:```|~~~)")
+_MD_BULLET = re.compile(r"^(\s*)[*+]\s+")  # written "- " as trafilatura writes an HTML list item
+_MD_QUOTE = re.compile(r"^\s{0,3}>\s?")
+_MD_ITEM = re.compile(r"^\s*(?:-|\d+[.)])\s+")  # a "- " or numbered list item
+_MD_INLINE = (
+    (re.compile(r"!\[([^\]]*)\]\([^)]*\)"), r"\1"),  # an image: its alt text
+    (re.compile(r"\[([^\]]+)\]\([^)]*\)"), r"\1"),  # a link: its text
+    (re.compile(r"(\*\*|__)(?=\S)(.+?)(?<=\S)\1"), r"\2"),  # strong
+    (re.compile(r"(?<![\w*])\*(?=\S)(.+?)(?<=\S)\*(?![\w*])"), r"\1"),  # emphasis
+    (re.compile(r"(?<!\w)_(?=\S)(.+?)(?<=\S)_(?!\w)"), r"\1"),
+    (re.compile(r"`([^`]+)`"), r"\1"),  # code
+)
+
+
+def markdown_text(text: str) -> tuple[str, str]:
+    """Title and readable text of a Markdown page, written as trafilatura writes the same page's HTML: one line
+    a block (a paragraph's lines joined, a heading's words without their marks, a list item as "- "), links and
+    images as their text, emphasis and code marks dropped, fences and rules left out; a leading `# Heading` is
+    also the title. So one page as .md and as .html reads the same. Limits: tables keep their pipes; nested or
+    reference-style links and raw HTML are left as written."""
+    blocks: list[str] = []
+    title, open_paragraph = "", False
+    for raw in text.splitlines():
+        if not raw.strip() or _MD_FENCE.match(raw) or _MD_RULE.match(raw):
+            open_paragraph = False
+            continue
+        heading = _MD_HEADING.match(raw)
+        item = _MD_BULLET.match(raw) or _MD_QUOTE.match(raw) or _MD_ITEM.match(raw)  # each starts a block
+        line = heading.group(1) if heading else _MD_BULLET.sub(r"\1- ", _MD_QUOTE.sub("", raw)).strip()
+        for pattern, keep in _MD_INLINE:
+            line = pattern.sub(keep, line)
+        if heading and not blocks and raw.lstrip().startswith("# "):
+            title = line.strip()
+        if open_paragraph and not heading and not item:
+            blocks[-1] += " " + line
+        else:
+            blocks.append(line)
+        open_paragraph = not heading
+    return title, "\n".join(blocks).strip()
 
 
 def pdf_text(raw: bytes) -> tuple[str, str]:

@@ -27,7 +27,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -39,7 +39,7 @@ from trafilatura.settings import Document as Extracted
 from conductor.settings import ConfigError
 from subagents import spans
 from subagents.common import Runtime, ToolFailure, ToolResponse, bm25_terms, guarded, truncate
-from subagents.documents import pdf_text
+from subagents.documents import markdown_text, pdf_text
 from subagents.llm import LLM, BackendError, Message
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ DESCRIPTION = (
 )
 
 HTML_TYPES = frozenset({"text/html", "application/xhtml+xml"})
+MARKDOWN_TYPES = frozenset({"text/markdown", "text/x-markdown"})  # read as the same page's HTML would be
 PDF_TYPE = "application/pdf"  # what servers send and what file:// URLs of *.pdf are guessed as (mimetypes)
 MAX_TITLE_CHARS = 200  # page titles past this are boilerplate-stuffed; the policy needs only a label
 SYSTEM_PROMPT = (
@@ -59,6 +60,10 @@ SYSTEM_PROMPT = (
 )
 # Whitespace after . ! ? possibly followed by a closing quote or bracket, or a citation mark such as [12].
 _SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')\]”’])|(?<=[.!?]\[\d\])|(?<=[.!?]\[\d\d\]))\s+")
+# A full stop that ends an initial or a title, not a sentence: "K.", "U.S.", "Dr.", "St." (the piece's last word).
+_NOT_AN_END = re.compile(
+    r"(?:^|[\s(])(?:[A-Z]|(?:[A-Za-z]\.)+[A-Za-z]|Mr|Mrs|Ms|Dr|Prof|St|Jr|Sr|Mt|Ft|vs)\.$"
+)
 NOT_FOUND = "not in the page"  # the reply when the page does not say (the prompt asks for these words)
 _SAYS_NOT_FOUND = re.compile(
     r"not (in|on) the (page|text)|(does|do) not (say|mention|state)|not mentioned|no (answer|information)",
@@ -120,10 +125,8 @@ class Config:
     scores (measured best: EM 0.320 vs free's 0.007 on bench_reader's 150 single-hop questions), else "free"
     (an endpoint generates but cannot score; "align" grounds its answer in a page span, set it for readers that
     answer in a few words: a sentence answer falls below `align_min_f1` and reads "not in the page")."""
-    max_candidates: int = 48
-    """Spans "extract" scores (plus "not in the page"), from the sentences closest to the question first."""
-    null_bias: float = 0.0
-    """"extract": added to the log-prob of "not in the page" (higher: says not found more often)."""
+    extract: spans.Choice = field(default_factory=spans.Choice)
+    """"extract": how many spans are scored and how the answer is picked among them (`[page_qa.extract]`)."""
     align_min_f1: float = 0.5
     """"align": the least token F1 between the model's answer and a page span for the span to be the answer."""
 
@@ -202,15 +205,7 @@ async def _reply(prep: Prepared, question: str, *, cfg: Config, rt: Runtime[None
     sentences = page_sentences(prep.top)
     mode = chosen_mode(cfg, rt.llm)
     if mode == "extract":
-        found = spans.candidates(sentences, question, limit=cfg.max_candidates)
-        replies = [span.text for span in found] + [NOT_FOUND]
-        scores = await rt.llm.score(messages, replies)
-        scores[-1] += cfg.null_bias
-        best = scores.index(max(scores))  # the first of equals: the candidate nearer the question
-        read = sum(rt.count_tokens(text) for text in [m.content for m in messages] + replies)  # all it fed
-        if best == len(found):
-            return Reply(NOT_FOUND, "", False, read)
-        return _on_page(found[best], question, cfg=cfg, prompt_tokens=read)
+        return await _extract(prep, question, messages, cfg=cfg, rt=rt)
     generation = await rt.llm.generate(messages, max_new_tokens=cfg.max_new_tokens)
     said, read = clean_answer(generation.text, cfg.max_answer_chars), generation.prompt_tokens
     if mode == "free":
@@ -220,6 +215,27 @@ async def _reply(prep: Prepared, question: str, *, cfg: Config, rt: Runtime[None
     if span is None or score < cfg.align_min_f1:
         return Reply(NOT_FOUND, "", False, read)
     return _on_page(span, question, cfg=cfg, prompt_tokens=read)
+
+
+async def _extract(
+    prep: Prepared, question: str, messages: list[Message], *, cfg: Config, rt: Runtime[None]
+) -> Reply:
+    """ "extract": the page's candidate spans and "not in the page" scored by the model (and, with a PMI weight,
+    by the prior's prompt too), the answer picked by `spans.choose`."""
+    rule = cfg.extract
+    found = spans.candidates(page_sentences(prep.top), question, limit=rule.max_candidates)
+    replies = [c.span.text for c in found] + [NOT_FOUND]
+    prompts = [messages]
+    if rule.pmi_weight:
+        chunks = ["\n".join(chunk) for chunk in prep.top]
+        prompts.append(prior_prompt(chunks) if rule.prior == "page" else bare_prompt())
+    scores = [await rt.llm.score(prompt, replies) for prompt in prompts]
+    best = spans.choose(found, scores[0], scores[1] if rule.pmi_weight else None, question, rule)
+    fed = [m.content for prompt in prompts for m in prompt] + replies * len(prompts)
+    read = sum(rt.count_tokens(text) for text in fed)  # everything the model was given
+    if best is None:
+        return Reply(NOT_FOUND, "", False, read)
+    return _on_page(found[best].span, question, cfg=cfg, prompt_tokens=read)
 
 
 def chosen_mode(cfg: Config, llm: LLM) -> Literal["free", "align", "extract"]:
@@ -252,7 +268,7 @@ def prepare(body: bytes, content_type: str, *, question: str, cfg: Config) -> Pr
 
 def extract_page(body: bytes, content_type: str) -> PageText:
     """Title and main text of a fetched body: HTML through trafilatura, PDF through pypdf (text layer only),
-    text/* (plain, Markdown, ...) as it is.
+    Markdown without its marks (documents.markdown_text: the same text as the page's HTML), other text/* as it is.
 
     Raises ToolFailure(unsupported_media) for other media types and for pages with no readable text.
     """
@@ -262,6 +278,8 @@ def extract_page(body: bytes, content_type: str) -> PageText:
         page = _extract_html(body, charset)
     elif media == PDF_TYPE or (not media and body.startswith(b"%PDF-")):
         page = _extract_pdf(body)
+    elif media in MARKDOWN_TYPES:
+        page = PageText(*markdown_text(_decode(body, charset)))
     elif media.startswith("text/") or not media:
         page = PageText(title="", text=_decode(body, charset).strip())
     else:
@@ -343,8 +361,15 @@ def _pieces(text: str, limit: int) -> Iterator[str]:
 
 
 def sentences(paragraph: str) -> list[str]:
-    """Sentences of one paragraph, split after . ! ? followed by whitespace; each is a substring of it."""
-    return [s.strip() for s in _SENTENCE_END.split(paragraph) if s.strip()]
+    """Sentences of one paragraph, split after . ! ? followed by whitespace, but not after an initial or a title
+    ("James K. Polk", "Dr. Smith", "U.S. Army"); each is a substring of it."""
+    pieces, start = [], 0
+    for end in _SENTENCE_END.finditer(paragraph):
+        if not _NOT_AN_END.search(paragraph, start, end.start()):
+            pieces.append(paragraph[start : end.start()])
+            start = end.end()
+    pieces.append(paragraph[start:])
+    return [s.strip() for s in pieces if s.strip()]
 
 
 def _cut_words(text: str, limit: int) -> Iterator[str]:
@@ -379,6 +404,18 @@ def build_prompt(chunks: list[str], question: str) -> list[Message]:
     """A short, strict prompt a 135M instruction model can follow."""
     context = "\n\n".join(chunks)
     user = f"Page text:\n{context}\n\nQuestion: {question}\nShort answer:"
+    return [Message(role="system", content=SYSTEM_PROMPT), Message(role="user", content=user)]
+
+
+def bare_prompt() -> list[Message]:
+    """Neither page nor question ("extract": how likely a span is as a short answer to anything)."""
+    return [Message(role="system", content=SYSTEM_PROMPT), Message(role="user", content="Short answer:")]
+
+
+def prior_prompt(chunks: list[str]) -> list[Message]:
+    """The prompt without its question ("extract": how likely a span is as a reply to the page alone)."""
+    context = "\n\n".join(chunks)
+    user = f"Page text:\n{context}\n\nShort answer:"
     return [Message(role="system", content=SYSTEM_PROMPT), Message(role="user", content=user)]
 
 

@@ -23,6 +23,7 @@ import string
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 _EDGE = "\"'()[]{},.;:!?“”‘’«»*"
 _WORD = re.compile(r"\S+")
@@ -41,11 +42,19 @@ _MONTHS = (
     "January|February|March|April|May|June|July|August|September|October|November|December|"
     "Jan\\.?|Feb\\.?|Mar\\.?|Apr\\.?|Jun\\.?|Jul\\.?|Aug\\.?|Sept?\\.?|Oct\\.?|Nov\\.?|Dec\\.?"
 )
-# Dates ("8 July 1967", "July 8, 1967", "July 1967") and numbers with an optional unit word ("330 metres").
+_NUMBER_WORDS = (
+    "one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|sixteen|seventeen|"
+    "eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|hundred|dozen"
+)
+# Dates ("8 July 1967", "July 8, 1967", "July 1967"), numbers and number words ("nine") with an optional unit
+# word ("330 metres").
 _NUMERIC = re.compile(
     rf"\b(?:\d{{1,2}}\s+(?:{_MONTHS})(?:\s+\d{{3,4}})?|(?:{_MONTHS})\s+\d{{1,2}},?\s+\d{{3,4}}|(?:{_MONTHS})\s+\d{{4}}"
-    rf"|\d[\d,.]*\d(?:s\b)?|\d)(?:\s*%|\s+[a-z]+)?"
+    rf"|\d[\d,.]*\d(?:s\b)?|\d|(?i:{_NUMBER_WORDS})\b)(?:\s*%|\s+[a-z]+)?"
 )
+# A word a name goes on after although a full stop follows it: an initial ("James K. Polk"), a dotted
+# abbreviation ("U.S. Army") or a title ("St. Louis").
+_ABBREVIATION = re.compile(r"^(?:[A-Z]|(?:[A-Za-z]\.)+[A-Za-z]|Mr|Mrs|Ms|Dr|Prof|St|Jr|Sr|Mt|Ft)$")
 
 
 @dataclass(frozen=True)
@@ -102,10 +111,11 @@ def _is_name_word(word: str) -> bool:
 
 def names(sentence: str) -> Iterator[Span]:
     """Maximal runs of capitalised words (joined by up to two connectors: "Society for the Exploration"),
-    without a leading stopword, never past a comma, full stop or bracket; a run with connectors is followed by
-    its part before the first one."""
+    without a leading stopword, never past a comma, bracket or full stop (but an initial's); a run with
+    connectors is followed by its part before the first one, and a run after another one and a comma by both
+    ("Franconia, New Hampshire")."""
     bounds = words(sentence)
-    i = 0
+    i, before = 0, None  # `before`: the start and last word of the previous name
     while i < len(bounds):
         if not _is_name_word(sentence[slice(*bounds[i])]):
             i += 1
@@ -120,14 +130,32 @@ def names(sentence: str) -> Iterator[Span]:
         inner = [k for k in range(first + 1, j) if sentence[slice(*bounds[k])].lower() in _CONNECTORS]
         if inner:  # "Winnie Kiiza of the Forum for Democratic Change": "Winnie Kiiza" too
             yield Span(sentence, bounds[first][0], bounds[inner[0] - 1][1])
-        i = j + 1
+        if before is not None and sentence[bounds[before[1]][1] : bounds[first][0]] == ", ":
+            yield Span(sentence, before[0], bounds[j][1])
+        before, i = (bounds[first][0], j), j + 1
+
+
+def name_parts(name: Span) -> Iterator[Span]:
+    """The shorter names inside a name, longest first: every run of its words that starts and ends with a
+    capitalised word ("Bank of America" in "Charlotte-based Bank of America", "Alachua" in "Alachua County"),
+    and the name without a last possessive ("Bob Dylan" of "Bob Dylan's")."""
+    if name.text.endswith(("'s", "’s")):
+        name = Span(name.sentence, name.start, name.end - 2)
+        yield name
+    run = [(name.start + a, name.start + b) for a, b in words(name.text)]
+    keep = {k for k, b in enumerate(run) if _is_name_word(name.sentence[slice(*b)])}
+    for size in range(len(run) - 1, 0, -1):
+        for a in range(len(run) - size + 1):
+            if a in keep and a + size - 1 in keep:
+                yield Span(name.sentence, run[a][0], run[a + size - 1][1])
 
 
 def _next_name_word(sentence: str, bounds: list[tuple[int, int]], j: int) -> int | None:
     """The index of the capitalised word continuing the name that ends at word `j` (None: the name ends)."""
     for k in range(j + 1, min(j + 4, len(bounds))):
-        if sentence[bounds[k - 1][1] : bounds[k][0]].strip():  # punctuation between the words
-            return None
+        gap = sentence[bounds[k - 1][1] : bounds[k][0]].strip()
+        if gap and not (gap == "." and _ABBREVIATION.match(sentence[slice(*bounds[k - 1])])):
+            return None  # punctuation between the words, other than an initial's full stop
         word = sentence[slice(*bounds[k])]
         if _is_name_word(word):
             return k
@@ -137,13 +165,14 @@ def _next_name_word(sentence: str, bounds: list[tuple[int, int]], j: int) -> int
 
 
 def numbers(sentence: str) -> Iterator[Span]:
-    """Dates and numbers, each with and without the word after it ("330 metres" and "330")."""
+    """Dates, numbers and number words, each with and without the word after it ("330 metres" and "330")."""
     for match in _NUMERIC.finditer(sentence):
         text = match.group()
         if len(text.split()) > 1 and text.split()[-1] in STOPWORDS:  # "1991 and": no unit after the number
             text = text.rsplit(maxsplit=1)[0]
         yield Span(sentence, match.start(), match.start() + len(text))
-        bare = text.split()[0].rstrip(_EDGE) if text[:1].isdigit() else ""
+        first = text.split()[0].rstrip(_EDGE)
+        bare = first if text[:1].isdigit() or first.lower() in _NUMBER_WORDS.split("|") else ""
         if bare and bare != text:
             yield Span(sentence, match.start(), match.start() + len(bare))
 
@@ -159,37 +188,149 @@ def _phrase(span: Span) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A span to score as the answer: what kind of span it is, and how close its sentence is to the question."""
+
+    span: Span
+    kind: Literal["name", "number", "part", "phrase"]
+    """"name" (a capitalised run), "number" (and dates), "part" (a shorter name inside a name), "phrase"."""
+    rank: int
+    """Its sentence's place among the sentences ordered by the words they share with the question (0: most)."""
+
+
 def candidates(
     sentences: Sequence[str], question: str, *, limit: int, max_phrase_words: int = 3
-) -> list[Span]:
+) -> list[Candidate]:
     """Up to `limit` distinct answer candidates, from the sentences sharing most words with the question first.
 
-    First the names, numbers and dates of every sentence, then short phrases (1..`max_phrase_words` words, no
+    First the names, numbers and dates of every sentence, then the shorter names inside those names, then short
+    phrases (1..`max_phrase_words` words, no
     stopword at either end, not all capitalised: a part of a name, "Organisation" of "Rank Organisation", is no
     answer): the phrases of one long sentence would otherwise crowd out the names of the next.
-    A span whose words all occur in the question is left out (an answer rarely repeats the question), and so is
-    one normalising to the same words as an earlier candidate.
+    A span whose words all occur in the question is left out (an answer rarely repeats the question; but a
+    name is kept when the question offers a choice, "X or Y?"), and so is one normalising to the same words as
+    an earlier candidate.
     """
     asked = set(normal_words(question))
+    options = " or " in f" {question.lower()} "
     order = sorted(range(len(sentences)), key=lambda i: -len(asked.intersection(normal_words(sentences[i]))))
-    seen: set[tuple[str, ...]] = set()
-    found: list[Span] = []
-    entities = (span for i in order for span in (*names(sentences[i]), *numbers(sentences[i])))
+    entities = [
+        Candidate(span, kind, rank)
+        for rank, i in enumerate(order)
+        for kind, found in (("name", names(sentences[i])), ("number", numbers(sentences[i])))
+        for span in found
+    ]
+    parts = (
+        Candidate(part, "part", c.rank) for c in entities if c.kind == "name" for part in name_parts(c.span)
+    )
     phrases = (
-        span
-        for i in order
+        Candidate(span, "phrase", rank)
+        for rank, i in enumerate(order)
         for span in ngrams(sentences[i], max_phrase_words)
         if _phrase(span) and not all(_is_name_word(w) for w in span.text.split())
     )
-    for span in itertools.chain(entities, phrases):
-        if len(found) >= limit:
+    seen: set[tuple[str, ...]] = set()
+    kept: list[Candidate] = []
+    for candidate in itertools.chain(entities, parts, phrases):
+        if len(kept) >= limit:
             break
-        key = tuple(normal_words(span.text))
-        if not key or key in seen or set(key) <= asked | STOPWORDS:
+        key = tuple(normal_words(candidate.span.text))
+        repeats_question = set(key) <= asked | STOPWORDS and not (options and candidate.kind == "name")
+        if not key or key in seen or set(key) <= STOPWORDS or repeats_question:
             continue
         seen.add(key)
-        found.append(span)
-    return found
+        kept.append(candidate)
+    return kept
+
+
+# ---------------------------------------------------------------- choosing among scored candidates
+
+_WH = re.compile(r"\b(who|whom|whose|when|where|what|which|how)\b")
+_WHEN_WORDS = re.compile(r"\b(year|date|day|month|century|decade|time|era|period|born|inception)\b")
+_WHERE_WORDS = re.compile(
+    r"\b(city|country|state|county|place|continent|town|region|location|located|capital|province|district)\b"
+)
+EXPECTED_KIND = {"who": "name", "where": "name", "when": "number", "how many": "number"}
+"""The kind of candidate a question type wants (`question_type`); "what" wants any."""
+
+
+def question_type(question: str) -> str:
+    """who / when / where / how many / what, by the question's first wh-word and, after "what" or "which", the
+    six words that follow it ("In what year", "What city did", "What is the place of death of X?")."""
+    q = question.lower()
+    if re.search(r"\bhow (many|much)\b", q):
+        return "how many"
+    first = _WH.search(q)
+    word = first.group(1) if first else ""
+    if word in ("who", "whom", "whose", "when", "where"):
+        return {"whom": "who", "whose": "who"}.get(word, word)
+    asked = " ".join(q[first.end() :].split()[:6]) if first else ""
+    if _WHEN_WORDS.search(asked):
+        return "when"
+    if _WHERE_WORDS.search(asked):
+        return "where"
+    return "what"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """How page_qa's "extract" picks its answer among the scored candidates (`choose`). Every default was chosen
+    on bench_reader's tune split (benchmarks/reader_rules.py: the grid, the objective, each term's ablation on
+    both splits); `Choice(max_candidates=48, pmi_weight=0, kind_weight=0, rank_weight=0, length_weight=0)` is
+    the log-prob alone, the rule before it."""
+
+    max_candidates: int = 32
+    """Candidates scored (plus "not in the page"), in `candidates`' order (48 before this study: as good)."""
+    pmi_weight: float = 0.25
+    """Weight of the prior subtracted from a reply's log-prob (PMI-style: how much the question, not the page or
+    the reply's own commonness, makes it likely); 0: no prior is scored (a second forward of the replies)."""
+    prior: Literal["page", "none"] = "page"
+    """The prior's prompt: the page without the question, or the system prompt alone."""
+    kind_weight: float = 4.0
+    """Added to a candidate of the kind its question wants (EXPECTED_KIND: a "who" question wants a name)."""
+    rank_weight: float = 2.0
+    """Taken from a candidate per place of its sentence in the order of closeness to the question."""
+    length_weight: float = 0.5
+    """Added to a candidate per word: a log-prob favours the shortest reply, an answer is often a longer name."""
+    null_margin: float = 0.0
+    """The best candidate answers only when it beats "not in the page" by this much (in nats)."""
+
+    def __post_init__(self) -> None:
+        if self.max_candidates < 1:
+            raise ValueError(f"max_candidates must be at least 1, not {self.max_candidates}")
+
+
+def choose(
+    found: Sequence[Candidate],
+    scores: Sequence[float],
+    prior: Sequence[float] | None,
+    question: str,
+    rule: Choice,
+) -> int | None:
+    """The index of the answer among `found`, or None for "not in the page".
+
+    `scores` and `prior` hold the log-probs of each candidate and, last, of "not in the page" (under the
+    question's prompt and the prior's). A reply's value is its score minus `pmi_weight` times its prior; a
+    candidate adds `kind_weight` if it is of the kind the question wants and `length_weight` per word, and loses
+    `rank_weight` per place of its sentence. The best candidate (the first of equals) answers if it beats "not
+    in the page" by `null_margin`."""
+    assert len(scores) == len(found) + 1, (len(scores), len(found))
+    weights = prior if prior is not None and rule.pmi_weight else [0.0] * len(scores)
+    value = [s - rule.pmi_weight * p for s, p in zip(scores, weights, strict=True)]
+    wanted = EXPECTED_KIND.get(question_type(question))
+    kinds = {wanted, "part"} if wanted == "name" else {wanted}
+    bonus = [
+        rule.kind_weight * (c.kind in kinds)
+        - rule.rank_weight * c.rank
+        + rule.length_weight * len(c.span.text.split())
+        for c in found
+    ]
+    if not found:
+        return None
+    totals = [v + b for v, b in zip(value, bonus, strict=False)]
+    best = totals.index(max(totals))
+    return best if totals[best] >= value[-1] + rule.null_margin else None
 
 
 def align(

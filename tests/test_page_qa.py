@@ -7,6 +7,7 @@ Unit tests use a scripted LLM and a dictionary fetcher. Integration tests serve 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gzip
 import json
 import threading
@@ -22,10 +23,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from conductor.settings import ConfigError
-from subagents import page_qa
+from subagents import page_qa, spans
 from subagents.common import Runtime, ToolFailure, approx_tokens
 from subagents.fetch import FetchConfig, FetchedPage, Fetcher
 from subagents.llm import BackendError, Generation, Message, cannot_score_error
+from tests.pdf import minimal_pdf
 from training.tasks import multihop
 
 FILLER = [
@@ -122,6 +124,28 @@ def test_charset_from_content_type_is_used() -> None:
     """A Latin-1 body declared as such decodes correctly (no mojibake)."""
     body = "Le café est ouvert.\nLa crème brûlée coûte six euros.".encode("latin-1")
     assert "crème brûlée" in page_qa.extract_page(body, "text/plain; charset=ISO-8859-1").text
+
+
+MARKDOWN = """# Visiting **Paris**
+
+The [Eiffel Tower](https://example.org/eiffel) is *330 metres* tall.
+
+## Getting there
+* Metro line `6`
++ Bus 42
+"""
+MARKDOWN_AS_HTML = """<html><head><title>Visiting Paris</title></head><body><article><h1>Visiting <b>Paris</b></h1>
+<p>The <a href="https://example.org/eiffel">Eiffel Tower</a> is <em>330 metres</em> tall.</p>
+<h2>Getting there</h2><ul><li>Metro line <code>6</code></li><li>Bus 42</li></ul></article></body></html>"""
+
+
+def test_markdown_reads_as_the_same_page_in_html() -> None:
+    """A Markdown page loses its marks (headings, emphasis, links, code, bullets as "- ") and its leading
+    heading is its title, so it reads exactly as the same page written in HTML."""
+    md = page_qa.extract_page(MARKDOWN.encode(), "text/markdown; charset=utf-8")
+    html = page_qa.extract_page(MARKDOWN_AS_HTML.encode(), "text/html")
+    assert md.title == html.title == "Visiting Paris"
+    assert page_qa.split_chunks(md.text, 600) == page_qa.split_chunks(html.text, 600)
 
 
 def test_plain_text_is_used_as_is() -> None:
@@ -291,10 +315,30 @@ class ScoringLLM(ScriptedLLM):
         return [self.table.get(reply, -100.0) for reply in replies]
 
 
-async def ask_in(mode: str, llm: ScriptedLLM, body: str = HTML) -> page_qa.Response:
+# The log-prob alone: the unit tests of "extract"'s mechanics score with scripted tables, so they choose plainly.
+PLAIN = spans.Choice(max_candidates=48, pmi_weight=0.0, kind_weight=0.0, rank_weight=0.0, length_weight=0.0)
+
+
+class PromptScoringLLM(ScoringLLM):
+    """A ScoringLLM with one table for prompts that ask a question and another for those that do not."""
+
+    def __init__(self, *, question: dict[str, float], prior: dict[str, float]) -> None:
+        super().__init__(question)
+        self.prior = prior
+
+    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
+        table = self.table if "Question:" in messages[-1].content else self.prior
+        self.calls.append(messages)
+        self.scored.append(replies)
+        return [table.get(reply, -100.0) for reply in replies]
+
+
+async def ask_in(
+    mode: str, llm: ScriptedLLM, body: str | bytes = HTML, *, content_type: str = "text/html; charset=utf-8"
+) -> page_qa.Response:
     request = page_qa.Request(url="http://a.test/p", question="How tall is the Eiffel Tower?")
-    cfg = page_qa.Config(answer_mode=mode)  # type: ignore[arg-type]
-    return await page_qa.run(request, cfg, runtime(llm, {"http://a.test/p": page(body)}))
+    cfg = page_qa.Config(answer_mode=mode, extract=PLAIN)  # type: ignore[arg-type]
+    return await page_qa.run(request, cfg, runtime(llm, {"http://a.test/p": page(body, content_type)}))
 
 
 async def test_extract_answers_with_the_best_scored_span_of_the_page() -> None:
@@ -307,6 +351,50 @@ async def test_extract_answers_with_the_best_scored_span_of_the_page() -> None:
     text = page_qa.extract_page(HTML.encode(), "text/html").text
     assert response.answer in response.quote and response.quote in text
     assert response.summary() == f'answer: 330 metres | quote: "{ANSWER_PARAGRAPH}" | source: Visiting Paris'
+
+
+async def test_extract_with_a_prior_scores_the_page_without_the_question() -> None:
+    """With a PMI weight "extract" scores every reply twice, under the question's prompt and under the page's
+    without the question, and the answer is the span the question makes likeliest over that prior."""
+    llm = PromptScoringLLM(
+        question={"330 metres": -2.0, "1889": -2.5, page_qa.NOT_FOUND: -9.0},
+        prior={"330 metres": -1.0, "1889": -6.0, page_qa.NOT_FOUND: -9.0},
+    )
+    request = page_qa.Request(url="http://a.test/p", question="How tall is the Eiffel Tower?")
+    prior = dataclasses.replace(PLAIN, pmi_weight=1.0, null_margin=-100.0)
+    cfg = page_qa.Config(answer_mode="extract", extract=prior)
+    response = await page_qa.run(request, cfg, runtime(llm, {"http://a.test/p": page(HTML)}))
+    assert response.answer == "1889"
+    question, prior = llm.calls
+    assert "Eiffel Tower?" in question[-1].content and "Question:" not in prior[-1].content
+    assert llm.scored[0] == llm.scored[1]
+    plain = page_qa.Config(answer_mode="extract", extract=dataclasses.replace(PLAIN, null_margin=-100.0))
+    llm.calls.clear()
+    assert (
+        await page_qa.run(request, plain, runtime(llm, {"http://a.test/p": page(HTML)}))
+    ).answer == "330 metres"
+    assert len(llm.calls) == 1
+
+
+@pytest.mark.parametrize("fmt", ["md", "txt", "pdf"])
+async def test_one_page_in_any_format_gets_the_same_answer(fmt: str) -> None:
+    """The same page as HTML, Markdown, plain text or PDF gives the reader the same candidates and the same
+    answer and quote."""
+    # No apostrophe: a PDF's standard encoding shows ' as ’, which pypdf then reads back.
+    title, lines = "Visiting Paris", [FILLER[0], ANSWER_PARAGRAPH.replace("'", ""), FILLER[1]]
+    bodies = {
+        "html": (multihop.page_html((title, [" ".join(lines)])).encode(), "text/html"),
+        "md": (f"# {title}\n\n{' '.join(lines)}\n".encode(), "text/markdown"),
+        "txt": (f"{title}\n\n{' '.join(lines)}\n".encode(), "text/plain"),
+        "pdf": (minimal_pdf([title, " ".join(lines)]), "application/pdf"),
+    }
+    answers = []
+    for name in ("html", fmt):
+        llm = ScoringLLM({"330 metres": -2.0, "1889": -3.0, page_qa.NOT_FOUND: -5.0})
+        body, media = bodies[name]
+        response = await ask_in("extract", llm, body, content_type=media)
+        answers.append((response.answer, response.quote, llm.scored))
+    assert answers[0] == answers[1] and answers[0][0] == "330 metres"
 
 
 async def test_extract_says_not_found_when_that_scores_best() -> None:
