@@ -3,8 +3,9 @@
     python benchmarks/bench_reader.py                             # extract, both splits -> results/bench_reader.json
     python benchmarks/bench_reader.py --modes free align extract --n 60
     python benchmarks/bench_reader.py --recorded                  # the table of what is recorded, running nothing
-    python benchmarks/bench_reader.py --set null_margin=2.0 --label margin   # page_qa.Config fields, named row
+    python benchmarks/bench_reader.py --set extract.null_margin=2 --label margin   # page_qa.Config fields
     python benchmarks/bench_reader.py --models smollm2-135m-instruct qwen2.5-coder-0.5b-instruct
+    python benchmarks/bench_reader.py --reader-url http://127.0.0.1:8000/v1 --models NAME --modes free align
 
 The questions (reader_items.py): tune is MuSiQue hops of half the questions (by id) and HotpotQA train, as HTML
 pages; report is the other half's hops and HotpotQA dev as Markdown and plain text pages, and research_corpus.
@@ -13,7 +14,8 @@ Every threshold, prompt and scoring rule of the reader is chosen on tune (reader
 measured.
 
 Every call goes through the real page_qa code (`page_qa.run`) with a real model (`--models`: built-in names or
-checkpoint directories, one after another; SmolLM2-135M-Instruct by default) and the real fetcher, the pages
+checkpoint directories, one after another; SmolLM2-135M-Instruct by default; with `--reader-url`, the models an
+OpenAI-compatible endpoint serves, as `conductor ask --reader-url` reads them) and the real fetcher, the pages
 served over loopback. Per split and answer mode (`page_qa.Config.answer_mode`) it reports, on gold pages: EM and
 F1 against the gold answer, has-gold (the answer contains it), in-page (the answer occurs on the page), supported
 (page_qa's own flag) and "not in the page" (wrongly); on negatives: "not in the page" (rightly) and supported
@@ -40,6 +42,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import re
 import statistics
 import sys
 import time
@@ -251,26 +254,43 @@ def group_table(rows: list[dict], split: str) -> str:
     return "\n".join(lines)
 
 
+def reader_name(reader: BackendConfig) -> str:
+    """The reader as rows and record folders name it: the model, "at <url>" behind an endpoint."""
+    name = Path(reader.model).name
+    return name if reader.base_url is None else f"{name} at {reader.base_url}"
+
+
 async def run(
-    todo: list[Item], configs: dict[str, page_qa.Config], work: Path, *, model: str, recorded: bool
+    todo: list[Item], configs: dict[str, page_qa.Config], work: Path, *, reader: BackendConfig, recorded: bool
 ) -> dict[str, list[dict]]:
-    """Every mode's records of `model` for `todo`: read where recorded under the same fingerprint, else
+    """Every mode's records of `reader` for `todo`: read where recorded under the same fingerprint, else
     measured now."""
-    model_id = f"transformers:{model}"
-    folder = work / "records" / Path(model).name
+    model_id = f"{reader.backend}:{reader.model}" + (f"@{reader.base_url}" if reader.base_url else "")
+    folder = work / "records" / re.sub(r"[^\w.-]+", "_", reader_name(reader))
     paths = {m: folder / f"{m}.jsonl" for m in configs}
     prints = {m: fingerprint(configs[m], model_id) for m in configs}
     done = {m: load_records(paths[m], prints[m]) for m in configs}
     missing = [i for i in todo if any(i.item_id not in done[m] for m in configs)]
     if missing and not recorded:
-        await measure(missing, configs, work, paths, prints, done, model=model)
+        await measure(missing, configs, work, paths, prints, done, reader=reader)
     return {m: [done[m][i.item_id] for i in todo if i.item_id in done[m]] for m in configs}
 
 
 async def measure(
-    todo: list[Item], configs: dict, work: Path, paths: dict, prints: dict, done: dict, *, model: str
+    todo: list[Item],
+    configs: dict,
+    work: Path,
+    paths: dict,
+    prints: dict,
+    done: dict,
+    *,
+    reader: BackendConfig,
 ) -> None:
-    llm = SharedGenerations(build_llm(BackendConfig(model=model)))
+    base = build_llm(reader)
+    for cfg in configs.values():
+        page_qa.check_model(cfg, base)  # "extract" behind an endpoint is refused, as the tool server does
+    llm = SharedGenerations(base)
+    model = reader_name(reader)
     fetcher = Fetcher(FetchConfig(allow_private_cidrs=("127.0.0.0/8",)))
     rt = Runtime(llm=llm, fetcher=fetcher, state=None, count_tokens=llm.count_tokens)  # type: ignore[arg-type]
     paths[next(iter(paths))].parent.mkdir(parents=True, exist_ok=True)
@@ -296,18 +316,25 @@ async def measure(
 
 
 def config_overrides(pairs: list[str]) -> dict:
-    """`--set key=value` pairs as page_qa.Config fields (values parsed as JSON, else kept as strings)."""
-    fields = {f.name for f in dataclasses.fields(page_qa.Config)} - {"answer_mode"}
-    out = {}
+    """`--set key=value` pairs as page_qa.Config fields, `extract.key=value` as its rule's (values parsed as
+    JSON, else kept as strings)."""
+    fields = {f.name for f in dataclasses.fields(page_qa.Config)} - {"answer_mode", "extract"}
+    fields |= {f"extract.{f.name}" for f in dataclasses.fields(spans.Choice)}
+    out: dict = {}
+    rule: dict = {}
     for pair in pairs:
-        key, _, value = pair.partition("=")
+        key, _, text = pair.partition("=")
         if key not in fields:
             raise SystemExit(f"--set {key}: not a page_qa.Config field; one of {sorted(fields)}")
         try:
-            out[key] = json.loads(value)
+            value = json.loads(text)
         except json.JSONDecodeError:
+            value = text
+        if key.startswith("extract."):
+            rule[key.removeprefix("extract.")] = value
+        else:
             out[key] = value
-    return out
+    return out | ({"extract": dataclasses.replace(spans.Choice(), **rule)} if rule else {})
 
 
 def merged(out: Path, rows: list[dict]) -> list[dict]:
@@ -334,6 +361,9 @@ def main() -> None:
         "--models", nargs="+", default=[DEFAULT_MODEL], help="built-in names or checkpoint dirs, in turn"
     )
     parser.add_argument(
+        "--reader-url", help="an OpenAI-compatible endpoint serving --models (free and align; no extract)"
+    )
+    parser.add_argument(
         "--work", type=Path, default=ROOT / "runs" / "bench_reader", help="pages and per-question records"
     )
     parser.add_argument("--recorded", action="store_true", help="run nothing: tabulate the records")
@@ -344,8 +374,10 @@ def main() -> None:
     configs = {m: page_qa.Config(answer_mode=m, **overrides) for m in args.modes}  # type: ignore[arg-type]
     rows = []
     for model in args.models:
-        records = asyncio.run(run(todo, configs, args.work, model=model, recorded=args.recorded))
-        rows += [row(model, configs[m], args.label, records[m]) for m in args.modes]
+        backend = "openai" if args.reader_url else "transformers"
+        reader = BackendConfig(backend=backend, model=model, base_url=args.reader_url)  # type: ignore[arg-type]
+        records = asyncio.run(run(todo, configs, args.work, reader=reader, recorded=args.recorded))
+        rows += [row(reader_name(reader), configs[m], args.label, records[m]) for m in args.modes]
     print("\n" + table(rows) + "\n\n" + group_table(rows, "report"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"n": args.n, "hotpotqa_n": HOTPOTQA_N, "seed": reader_items.SEED}
