@@ -12,23 +12,23 @@ Every `Span` is a substring of its sentence at `sentence[start:end]`, and senten
 so an answer built here can always be found on the page word for word. Words are whitespace-separated tokens
 with their edge punctuation dropped. Limits: the candidate rules are English-centred heuristics (capitalised
 runs, month names), so a lower-case answer longer than `max_phrase_words` far from the question's words is
-never a candidate; imports nothing else of the project.
+never a candidate. Imports only conductor/answers.py (SQuAD normalisation and word-overlap F1).
 """
 
 from __future__ import annotations
 
 import itertools
 import re
-import string
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from conductor.answers import ARTICLES, PUNCTUATION, overlap_f1
+
 _EDGE = "\"'()[]{},.;:!?“”‘’«»*"
 _WORD = re.compile(r"\S+")
-_ARTICLES = frozenset({"a", "an", "the"})
-_PUNCTUATION = frozenset(string.punctuation) | frozenset("“”‘’«»–—")
+# SQuAD's marks and the typographic ones pages use; a mark splits words here (a span is cut at word edges)
+_PUNCTUATION = PUNCTUATION | frozenset("“”‘’«»–—")
 # Words that may join the capitalised words of one name: "University of Copenhagen", "Charles de Gaulle".
 _CONNECTORS = frozenset({"of", "for", "the", "de", "del", "der", "da", "di", "du", "von", "van", "la", "le"})
 # Words a short answer neither starts nor ends with (SQuAD-style answers are noun phrases, numbers, names).
@@ -73,16 +73,7 @@ class Span:
 def normal_words(text: str) -> list[str]:
     """SQuAD-normalised words: lower case, ASCII and typographic punctuation dropped, no articles."""
     clean = "".join(" " if ch in _PUNCTUATION else ch for ch in text.lower())
-    return [w for w in clean.split() if w not in _ARTICLES]
-
-
-def f1(pred: Sequence[str], gold: Sequence[str]) -> float:
-    """Token F1 of two normalised word lists (0.0 when either is empty)."""
-    same = sum((Counter(pred) & Counter(gold)).values())
-    if not same:
-        return 0.0
-    precision, recall = same / len(pred), same / len(gold)
-    return 2 * precision * recall / (precision + recall)
+    return [w for w in clean.split() if w not in ARTICLES]
 
 
 def words(sentence: str) -> list[tuple[int, int]]:
@@ -353,7 +344,7 @@ def align(
         for span in ngrams(sentence, len(target) + extra_words):
             if not _phrase(span):
                 continue
-            score = f1([w for w in normal_words(span.text) if w not in STOPWORDS], target)
+            score = overlap_f1([w for w in normal_words(span.text) if w not in STOPWORDS], target)
             if score > 0 and (best is None or (score, -len(span.text)) > (best[0], best[1])):
                 best = (score, -len(span.text), span)
     return (best[2], best[0]) if best else (None, 0.0)

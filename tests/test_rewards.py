@@ -157,3 +157,13 @@ def test_turn_reward_weights_are_frozen_and_documented() -> None:
     assert (w.valid_call, w.malformed_call, w.repeated_call, w.new_evidence) == (0.05, -0.05, -0.05, 0.1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         w.valid_call = 1.0  # type: ignore[misc]
+
+
+def test_overlap_f1_counts_shared_words_with_multiplicity() -> None:
+    """The one word-overlap F1 (conductor/answers.py) that rewards and the reader's span alignment share: a
+    repeated word counts once per occurrence on both sides, and no shared word or an empty list gives 0.0."""
+    from conductor.answers import overlap_f1
+
+    assert overlap_f1(["paris", "paris"], ["paris"]) == pytest.approx(2 * 0.5 * 1.0 / 1.5)
+    assert overlap_f1(["new", "york"], ["york", "new"]) == 1.0
+    assert overlap_f1([], ["paris"]) == 0.0 and overlap_f1(["rome"], ["paris"]) == 0.0

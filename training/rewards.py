@@ -1,6 +1,6 @@
 """Final and per-turn rewards as plain functions; every component is returned separately so it can be logged.
 
-Final rewards lie in [0, 1]: `exact_match` and `token_f1` (SQuAD-style answer normalisation) for text answers,
+Final rewards lie in [0, 1]: `exact_match` and `token_f1` (SQuAD-style answer normalisation, conductor/answers.py) for text answers,
 `plate_match` for licence plates and `plate_similarity`, its graded form (1 - normalised edit distance). Turn rewards are small shaping terms (a few hundredths per turn) for well-formed
 calls, malformed or repeated calls, and newly found evidence; `turn_reward` reports each part and their total.
 
@@ -11,39 +11,15 @@ from __future__ import annotations
 
 import json
 import re
-import string
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCTUATION = frozenset(string.punctuation)
+# the answer comparisons every task's reward uses, defined once below every package
+from conductor.answers import exact_match as exact_match
+from conductor.answers import normalize_answer as normalize_answer
+from conductor.answers import token_f1 as token_f1
+
 _NOT_PLATE = re.compile(r"[^A-Z0-9]")
-
-
-def normalize_answer(s: str) -> str:
-    """Lowercase, drop ASCII punctuation and the articles a/an/the, collapse whitespace (the SQuAD v1.1 rule)."""
-    no_punct = "".join(ch for ch in s.lower() if ch not in _PUNCTUATION)
-    return " ".join(_ARTICLES.sub(" ", no_punct).split())
-
-
-def exact_match(pred: str, gold: str) -> float:
-    """1.0 when the normalised prediction equals the normalised gold answer, else 0.0."""
-    return float(normalize_answer(pred) == normalize_answer(gold))
-
-
-def token_f1(pred: str, gold: str) -> float:
-    """SQuAD token F1 between normalised answers; when either side is empty, 1.0 only if both are."""
-    pred_tokens = normalize_answer(pred).split()
-    gold_tokens = normalize_answer(gold).split()
-    if not pred_tokens or not gold_tokens:
-        return float(pred_tokens == gold_tokens)
-    n_same = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
-    if n_same == 0:
-        return 0.0
-    precision = n_same / len(pred_tokens)
-    recall = n_same / len(gold_tokens)
-    return 2 * precision * recall / (precision + recall)
 
 
 def normalize_plate(s: str) -> str:
