@@ -67,7 +67,7 @@ GEMMA3_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
 )
 
-# The small models the registries ship whole that the converter loads (README: "Which reader").
+# The small models the registries ship whole that the converter loads (docs/reader.md: "Bigger readers").
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     DEFAULT_MODEL: BuiltinModel(
         name=DEFAULT_MODEL,

@@ -67,7 +67,7 @@ SEARXNG_RETRY_PAUSE_S = 0.5  # one retry only: a restarting container or a proxy
 SEARXNG_TRANSIENT = frozenset({502, 503, 504})  # the proxy in front of SearXNG, or SearXNG starting up
 SEARXNG_START = (
     'start it with `docker run -d -p 127.0.0.1:8888:8080 -v "$PWD/searxng:/etc/searxng" searxng/searxng` '
-    "with `search: formats: [html, json]` in ./searxng/settings.yml (README: Search backends)"
+    "with `search: formats: [html, json]` in ./searxng/settings.yml (docs/research-assistant.md: Search backends)"
 )
 
 
