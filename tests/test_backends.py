@@ -356,7 +356,7 @@ async def test_batched_greedy_matches_unbatched(smollm2: TransformersLLM) -> Non
 @pytest.mark.slow
 async def test_concurrent_requests_share_batches_and_answer_as_alone(smollm2: TransformersLLM) -> None:
     """Eight concurrent calls are served in shared batches, and each gets the answer it gets alone (greedy). How
-    much faster that is, is a benchmark's business (benchmarks/bench_subagents.py), not a timed test's."""
+    much faster that is, is a benchmark's business (benchmarks/perf/subagents.py), not a timed test's."""
     prompts = [f"Count from {i} to {i + 5}." for i in range(8)]
     alone = [(await smollm2.generate([Message("user", p)], max_new_tokens=24)).text for p in prompts]
     before = len(smollm2.batcher.batch_sizes)

@@ -1,4 +1,4 @@
-"""benchmarks/bench_credit.py: its scores against hand-computed values, and the whole study on fake tools and a
+"""benchmarks/studies/credit/: its scores against hand-computed values, and the whole study on fake tools and a
 scripted policy whose first call decides the outcome (so the true advantage of every turn is known)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import credit_scores as cs
-from benchmarks.bench_credit import MODES, recorded_lines, report
-from benchmarks.credit_pool import pool
-from benchmarks.credit_stages import Records, Session, run_stages, truth_plan, truth_states
+from benchmarks.studies.credit import scores as cs
+from benchmarks.studies.credit.bench import MODES, recorded_lines, report
+from benchmarks.studies.credit.pool import pool
+from benchmarks.studies.credit.stages import Records, Session, run_stages, truth_plan, truth_states
 from main_agent.types import Episode
 from tests.fakes import ScriptedPolicy, call_text, fake_tool_server
 from tool_server.client import ToolClient

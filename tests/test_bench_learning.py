@@ -1,4 +1,4 @@
-"""benchmarks/bench_learning.py: its records and resume, the sweep's choice and the summary maths, on fake
+"""benchmarks/studies/learning/: its records and resume, the sweep's choice and the summary maths, on fake
 records and metrics (nothing trains)."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_learning as bl
-from benchmarks import episode_stats as es
-from benchmarks import learning_summary as ls
+from benchmarks.common import episodes as es
+from benchmarks.common import stages
+from benchmarks.studies.learning import bench as bl
+from benchmarks.studies.learning import summary as ls
 from main_agent.types import Episode, Turn
 from training.tasks import Task, TaskMeta
 
@@ -168,7 +169,6 @@ def test_a_stage_never_takes_a_run_trained_with_other_settings(tmp_path: Path, m
     """A run directory whose checkpoint was trained with other settings (here another temperature) stops the
     stage with the difference named, instead of being reused as if it were this stage's; a longer run of the
     same settings, or the same run moved, is no difference. The main runs at another temperature are named apart."""
-    from benchmarks import cli_stages
     from training.config import config_to_dict, load_train_config
 
     sets = ("seed=0", "steps=5", f"run_dir={tmp_path / 'old'}", "lr=0")
@@ -176,24 +176,23 @@ def test_a_stage_never_takes_a_run_trained_with_other_settings(tmp_path: Path, m
     ckpt.mkdir(parents=True)
     (ckpt / "config.json").write_text(json.dumps(config_to_dict(load_train_config(bl.CONFIG, sets))))
     again = ("seed=0", "steps=20", f"run_dir={tmp_path / 'run'}", "lr=0")
-    assert cli_stages.run_differs(ckpt, bl.CONFIG, again) == []
+    assert stages.run_differs(ckpt, bl.CONFIG, again) == []
     hotter = (*again, "sampling.temperature=1.3")
-    assert cli_stages.run_differs(ckpt, bl.CONFIG, hotter) == ["sampling.temperature: 1.0 -> 1.3"]
-    monkeypatch.setattr(cli_stages, "find_latest", lambda run_dir: ckpt)
-    monkeypatch.setattr(cli_stages, "conductor", lambda *a, **k: pytest.fail("nothing trains"))
+    assert stages.run_differs(ckpt, bl.CONFIG, hotter) == ["sampling.temperature: 1.0 -> 1.3"]
+    monkeypatch.setattr(stages, "find_latest", lambda run_dir: ckpt)
+    monkeypatch.setattr(stages, "conductor", lambda *a, **k: pytest.fail("nothing trains"))
     with pytest.raises(SystemExit, match="sampling.temperature: 1.0 -> 1.3"):
-        cli_stages.train_to(bl.CONFIG, tmp_path / "run", hotter, 20)
+        stages.train_to(bl.CONFIG, tmp_path / "run", hotter, 20)
     assert bl.run_name("turn", 2, 1.0) == "turn-s2" and bl.run_name("turn", 2, 1.15) == "turn-s2-t1.15"
 
 
 def test_a_run_with_a_temperature_in_its_name_logs_under_its_whole_name(tmp_path: Path, monkeypatch) -> None:
     """The log of run "turn-s0-t1.15" is turn-s0-t1.15.log, not turn-s0-t1.log (shared with "turn-s0-t1.3")."""
-    from benchmarks import cli_stages
 
     logs = []
-    monkeypatch.setattr(cli_stages, "conductor", lambda *args, log: logs.append(log.name))
+    monkeypatch.setattr(stages, "conductor", lambda *args, log: logs.append(log.name))
     for name in ("turn-s0-t1.15", "turn-s0-t1.3"):
-        cli_stages.train_to(bl.CONFIG, tmp_path / name, ("seed=0",), 20)
+        stages.train_to(bl.CONFIG, tmp_path / name, ("seed=0",), 20)
     assert logs == ["turn-s0-t1.15.log", "turn-s0-t1.3.log"]
 
 

@@ -1,33 +1,20 @@
-"""benchmarks/bench_reader.py and reader_items.py: the two splits page_qa is measured on (real shared data; no
-model), and reader_rules.py's choice on recorded scores."""
+"""benchmarks/studies/reader/: bench.py and items.py, the two splits page_qa is measured on (real shared data; no
+model), and rules.py's choice on recorded scores."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
+from benchmarks.studies.reader import bench as reader
+from benchmarks.studies.reader import items as reader_items
+from benchmarks.studies.reader import rules
 from subagents import page_qa
-from tests.conftest import REPO
-
-
-def bench(name: str = "bench_reader") -> ModuleType:
-    sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmarks import each other as scripts do
-    path = REPO / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_splits_hold_their_answers_and_share_no_question(shared_data: Path, tmp_path: Path) -> None:
     """Every question's page holds its gold answer as page_qa reads it and every negative page does not; tune's
     pages are HTML and report's Markdown and plain text (and the corpus's own HTML); no MuSiQue question has
     hops in both splits; every source appears among the first questions; the order is fixed."""
-    reader = bench()
     items = reader.items(shared_data, tmp_path, ["tune", "report"], n=60)
     again = reader.items(shared_data, tmp_path / "again", ["tune", "report"], n=60)
     assert [i.item_id for i in items] == [i.item_id for i in again]
@@ -39,7 +26,7 @@ def test_the_splits_hold_their_answers_and_share_no_question(shared_data: Path, 
     }  # fmt: skip
     assert len(items) - len(positives) >= 50  # every other question has a negative, where one exists
     for item in items:
-        assert reader_items().holds(reader.page_text(tmp_path / item.page), item.answer) == item.holds_answer
+        assert reader_items.holds(reader.page_text(tmp_path / item.page), item.answer) == item.holds_answer
         assert "#" not in item.question, item
         suffix = Path(item.page).suffix
         assert suffix in (
@@ -50,26 +37,20 @@ def test_the_splits_hold_their_answers_and_share_no_question(shared_data: Path, 
     assert musique["tune"] and musique["report"] and not musique["tune"] & musique["report"]
 
 
-def reader_items() -> ModuleType:
-    return sys.modules["reader_items"]
-
-
 def test_a_markdown_report_page_reads_as_its_html(shared_data: Path, tmp_path: Path) -> None:
     """A report page written as Markdown reads, to page_qa, exactly as the same paragraph written as HTML."""
-    reader = bench()
     item = next(i for i in reader.items(shared_data, tmp_path, ["report"], n=20) if i.page.endswith(".md"))
     html = tmp_path / Path(item.page).with_suffix(".html")
     md = (tmp_path / item.page).read_text(encoding="utf-8")
     title, _, text = md.partition("\n\n")
-    html.write_text(reader_items().multihop.page_html((title.removeprefix("# "), [text.strip()])))
+    html.write_text(reader_items.multihop.page_html((title.removeprefix("# "), [text.strip()])))
     assert reader.page_text(tmp_path / item.page) == reader.page_text(html)
     assert page_qa.extract_page(html.read_bytes(), "text/html").title == title.removeprefix("# ")
 
 
 def test_the_rule_chosen_from_records_is_what_page_qa_would_answer() -> None:
-    """reader_rules' array arithmetic (the grid) gives each rule the EM and "not in the page" rates that
+    """rules.py's array arithmetic (the grid) gives each rule the EM and "not in the page" rates that
     spans.choose gives record by record (the path page_qa takes), and its choice is the grid's best."""
-    rules = bench("reader_rules")
     from subagents import spans
 
     def record(i: int, holds: bool) -> dict:

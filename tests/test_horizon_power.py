@@ -1,4 +1,4 @@
-"""benchmarks/horizon_power.py: the detectable difference and the seeds that reach a target, on fake records."""
+"""benchmarks/studies/horizon/power.py: the detectable difference and the seeds that reach a target, on fake records."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import horizon_power as hp
+from benchmarks.studies.horizon import power as hp
 
 
 def test_mde_is_the_normal_approximation_for_two_seed_means() -> None:

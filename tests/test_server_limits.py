@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import importlib.util
 import json
 import logging
 import resource
@@ -20,6 +19,7 @@ import httpx
 import pytest
 import uvicorn
 
+from benchmarks.perf import slow_body
 from subagents.backends import build_llm
 from subagents.llm import BackendConfig, BackendError
 from tests.tool_server_fakes import FakeFactory, fake_subagents, make_config, running, serving, with_limits
@@ -734,23 +734,13 @@ def test_a_body_slower_than_the_minimum_rate_is_closed_after_the_grace() -> None
     assert whole["ok"] is True
 
 
-def load_benchmark(name: str) -> Any:
-    """benchmarks/<name>.py as a module (benchmarks are scripts, not a package)."""
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_slow_bodies_at_the_shipped_settings_leave_a_well_behaved_client_served() -> None:
-    """benchmarks/bench_slow_body.py's attack, 300 sockets sending a body a byte a second and reopening when
+    """benchmarks/perf/slow_body.py's attack, 300 sockets sending a body a byte a second and reopening when
     closed (more than the shipped per-peer share of 256, all from 127.0.0.1), against the real app at the shipped
     [server] settings: at least 95% of a ToolClient's calls and of single attempts on fresh connections succeed
     (before: 10% and 0%, the rest 503 or ToolServerError). About 15 s."""
-    row = load_benchmark("bench_slow_body").measure(attackers=300, calls=30)
+    row = slow_body.measure(attackers=300, calls=30)
     assert row["tool_client_ok"] >= 0.95 and row["single_attempt_ok"] >= 0.95, row
 
 

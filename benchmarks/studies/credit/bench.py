@@ -1,10 +1,11 @@
 """Credit quality against the truth, without gradient steps: every credit mode's per-turn advantages on episodes of
 one fixed policy, scored against Monte Carlo advantages from exact replays (VinePPO's test of an estimator).
 
-    python benchmarks/bench_credit.py                     # runs/sft-audit/model; N 1 2 4 8; 24 episodes; 16 replays
-    python benchmarks/bench_credit.py --recorded          # the table and plot of what is recorded; nothing sampled
-    python benchmarks/bench_credit.py --policy conductor-default --n-items 1 2 --episodes 2 --group-size 2 \\
-        --replays 2 --tag smoke                           # the smoke run (README, "Credit quality")
+    python -m benchmarks.studies.credit.bench             # runs/sft-audit/model; N 1 2 4 8; 24 episodes;
+                                                          # 16 replays
+    python -m benchmarks.studies.credit.bench --recorded  # the table and plot of the records; nothing sampled
+    python -m benchmarks.studies.credit.bench --policy conductor-default --n-items 1 2 --episodes 2 \\
+        --group-size 2 --replays 2 --tag smoke            # the smoke run (README, "Credit quality")
 
 The policy (`--policy`) stays fixed. Its default is the plate_audit warm start, runs/sft-audit/model, made by the
 SFT command in examples/train_audit.toml's comments (22-29 min on 2 cores); any reference the project loads works
@@ -30,7 +31,7 @@ questions per multihop_batch episode with `--family multihop_batch`), four stage
 The credit modes are computed by the functions training calls (training.advantages) on the same scored episodes:
 outcome (GRPO), turn (return-to-go, turn-index baseline), anchor (turn credit, anchor baseline), branch (the
 outcome advantage on turns it did not choose), branch_all (with `--truth-turns m`: around the m scored turns only,
-and so are its tokens). Scores (benchmarks/credit_scores.py): Spearman rank
+and so are its tokens). Scores (scores.py): Spearman rank
 correlation with the truth, sign agreement and pairwise "which of two turns of an episode was better" accuracy,
 each with a 95 % bootstrap interval over episodes; and the tokens each mode samples per episode (outcome and turn:
 the episodes; branch: plus its continuations). The truth's own tokens are reported apart.
@@ -80,11 +81,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import credit_scores as cs  # noqa: E402
-from benchmarks.credit_stages import (  # noqa: E402
+from benchmarks import ROOT
+from benchmarks.studies.credit import scores as cs
+from benchmarks.studies.credit.stages import (
     Records,
     Session,
     State,
@@ -93,14 +92,14 @@ from benchmarks.credit_stages import (  # noqa: E402
     truth_rewards,
     usable,
 )
-from main_agent.types import Episode  # noqa: E402
-from training import tasks as task_data  # noqa: E402
-from training.advantages import BranchValues, branch_advantages, group_advantages  # noqa: E402
-from training.branching import sampled_tokens  # noqa: E402
-from training.config import TrainConfig, config_to_dict, load_train_config  # noqa: E402
-from training.play import tool_session  # noqa: E402
-from training.step import episode_credits, score  # noqa: E402
-from training.tasks import Task  # noqa: E402
+from main_agent.types import Episode
+from training import tasks as task_data
+from training.advantages import BranchValues, branch_advantages, group_advantages
+from training.branching import sampled_tokens
+from training.config import TrainConfig, config_to_dict, load_train_config
+from training.play import tool_session
+from training.step import episode_credits, score
+from training.tasks import Task
 
 CONFIG = ROOT / "examples" / "train_audit.toml"
 MODES = ("outcome", "turn", "anchor", "branch", "branch_all")
@@ -198,7 +197,7 @@ def report(
             for mode in MODES
         },
         "stage_s": {name: sum(r["elapsed_s"] for r in rows) for name, rows in lines.items()},
-        "pairs": pairs,  # what the scores are computed from, so that rows of several studies pool (credit_pool.py)
+        "pairs": pairs,  # what the scores are computed from, so that rows of several studies pool (pool.py)
         "truths": truths,
     }
 

@@ -1,8 +1,9 @@
 """The shipped default policy against its base model, on questions its recipe never trained on.
 
-    python benchmarks/bench_default_policy.py                    # -> results/default_policy.json and a table
-    python benchmarks/bench_default_policy.py --policies smollm2-135m-instruct runs/default-rl/step_8/model
-    python benchmarks/bench_default_policy.py --n research_corpus=36 multihop_pages=24
+    python -m benchmarks.studies.rl.default_policy    # -> results/default_policy.json and a table
+    python -m benchmarks.studies.rl.default_policy --policies smollm2-135m-instruct \\
+        runs/default-rl/step_8/model
+    python -m benchmarks.studies.rl.default_policy --n research_corpus=36 multihop_pages=24
 
 For every policy and evaluation set, `conductor eval` exactly as a user would run it (greedy, the first n
 questions of the set, the same for every policy; all 36 of research_corpus, 24 of multihop dev by default: on 2
@@ -20,14 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from conductor.models import DEFAULT_MODEL, DEFAULT_POLICY  # noqa: E402
-from training.evaluate import EvalReport, format_table  # noqa: E402
+from benchmarks import ROOT
+from conductor.models import DEFAULT_MODEL, DEFAULT_POLICY
+from training.evaluate import EvalReport, format_table
 
 SETS = {"research_corpus": "dev", "multihop_pages": "dev"}  # family -> split
 DEFAULT_N = ("research_corpus=36", "multihop_pages=24")

@@ -1,8 +1,8 @@
 """Scaling out on Ray, measured on this machine in one run: rollout workers, tool-server replicas, weight push,
 and what the Ray path costs against the single-process one.
 
-    python benchmarks/bench_ray.py [--policy runs/sft-plates/model] [--tasks 4] [--steps 2]
-                                   [--out benchmarks/results/bench_ray.json]
+    python -m benchmarks.perf.ray [--policy runs/sft-plates/model] [--tasks 4] [--steps 2]
+                                  [--out benchmarks/results/bench_ray.json]
 
 1. collect: the same `--tasks` plate photos x 2 episodes from `examples/train_plates.toml`'s policy and budgets,
    seeded alike, played
@@ -34,14 +34,13 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks import ROOT
+
 # MKL's results depend on operand alignment unless this is set (read at its first call, so before torch runs
 # anything): with it, one rollout worker samples exactly what one process samples (tests/test_ray_train.py),
 # which makes rows a and b, and the two training paths, the same episodes.

@@ -1,4 +1,4 @@
-"""How well per-turn advantages agree with the true ones: bench_credit.py's scores, pure Python.
+"""How well per-turn advantages agree with the true ones: the credit study's scores, pure Python.
 
 The data is a list of episodes, each a list of (estimate, truth) pairs, one per scored turn. Values closer than
 TIE are ties (advantages are differences of means, so "equal" ones can differ by a rounding residue):

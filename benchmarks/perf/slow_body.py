@@ -1,7 +1,7 @@
 """Slow request bodies against the tool server: how many of a well-behaved client's calls still succeed.
 
-    python benchmarks/bench_slow_body.py [--attackers 0 100 300 600] [--calls 45]
-                                         [--out benchmarks/results/bench_slow_body.json]
+    python -m benchmarks.perf.slow_body [--attackers 0 100 300 600] [--calls 45]
+                                        [--out benchmarks/results/bench_slow_body.json]
 
 The attack: sockets that send the headers of `POST /v1/tools/search` with `Content-Length: 100000`, then one byte
 of the body a second, each reopened as soon as the server closes or answers it, all from 127.0.0.1 (on loopback
@@ -46,6 +46,7 @@ import uvicorn
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks import ROOT
 from subagents.llm import Generation, Message
 from tool_server.app import check_fd_limit, create_app, uvicorn_config
 from tool_server.client import ToolClient, ToolServerError
@@ -53,8 +54,7 @@ from tool_server.config import ServerConfig
 from tool_server.embedded import embedded_config
 from tool_server.limits import percentile
 
-REPO = Path(__file__).resolve().parent.parent
-OUT = REPO / "benchmarks" / "results" / "bench_slow_body.json"
+OUT = ROOT / "benchmarks" / "results" / "bench_slow_body.json"
 ATTACK_WARMUP_S = 3.0  # every attacking socket has sent its headers and the churn has settled
 PAUSE_S = (
     0.2  # between two rounds of the well-behaved client: a policy's calls are seconds apart, this is busier
@@ -85,7 +85,7 @@ class StubModel:
 def server_config() -> ServerConfig:
     """The shipped [server] settings, on a free port, searching examples/corpus; no token."""
     return embedded_config(
-        ServerConfig(port=0, token_env="CONDUCTOR_BENCH_NO_TOKEN"), corpus=REPO / "examples" / "corpus"
+        ServerConfig(port=0, token_env="CONDUCTOR_BENCH_NO_TOKEN"), corpus=ROOT / "examples" / "corpus"
     )
 
 

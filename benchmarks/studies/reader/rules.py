@@ -1,7 +1,8 @@
 """How page_qa's "extract" picks its answer: every rule chosen on bench_reader's tune split, each ablated on both.
 
-    python benchmarks/reader_rules.py score             # stage 1: each question's candidates and their scores
-    python benchmarks/reader_rules.py choose            # stage 2: the grid on tune -> results/reader_rules.json
+    python -m benchmarks.studies.reader.rules score    # stage 1: each question's candidates and their scores
+    python -m benchmarks.studies.reader.rules choose   # stage 2: the grid on tune
+                                                       # -> results/reader_rules.json
 
 Stage 1 (the model; resumable, one JSON line a question in runs/reader_rules/<model>/<split>.jsonl, not
 committed, ~1.5 MB): for every question of both splits (reader_items), the page as page_qa reads it (the file
@@ -29,23 +30,19 @@ import hashlib
 import itertools
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import reader_items  # noqa: E402
-from bench_reader import HOTPOTQA_N, page_text  # noqa: E402
-
-from conductor.models import DEFAULT_MODEL  # noqa: E402
-from subagents import page_qa, spans  # noqa: E402
-from subagents.backends import build_llm  # noqa: E402
-from subagents.llm import BackendConfig  # noqa: E402
-from training.rewards import exact_match, token_f1  # noqa: E402
-from training.tasks.task import data_root  # noqa: E402
+from benchmarks import ROOT
+from benchmarks.studies.reader import items as reader_items
+from benchmarks.studies.reader.bench import HOTPOTQA_N, page_text
+from conductor.models import DEFAULT_MODEL
+from subagents import page_qa, spans
+from subagents.backends import build_llm
+from subagents.llm import BackendConfig
+from training.rewards import exact_match, token_f1
+from training.tasks.task import data_root
 
 RESULTS = ROOT / "benchmarks" / "results"
 SUPERSET = 96  # candidates scored per question; a rule may use the first fewer (their order is fixed)

@@ -1,8 +1,9 @@
 """Base vs SFT vs RL (outcome and turn credit) on a dev split: the whole training chain, unattended.
 
-    python benchmarks/bench_rl.py --families plate_reading multihop_pages --n 16   # -> results/bench_rl_plates_multihop.json
-    python benchmarks/bench_rl.py --families plate_reading --n 49 --tag g8 --sampler vllm \
-        --set group_size=8 --set steps=12                      # -> results/bench_rl_plates_g8.json, runs/rl-plates-g8-*
+    python -m benchmarks.studies.rl.bench --families plate_reading multihop_pages --n 16
+                                                  # -> results/bench_rl_plates_multihop.json
+    python -m benchmarks.studies.rl.bench --families plate_reading --n 49 --tag g8 --sampler vllm \
+        --set group_size=8 --set steps=12         # -> results/bench_rl_plates_g8.json, runs/rl-plates-g8-*
 
 For each task family, through the `conductor` CLI exactly as a user would run it:
 
@@ -27,25 +28,22 @@ import argparse
 import asyncio
 import json
 import math
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.cli_stages import conductor  # noqa: E402
-from conductor.models import DEFAULT_MODEL, resolve_model  # noqa: E402
-from main_agent.transformers_policy import tokenizer_dir  # noqa: E402
-from training import tasks as task_data  # noqa: E402
-from training.checkpoint import find_latest  # noqa: E402
-from training.config import load_train_config  # noqa: E402
-from training.evaluate import EvalConfig, summarise  # noqa: E402
-from training.metrics import read_metrics  # noqa: E402
-from training.play import tool_session  # noqa: E402
-from training.sft import play_experts  # noqa: E402
+from benchmarks import ROOT
+from benchmarks.common.stages import conductor
+from conductor.models import DEFAULT_MODEL, resolve_model
+from main_agent.transformers_policy import tokenizer_dir
+from training import tasks as task_data
+from training.checkpoint import find_latest
+from training.config import load_train_config
+from training.evaluate import EvalConfig, summarise
+from training.metrics import read_metrics
+from training.play import tool_session
+from training.sft import play_experts
 
 CREDITS = ("outcome", "turn")
 

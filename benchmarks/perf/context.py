@@ -1,7 +1,7 @@
 """Main-context size with and without page_qa: delegating page reading vs the raw pages in the prompt.
 
-    python benchmarks/bench_context.py [--n 50] [--max-turns 4] [--policy NAME_OR_DIR] [--no-prefix]
-                                       [--max-new-tokens 96] [--out benchmarks/results/bench_context.json]
+    python -m benchmarks.perf.context [--n 50] [--max-turns 4] [--policy NAME_OR_DIR] [--no-prefix]
+                                      [--max-new-tokens 96] [--out benchmarks/results/bench_context.json]
 
 On the first `n` HotpotQA dev questions, one greedy policy plays two modes, one after the other, sharing one
 micro-batched `TransformersPolicy`:
@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks import ROOT
 from main_agent.backends import load_policy
 from main_agent.parse import ANSWER_CLOSE, ANSWER_OPEN, parse_completion
 from main_agent.policy import Policy, SamplingConfig
@@ -50,7 +51,6 @@ from training.tasks.multihop import write_pages
 
 logger = logging.getLogger("bench_context")
 
-REPO = Path(__file__).resolve().parent.parent
 
 IN_CONTEXT_SYSTEM = (
     "Answer the user's question from the pages below.\n"
@@ -379,7 +379,7 @@ def parse_args(argv: Sequence[str]) -> tuple[BenchConfig, Path]:
     parser.add_argument(
         "--out",
         type=Path,
-        default=REPO / "benchmarks" / "results" / "bench_context.json",
+        default=ROOT / "benchmarks" / "results" / "bench_context.json",
         help="JSON report path",
     )
     parser.add_argument("--max-turns", type=int, default=BenchConfig.max_turns, help="delegated mode's turns")

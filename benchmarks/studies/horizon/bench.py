@@ -1,8 +1,9 @@
 """The long-horizon study: plate_audit at N photos per episode x credit mode, at equal sampled-token budgets.
 
-    python benchmarks/bench_horizon.py --sampler vllm        # N 1 4 8, 2 seeds at N = 8 -> results/bench_horizon.json
-    python benchmarks/bench_horizon.py --recorded             # the table and plot of the stages recorded so far
-    python benchmarks/bench_horizon.py --ns 1 4 --steps 3 --tag quick --sampler vllm
+    python -m benchmarks.studies.horizon.bench --sampler vllm  # N 1 4 8, 2 seeds at N = 8
+                                                               # -> results/bench_horizon.json
+    python -m benchmarks.studies.horizon.bench --recorded      # the table and plot of the stages so far
+    python -m benchmarks.studies.horizon.bench --ns 1 4 --steps 3 --tag quick --sampler vllm
 
 From one SFT warm start (`--policy`, made as examples/train_audit.toml says), for every N and credit mode, through
 the `conductor` CLI exactly as a user would run it:
@@ -38,12 +39,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.cli_stages import conductor, train_to, warm_start_sha  # noqa: E402
-from training.checkpoint import find_latest  # noqa: E402
-from training.metrics import read_metrics  # noqa: E402
+from benchmarks import ROOT
+from benchmarks.common.stages import conductor, train_to, warm_start_sha
+from training.checkpoint import find_latest
+from training.metrics import read_metrics
 
 CONFIG = ROOT / "examples" / "train_audit.toml"
 CREDITS = {  # credit mode -> its settings at equal sampled-token budgets (see the module docstring)

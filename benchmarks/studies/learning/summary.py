@@ -1,6 +1,6 @@
-"""The maths of benchmarks/bench_learning.py, on records alone (no training): a run's curves from its metrics,
+"""The maths of the learning study (bench.py) on records alone (no training): a run's curves from its metrics,
 the sweep's choice, the per-mode summary, the table and the plot (what the episode files say is
-benchmarks/episode_stats.py's, and goes into the records).
+benchmarks/common/episodes.py's, and goes into the records).
 
     training_summary(run_dir) -> dict       curves (graded reward, success), sampled tokens and seconds per step
     choose(cells, default=...) -> dict      the sweep cell with the steepest reward rise per CPU-hour
@@ -9,7 +9,7 @@ benchmarks/episode_stats.py's, and goes into the records).
     summarise(warm_eval, cells, choice, heat, runs, controls) -> dict   per credit mode: reward first vs last,
                                             over the control's at the same seed, dev success
     sampled_summary(warm, runs, how) -> dict   per credit mode: sampled dev scores over the warm start's, photo by
-                                            photo (each from episode_stats.sampled_scores)
+                                            photo (each from episodes.sampled_scores)
 
 Spread over seeds is the sample standard deviation (NaN with one seed). "Rises" means every seed's mean reward
 of its last K steps is above that of its first K (K = 5, or half the steps of a shorter run); "rises over
@@ -30,7 +30,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from benchmarks.episode_stats import how_sure
+from benchmarks.common.episodes import how_sure
 from training.metrics import load_episodes, read_metrics
 
 K = 5
@@ -140,7 +140,7 @@ def paired_gain(reference: Mapping, scores: Mapping, key: str) -> tuple[float, f
 def sampled_summary(
     references: Mapping[str, Mapping], runs: Mapping[str, Sequence[Mapping]], how: str
 ) -> dict:
-    """The sampled dev evaluations (`episode_stats.sampled_scores`) of each run's last checkpoint, made as `how`
+    """The sampled dev evaluations (`episodes.sampled_scores`) of each run's last checkpoint, made as `how`
     says, against those of the warm start in `references` ("warm": at the runs' temperature; "cooler": at 1.0,
     whether training did more than cool the sampler): per credit mode its scores (`_sampled_means`), and per
     reference each seed's success and graded reward over it (mean, standard error), their mean over seeds and
@@ -179,7 +179,7 @@ def _sampled_means(scores: Sequence[Mapping]) -> dict:
 def exploration_summary(run_dir: Path) -> dict:
     """What one step's sampling gave to learn from (its metrics row and rollouts/step_1.jsonl): its groups, those
     without reward variance and those whose episodes are token for token the same, the share of sampled tokens
-    drawn with a probability above episode_stats.CONFIDENT, sampled tokens and turns per episode, and the
+    drawn with a probability above episodes.CONFIDENT, sampled tokens and turns per episode, and the
     rollout's seconds."""
     row = read_metrics(run_dir / "metrics.jsonl")[0]
     episodes = load_episodes(run_dir / "rollouts" / "step_1.jsonl")

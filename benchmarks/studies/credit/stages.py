@@ -1,5 +1,5 @@
-"""bench_credit.py's sampling: the episodes, branch credit's values and the truth's continuations of one N,
-each stage recorded line by line so that a study cut short resumes (see bench_credit.py's docstring).
+"""bench.py's sampling: the episodes, branch credit's values and the truth's continuations of one N,
+each stage recorded line by line so that a study cut short resumes (see bench.py's docstring).
 
     await run_stages(tasks, Session(cfg, policy, tokenizer, tools, schemas), folder, replays=16, truth_turns=0)
 
@@ -25,8 +25,8 @@ from main_agent.types import Episode
 from tool_server.client import ToolClient
 from training.branching import branch_values, chosen_turns, continue_from, sampled_tokens, states, trainable
 from training.config import TrainConfig
-from training.play import play
 from training.data_order import seed_step
+from training.play import play
 from training.step import rewarded
 from training.tasks import Task
 

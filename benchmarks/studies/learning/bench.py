@@ -1,8 +1,9 @@
 """A learning curve that rises: plate_reading from its SFT warm start, outcome vs turn credit, 3 seeds.
 
-    python benchmarks/bench_learning.py --sampler vllm     # the study (vLLM env) -> results/bench_learning.json, .png
-    python benchmarks/bench_learning.py --sampler vllm --recorded   # the table and plot of the stages recorded so far
-    python benchmarks/bench_learning.py --steps 1 --seeds 1 --sweep-steps 1 --eval-n 2 --tag smoke \
+    python -m benchmarks.studies.learning.bench --sampler vllm  # the study (vLLM env)
+                                                                # -> results/bench_learning.json, .png
+    python -m benchmarks.studies.learning.bench --sampler vllm --recorded  # the table and plot so far
+    python -m benchmarks.studies.learning.bench --steps 1 --seeds 1 --sweep-steps 1 --eval-n 2 --tag smoke \
         --cells full-lr1e-5 lora16-lr2e-4 --policy /abs/path/to/runs/sft-plates/model
 
 The warm start (`--policy`, runs/sft-plates/model as examples/train_plates.toml makes it) passes about half of the
@@ -24,7 +25,7 @@ through the `conductor` CLI as a user would, and writes a record (below):
   5. sampled: `conductor eval` with `--set samples=SAMPLES` at the chosen temperature, of the warm start (once)
      and of each main run's last checkpoint, on the same dev photos: whether what training adds to the sampler's
      reward on its own photos (over the control) carries to photos it never saw, where the greedy policy has not
-     moved (`learning_summary.sampled_summary`, photo by photo); and the warm start once more at COOLER: whether
+     moved (`summary.sampled_summary`, photo by photo); and the warm start once more at COOLER: whether
      training did more than cool the sampler
 
 Rewards: the graded plate score (`reward_kind = "graded"`: 1 - normalised edit distance) trains; success (exact)
@@ -53,17 +54,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.cli_stages import conductor, train_to, warm_start_sha  # noqa: E402
-from benchmarks.episode_stats import moved, sampled_scores  # noqa: E402
-from benchmarks.learning_summary import (  # noqa: E402
+from benchmarks import ROOT
+from benchmarks.common.episodes import moved, sampled_scores
+from benchmarks.common.stages import conductor, train_to, warm_start_sha
+from benchmarks.studies.learning.summary import (
     choose,
     choose_temperature,
     exploration_summary,
@@ -73,8 +71,8 @@ from benchmarks.learning_summary import (  # noqa: E402
     table,
     training_summary,
 )
-from training.checkpoint import find_latest  # noqa: E402
-from training.tasks import load_family  # noqa: E402
+from training.checkpoint import find_latest
+from training.tasks import load_family
 
 CONFIG = ROOT / "examples" / "train_plates.toml"
 TASK = "plate_reading"

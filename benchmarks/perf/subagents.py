@@ -1,6 +1,6 @@
 """Tool-server sub-agent benchmark: real SmolLM2, real pages, real plate photos, real loopback HTTP.
 
-    python benchmarks/bench_subagents.py [--out benchmarks/results/bench_subagents.json] [--quick]
+    python -m benchmarks.perf.subagents [--out benchmarks/results/bench_subagents.json] [--quick]
 
 Starts the tool server (`create_app` with the default transformers backend: one SmolLM2-135M-Instruct shared
 by all tools, micro-batched) under uvicorn in a thread on 127.0.0.1, and a loopback page server for
@@ -44,12 +44,11 @@ from PIL import Image
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks import ROOT
 from tool_server.app import create_app, uvicorn_config
 from tool_server.config import ServerConfig
 from tool_server.embedded import embedded_config
 from tool_server.limits import load_token, percentile
-
-REPO = Path(__file__).resolve().parent.parent
 
 # Client budgets: a batch of 8 page answers on 2 busy cores can take minutes; the server's own deadlines
 # (20 s queue + 150 s call) end a call first, so this read timeout only catches a hung server.
@@ -70,9 +69,9 @@ FIX_CROP: tuple[dict[str, Any], ...] = (
 class BenchConfig:
     """What one run measures; `shrunk()` is the smoke-run variant."""
 
-    out: Path = REPO / "benchmarks" / "results" / "bench_subagents.json"
+    out: Path = ROOT / "benchmarks" / "results" / "bench_subagents.json"
     """Where the JSON goes (its folder is created)."""
-    data: Path = Path(os.environ.get("CONDUCTOR_DATA", REPO.parent / "shared" / "data"))
+    data: Path = Path(os.environ.get("CONDUCTOR_DATA", ROOT.parent / "shared" / "data"))
     """The shared real-data folder ($CONDUCTOR_DATA)."""
     pages: int = 8
     """Distinct pages asked at once in phase 1 (8 = the transformers micro-batch, a full batch)."""

@@ -1,13 +1,14 @@
-"""Pools bench_credit.py's results of several studies of one recipe (warm starts, splits, seeds): for every N, the
+"""Pools bench.py's results of several studies of one recipe (warm starts, splits, seeds): for every N, the
 scored turns of all of them scored again as one set, with bootstrap intervals over all their episodes.
 
-    python benchmarks/credit_pool.py benchmarks/results/bench_credit.json benchmarks/results/bench_credit_warm2.json \\
-        benchmarks/results/bench_credit_warm2-dev.json          # -> benchmarks/results/bench_credit_pooled.{json,png}
+    python -m benchmarks.studies.credit.pool benchmarks/results/bench_credit.json \\
+        benchmarks/results/bench_credit_warm2.json benchmarks/results/bench_credit_warm2-dev.json
+                                                   # -> benchmarks/results/bench_credit_pooled.{json,png}
 
 Each result row carries its (estimate, truth) pairs per episode and its truths with their standard errors
-(bench_credit.report), so nothing is sampled or read from the records. Counts and stage times add up; per-episode
+(bench.report), so nothing is sampled or read from the records. Counts and stage times add up; per-episode
 figures (turns, reward, tokens) are averaged weighted by episodes. Each mode's Spearman is also given over outcome
-credit's on the same episodes, with a paired bootstrap interval (credit_scores.paired_difference). A pooled score
+credit's on the same episodes, with a paired bootstrap interval (scores.paired_difference). A pooled score
 answers "how well does this mode's credit track the truth on warm starts of this recipe", not on one warm start:
 its interval includes the spread between the studies only as far as their episodes differ.
 """
@@ -21,11 +22,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import credit_scores as cs  # noqa: E402
-from benchmarks.bench_credit import METRICS, MODES, interval, plot, table  # noqa: E402
+from benchmarks import ROOT
+from benchmarks.studies.credit import scores as cs
+from benchmarks.studies.credit.bench import METRICS, MODES, interval, plot, table
 
 
 def pool(rows: Sequence[dict], *, draws: int = 1000) -> dict:
@@ -82,7 +81,8 @@ def main() -> None:
         for row in json.loads(path.read_text(encoding="utf-8"))["rows"]:
             if "pairs" not in row:
                 sys.exit(
-                    f"{path} has no pairs: rebuild it with bench_credit.py --recorded and the flags that made it"
+                    f"{path} has no pairs: rebuild it with benchmarks.studies.credit.bench --recorded"
+                    " and the flags that made it"
                 )
             by_n.setdefault(row["n"], []).append(row)
     rows = [pool(by_n[n], draws=args.draws) for n in sorted(by_n)]

@@ -1,5 +1,5 @@
 """Benchmark stages as a user runs them: `conductor` commands with their logs, training runs that resume where
-they stopped, and the fingerprint of the warm start a stage trained from (bench_horizon.py, bench_learning.py).
+they stopped, and the fingerprint of the warm start a stage trained from (the horizon and learning studies).
 
     seconds = conductor("eval", "--policy", ckpt, "--task", "plate_reading", log=Path("runs/x.log"))
     run_dir = train_to(config, run_dir, ("policy=...", "seed=0"), steps=20)   # trained, resumed or reused
@@ -15,10 +15,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from benchmarks import ROOT
 from training.checkpoint import changed_settings, find_latest, saved_config
 from training.config import config_to_dict, load_train_config
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def conductor(*args: str, log: Path) -> float:

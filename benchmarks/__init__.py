@@ -1,0 +1,14 @@
+"""The benchmarks, each run from the repository root as `python -m benchmarks.<package>.<module>`: it prints a
+table and writes JSON (and records) under benchmarks/results/.
+
+    studies/   one package per question a study answers: credit, learning, horizon, reader, rl (the chain)
+    perf/      one-shot performance benches: sub-agents, context, train, sampler, throughput, ray, slow_body
+    common/    what several studies share: `conductor` stages and what episode files say
+
+They sit on top of the tree (tests/test_layout.py): nothing in the runtime packages or app/ imports them; tests do.
+"""
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+"""The checkout the benchmarks read (examples/) and write under (benchmarks/results/, runs/)."""

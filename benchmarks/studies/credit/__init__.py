@@ -1,0 +1,1 @@
+"""Credit quality against the truth: `python -m benchmarks.studies.credit.bench` (see bench.py)."""

@@ -1,0 +1,1 @@
+"""The long-horizon study: `python -m benchmarks.studies.horizon.bench` (see bench.py), and its power (power.py)."""

@@ -1,0 +1,1 @@
+"""A learning curve that rises: `python -m benchmarks.studies.learning.bench` (see bench.py)."""
