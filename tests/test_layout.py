@@ -1,5 +1,6 @@
 """The tree is the architecture: which module may import which, checked on the source (no imports run).
 
+    benchmarks   the studies and performance benches, run with `python -m`: nothing imports them (tests do)
     app          the command line, the live display, `ask`, the trace viewer: nothing imports it
     training     the trainers
     main_agent   the policy's side
@@ -7,7 +8,8 @@
     subagents    the frozen sub-agents
     conductor    the bottom layer: settings, models, batching, cluster (and the shipped default policy)
 
-A module imports only modules on its own floor or below, and no two modules import each other. Every import
+A module imports only modules on its own floor or below, no two modules import each other, and only app imports
+app (the benchmarks run `conductor` as a user does). Every import
 counts, at the top of a file, inside a function or under TYPE_CHECKING; `from package import module` counts as
 importing that module (not the package's `__init__`). No exceptions.
 """
@@ -18,7 +20,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-FLOORS = ("conductor", "subagents", "tool_server", "main_agent", "training", "app")
+FLOORS = ("conductor", "subagents", "tool_server", "main_agent", "training", "app", "benchmarks")
 
 
 def modules() -> dict[str, Path]:
@@ -56,13 +58,15 @@ def floor(module: str) -> int:
 
 
 def test_every_package_is_on_a_floor() -> None:
-    """A new top-level package must be placed in FLOORS; the installed packages are exactly the floors'."""
-    packages = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests", "benchmarks", "examples"}
+    """A new top-level package must be placed in FLOORS; the checkout's packages, tests aside, are exactly the
+    floors'."""
+    packages = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests"}
     assert packages == set(FLOORS), f"packages {sorted(packages)} != floors {sorted(FLOORS)}"
 
 
 def test_no_module_imports_a_module_on_a_higher_floor() -> None:
-    """The bottom layer imports no runtime package; subagents < tool_server < main_agent < training < app."""
+    """The bottom layer imports no runtime package; subagents < tool_server < main_agent < training < app <
+    benchmarks."""
     upward = [
         f"{module} ({FLOORS[floor(module)]}) imports {target} ({FLOORS[floor(target)]})"
         for module, targets in sorted(graph().items())
@@ -77,3 +81,15 @@ def test_no_two_modules_import_each_other() -> None:
     edges = graph()
     pairs = sorted({tuple(sorted((a, b))) for a, targets in edges.items() for b in targets if a in edges[b]})
     assert not pairs, f"modules that import each other: {pairs}"
+
+
+def test_only_the_application_imports_it() -> None:
+    """app sits below the benchmarks only so that nothing else is above it: the benchmarks import the runtime
+    packages, never the application."""
+    importers = [
+        f"{module} imports {target}"
+        for module, targets in sorted(graph().items())
+        for target in sorted(targets)
+        if floor(target) == FLOORS.index("app") != floor(module)
+    ]
+    assert not importers, "\n".join(importers)
