@@ -8,10 +8,10 @@
     subagents    the frozen sub-agents
     conductor    the bottom layer: settings, models, batching, cluster (and the shipped default policy)
 
-A module imports only modules on its own floor or below, no two modules import each other, and only app imports
-app (the benchmarks run `conductor` as a user does). Every import
-counts, at the top of a file, inside a function or under TYPE_CHECKING; `from package import module` counts as
-importing that module (not the package's `__init__`). No exceptions.
+A module imports only modules on its own floor or below, no two modules import each other, and nothing outside
+app imports app (the benchmarks run `conductor` as a user does). Every import counts, at the top of a file, inside
+a function or under TYPE_CHECKING; `from package import module` counts as importing that module (not the
+package's `__init__`). No exceptions.
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ def test_no_two_modules_import_each_other() -> None:
 
 
 def test_only_the_application_imports_it() -> None:
-    """app sits below the benchmarks only so that nothing else is above it: the benchmarks import the runtime
-    packages, never the application."""
+    """The floors put app below the benchmarks, yet they never import it: they import the runtime packages and run
+    `conductor` as a user does."""
     importers = [
         f"{module} imports {target}"
         for module, targets in sorted(graph().items())
