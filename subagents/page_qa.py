@@ -121,10 +121,11 @@ class Config:
     max_quote_chars: int = 300
     """Longer supporting sentences are cut at a word boundary; the cut quote is still verbatim."""
     answer_mode: Literal["auto", "free", "align", "extract"] = "auto"
-    """How the answer is made (module docstring; benchmarks/bench_reader.py). "auto": "extract" where the model
-    scores (measured best: EM 0.320 vs free's 0.007 on bench_reader's 150 single-hop questions), else "free"
-    (an endpoint generates but cannot score; "align" grounds its answer in a page span, set it for readers that
-    answer in a few words: a sentence answer falls below `align_min_f1` and reads "not in the page")."""
+    """How the answer is made (module docstring; benchmarks/studies/reader/bench.py). "auto": "extract" where
+    the model scores (measured best: EM 0.320 vs free's 0.007 on bench_reader's 150 single-hop questions),
+    else "free" (an endpoint generates but cannot score; "align" grounds its answer in a page span, set it for
+    readers that answer in a few words: a sentence answer falls below `align_min_f1` and reads "not in the
+    page")."""
     extract: spans.Choice = field(default_factory=spans.Choice)
     """"extract": how many spans are scored and how the answer is picked among them (`[page_qa.extract]`)."""
     align_min_f1: float = 0.5

@@ -267,9 +267,9 @@ def question_type(question: str) -> str:
 @dataclass(frozen=True)
 class Choice:
     """How page_qa's "extract" picks its answer among the scored candidates (`choose`). Every default was chosen
-    on bench_reader's tune split (benchmarks/reader_rules.py: the grid, the objective, each term's ablation on
-    both splits); `Choice(max_candidates=48, pmi_weight=0, kind_weight=0, rank_weight=0, length_weight=0)` is
-    the log-prob alone, the rule before it."""
+    on bench_reader's tune split (benchmarks/studies/reader/rules.py: the grid, the objective, each term's
+    ablation on both splits); `Choice(max_candidates=48, pmi_weight=0, kind_weight=0, rank_weight=0,
+    length_weight=0)` is the log-prob alone, the rule before it."""
 
     max_candidates: int = 32
     """Candidates scored (plus "not in the page"), in `candidates`' order (48 before this study: as good)."""

@@ -107,8 +107,8 @@ async def branch_values(
 ) -> tuple[list[list[list[BranchValues]]], BranchStats]:
     """Sample the continuations every chosen turn needs and return each episode's BranchValues; `reward_of`
     scores a continuation (or an episode of the group) exactly as the trainer scores its episodes. `chosen`
-    (keyed as `plan`'s, trainable episodes only) replaces the run's random choice: benchmarks/bench_credit.py
-    branches around the turns it scores."""
+    (keyed as `plan`'s, trainable episodes only) replaces the run's random choice: the credit study
+    (benchmarks/studies/credit/bench.py) branches around the turns it scores."""
     start = time.monotonic()
     chosen = plan(groups, tasks, cfg, step) if chosen is None else chosen
     continued = states(groups, chosen)

@@ -119,7 +119,7 @@ class TrainConfig:
     """The matmuls of the update and of a vLLM sampler. "bf16": the update runs its forward and backward under
     torch.autocast (weights, gradients, Adam states and log-probs stay float32) and vLLM samples in bfloat16.
     "auto" (the default): bf16 where the hardware has it (a GPU with bf16, a CPU with AVX512-BF16 or AMX), else
-    fp32. Measured on a 2-core AVX512-BF16 CPU (benchmarks/bench_throughput.py): the update 1.4-1.9x and vLLM
+    fp32. Measured on a 2-core AVX512-BF16 CPU (benchmarks/perf/throughput.py): the update 1.4-1.9x and vLLM
     sampling ~1.4x faster; at the first step 1.0 % of sampled tokens fall outside the PPO clip (all float32:
     0.5 %), the importance ratio's mean stays within 0.001 of 1."""
     max_grad_norm: float = 1.0

@@ -185,7 +185,7 @@ async def trainer_workers(
 
 @contextlib.asynccontextmanager
 async def serve_tools(cfg: TrainConfig, tasks: Sequence[Task]) -> AsyncIterator[tuple[str, list[Task]]]:
-    """The tool server's URL for rollout workers outside a run (benchmarks/bench_ray.py) and the tasks ready to
+    """The tool server's URL for rollout workers outside a run (benchmarks/perf/ray.py) and the tasks ready to
     play: `[tools] url`, or the tool server on Ray Serve (training.play.tool_session, as a run's)."""
     session = play.tool_session(
         tasks, work_dir=cfg.run_dir, access=cfg.tools, data_dir=cfg.run.data_dir, replicas=cfg.ray
