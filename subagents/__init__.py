@@ -1,4 +1,4 @@
-"""The frozen sub-agents the tool server hosts. Adding one: its file, an entry here, a test, a README line."""
+"""The frozen sub-agents the tool server hosts. Adding one: its file, an entry here, a test, a line in docs/layout.md."""
 
 from subagents import image_ops, page_qa, search, video_summary
 

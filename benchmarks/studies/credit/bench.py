@@ -5,7 +5,7 @@ one fixed policy, scored against Monte Carlo advantages from exact replays (Vine
                                                           # 16 replays
     python -m benchmarks.studies.credit.bench --recorded  # the table and plot of the records; nothing sampled
     python -m benchmarks.studies.credit.bench --policy conductor-default --n-items 1 2 --episodes 2 \\
-        --group-size 2 --replays 2 --tag smoke            # the smoke run (README, "Credit quality")
+        --group-size 2 --replays 2 --tag smoke            # the smoke run (docs/credit.md)
 
 The policy (`--policy`) stays fixed. Its default is the plate_audit warm start, runs/sft-audit/model, made by the
 SFT command in examples/train_audit.toml's comments (22-29 min on 2 cores); any reference the project loads works
@@ -42,7 +42,7 @@ stage's previous line (their sum is the stage's time, over sessions). They are c
 so a study cut short resumes where it stopped on a clean checkout: the same flags find the same folder (the digest
 covers every setting but `--replays`), and settings.json's SHA-256 of the policy's weights refuses records of
 another warm start. The tools replay recorded episodes exactly on another machine, but the SFT command remakes the
-warm start bit for bit only on the same kind of machine (README, "Credit quality"): records resume where their
+warm start bit for bit only on the same kind of machine (docs/credit.md): records resume where their
 warm start's weights are kept or remade. What a resumed stage samples anew is drawn from the same distribution,
 not the same draws: the sampler's seed is offset by the lines recorded so far. Raising `--replays` on a recorded
 study gives every recorded state the continuations it lacks and nothing else; the report uses every continuation
