@@ -288,6 +288,15 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def device_memory_gib(device: str) -> float:
+    """Total memory of `device` in GiB: a GPU's ("cuda", "cuda:N"); 0 for a CPU (whose sizes do not scale)."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return 0.0
+    return torch.cuda.get_device_properties(torch.device(device)).total_memory / 2**30
+
+
 def native_bf16(device: str) -> bool:
     """Whether bfloat16 matmuls run in hardware on `device` ("cpu", "cuda", "cuda:N"): a GPU that supports them,
     or an x86 CPU with AVX512-BF16 or AMX (Linux flags). Elsewhere torch emulates bf16, slower than float32."""

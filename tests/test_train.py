@@ -628,6 +628,87 @@ def test_precision_auto_is_bf16_exactly_where_the_hardware_has_it(
     assert learner.with_precision(TrainConfig(precision=setting), "cpu").precision == expected
 
 
+@pytest.mark.parametrize(
+    ("device", "memory_gib", "expected"),
+    [
+        ("cpu", 0.0, (2048, 8)),  # today's values, whatever the machine
+        ("cpu", 512.0, (2048, 8)),
+        ("cuda", 139.8, (65_536, 256)),  # an H200: the measured sizes
+        ("cuda:1", 79.2, (32_768, 128)),  # an 80 GB H100 / A100
+        ("cuda", 22.0, (8_192, 32)),  # an L4
+        ("cuda", 2.0, (2048, 8)),  # never below the CPU's
+    ],
+)
+def test_device_sizes_follow_the_device_and_its_memory(
+    device: str, memory_gib: float, expected: tuple[int, int]
+) -> None:
+    """A CPU keeps the sizes every earlier run had; a GPU gets 512 tokens and 2 episodes per GiB, as powers of
+    two between the CPU's sizes and the H200's."""
+    from training.config import device_sizes
+
+    sizes = device_sizes(device, memory_gib)
+    assert (sizes.micro_batch_tokens, sizes.max_concurrent_episodes) == expected
+
+
+def test_an_explicit_size_wins_over_the_device() -> None:
+    """Unset sizes are chosen for the device; a size set in the settings stays, on a CPU and on a GPU; the
+    defaults on a CPU resolve to exactly the old fixed values."""
+    from training.learner import with_device_sizes
+
+    cpu = with_device_sizes(TrainConfig(), "cpu", memory_gib=0.0)
+    assert (cpu.micro_batch_tokens, cpu.max_concurrent_episodes) == (2048, 8)
+    gpu = with_device_sizes(TrainConfig(), "cuda", memory_gib=139.8)
+    assert (gpu.micro_batch_tokens, gpu.max_concurrent_episodes) == (65_536, 256)
+    mine = load_train_config(None, ["micro_batch_tokens=4096"])
+    on_gpu = with_device_sizes(mine, "cuda", memory_gib=139.8)
+    assert (on_gpu.micro_batch_tokens, on_gpu.max_concurrent_episodes) == (4096, 256)
+    assert (
+        with_device_sizes(
+            TrainConfig(max_concurrent_episodes=3), "cuda", memory_gib=80.0
+        ).max_concurrent_episodes
+        == 3
+    )
+
+
+def test_a_run_plays_trains_and_saves_the_sizes_its_learner_chose(
+    tiny_policy: Path, tmp_path: Path, stub_tasks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sizes left unset are chosen once, where the learner knows its device, and that choice is what the run
+    uses everywhere (the sampler's batch, the collector, the update) and what its checkpoint records, so a rerun
+    from the saved settings is the same run. (The device's rule is replaced to see the value travel.)"""
+    import asyncio
+
+    from training import learner as learner_module
+    from training.checkpoint import saved_config
+    from training.config import DeviceSizes
+    from training.local_session import local_session
+
+    monkeypatch.setattr(learner_module, "device_sizes", lambda device, memory: DeviceSizes(96, 3))
+    cfg = tiny_config(tmp_path / "run", tiny_policy, max_concurrent_episodes=None)
+    assert cfg.micro_batch_tokens is None and cfg.max_concurrent_episodes is None
+
+    async def started():
+        session = local_session(cfg, resume=None, force=False, transport=fake_tool_server())
+        async with session as (run, collector, learner):
+            learner.save(1, run)
+            return run.cfg, collector, learner.trainable.cfg
+
+    run_cfg, collector, learned = asyncio.run(started())
+    for used in (run_cfg, collector.cfg, learned):
+        assert (used.micro_batch_tokens, used.max_concurrent_episodes) == (96, 3)
+    assert collector.sampler.settings.max_batch == 3
+    saved = saved_config(tmp_path / "run" / "step_1")
+    assert (saved["micro_batch_tokens"], saved["max_concurrent_episodes"]) == (96, 3)
+
+
+def test_sft_micro_batch_is_chosen_by_device_unless_set() -> None:
+    from training.sft import SFTConfig, micro_batch_tokens
+
+    assert micro_batch_tokens(SFTConfig(), "cpu", memory_gib=0.0) == 2048
+    assert micro_batch_tokens(SFTConfig(), "cuda", memory_gib=139.8) == 65_536
+    assert micro_batch_tokens(SFTConfig(micro_batch_tokens=512), "cuda", memory_gib=139.8) == 512
+
+
 def test_native_bf16_follows_the_cpu_flags() -> None:
     """On Linux the CPU answer is the AVX512-BF16 / AMX flag in /proc/cpuinfo; a device that is neither a
     GPU nor the CPU is never assumed to have bf16."""

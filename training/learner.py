@@ -1,6 +1,7 @@
 """The trained policy and what steps it, built alike wherever a run trains.
 
-    trainable = load_learner(cfg)                  # the policy on its device, its reference, AdamW, the schedule
+    trainable = load_learner(cfg)                  # the policy on its device, its reference, AdamW, the schedule;
+                                                   # trainable.cfg: precision and sizes made concrete for it
     state = resume_learner(trainable, checkpoint)  # a checkpoint's weights, optimizer, schedule, RNG: its state
     model, tokenizer = trained_model(cfg, device="cpu")   # the policy's structure alone (a Ray rollout worker's)
 
@@ -21,11 +22,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from conductor.models import native_bf16, resolve_model
+from conductor.models import default_device, device_memory_gib, native_bf16, resolve_model
 from main_agent.transformers_policy import load_model
 from training import checkpoint as ckpt
 from training.checkpoint import TrainState
-from training.config import TrainConfig
+from training.config import TrainConfig, device_sizes
 
 if TYPE_CHECKING:
     from training.checkpoint import Model
@@ -39,7 +40,8 @@ class Trainable:
     data-parallel trainer worker on Ray (training/ray_trainer.py)."""
 
     cfg: TrainConfig
-    """The run's settings with precision made concrete for the model's device (`with_precision`)."""
+    """The run's settings made concrete for the model's device: precision (`with_precision`), micro-batch and
+    episodes in flight (`with_device_sizes`)."""
     model: Model
     tokenizer: object
     optimizer: torch.optim.Optimizer
@@ -60,7 +62,8 @@ def load_learner(cfg: TrainConfig) -> Trainable:
     """The policy on its device (`trained_model`), its frozen reference when kl_coef > 0, AdamW and the linear
     warm-up schedule."""
     model, tokenizer = trained_model(cfg, device=cfg.device)
-    cfg = with_precision(cfg, next(model.parameters()).device.type)
+    device = str(next(model.parameters()).device)
+    cfg = with_device_sizes(with_precision(cfg, device.split(":")[0]), device)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     params = [p for p in model.parameters() if p.requires_grad]
     # No weight decay: with all advantages 0 a step must leave the weights where they are.
@@ -78,6 +81,23 @@ def with_precision(cfg: TrainConfig, device: str) -> TrainConfig:
     precision = "bf16" if native_bf16(device) else "fp32"
     logger.info("precision auto: %s on %s", precision, device)
     return dataclasses.replace(cfg, precision=precision)
+
+
+def with_device_sizes(cfg: TrainConfig, device: str, *, memory_gib: float | None = None) -> TrainConfig:
+    """`cfg` with `micro_batch_tokens` and `max_concurrent_episodes`, where unset, chosen for `device` ("auto":
+    cuda when visible) and its memory (`training.config.device_sizes`; `memory_gib` None: asked of the device),
+    said in the log. A value set in the TOML or by `--set` stays as it is. The learner calls it with its model's
+    device; a caller that plays without a learner (a benchmark) with `cfg.device`."""
+    device = default_device() if device == "auto" else device
+    sizes = device_sizes(device, device_memory_gib(device) if memory_gib is None else memory_gib)
+    unset = {
+        name: getattr(sizes, name)
+        for name in ("micro_batch_tokens", "max_concurrent_episodes")
+        if getattr(cfg, name) is None
+    }
+    if unset:
+        logger.info("sized for %s: %s", device, ", ".join(f"{k} {v}" for k, v in unset.items()))
+    return dataclasses.replace(cfg, **unset)
 
 
 def resume_learner(learner: Trainable, checkpoint: Path) -> TrainState:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from conductor.models import portable_adapter
+from conductor.models import device_memory_gib, portable_adapter
 from conductor.settings import load_settings, shared
 from main_agent.backends import load_policy
 from main_agent.policy import Sample, SamplingConfig
@@ -44,7 +44,7 @@ from main_agent.types import Episode, Turn
 from tool_server.client import ToolClient
 from tool_server.embedded import ToolAccess
 from training import tasks as task_data
-from training.config import RunSettings
+from training.config import RunSettings, device_sizes
 from training.evaluate import EvalConfig, EvalReport, evaluate_policy
 from training.loss import all_finite, token_logprobs
 from training.metrics import save_rollouts
@@ -227,8 +227,10 @@ class SFTConfig:
     lora_rank: int = 0
     """0 fine-tunes every weight; > 0 trains a LoRA of this rank on q, k, v, o and saves only the adapter (the
     shipped default policy is one: examples/default_policy.toml)."""
-    micro_batch_tokens: int = 2048
-    """Padded tokens per optimizer step; the [tokens, vocab] logits dominate memory (400 MB at 2048 x 49152)."""
+    micro_batch_tokens: int | None = None
+    """Padded tokens per optimizer step; the [tokens, vocab] logits dominate memory (400 MB at 2048 x 49152).
+    None (the default): by the policy's device, as training sizes it (`training.config.device_sizes`: 2048 on a
+    CPU, up to 65,536 on a GPU); the report records the value used."""
     out_dir: Path = Path("runs/sft")
     """Where the model (`model/`), the expert episodes, the report and the task pages and videos go."""
     max_concurrent_episodes: int = 4
@@ -277,6 +279,8 @@ class SFTReport:
     before: EvalReport | None
     after: EvalReport | None
     model_dir: Path
+    micro_batch_tokens: int
+    """The size the fine-tuning used (`SFTConfig.micro_batch_tokens`, or the device's when unset)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, default=str)
@@ -308,14 +312,22 @@ async def _demonstrate_and_learn(cfg: SFTConfig, policy: TransformersPolicy, tok
         await check("before sft")
         episodes = await generate_expert_episodes(train, tools, tokenizer, cfg)
         save_rollouts(cfg.out_dir / "expert_episodes.jsonl", episodes)
-        learn = functools.partial(
-            sft, epochs=cfg.epochs, lr=cfg.lr, micro_batch_tokens=cfg.micro_batch_tokens
-        )
+        tokens = micro_batch_tokens(cfg, str(next(policy.model.parameters()).device))
+        learn = functools.partial(sft, epochs=cfg.epochs, lr=cfg.lr, micro_batch_tokens=tokens)
         losses = await asyncio.to_thread(learn, policy.model, tokenizer, episodes, seed=cfg.run.seed)
         await check("after sft")
     await policy.aclose()
     before, after = (reports[0], reports[1]) if reports else (None, None)
-    return SFTReport(len(train), len(episodes), losses, before, after, cfg.out_dir / "model")
+    return SFTReport(len(train), len(episodes), losses, before, after, cfg.out_dir / "model", tokens)
+
+
+def micro_batch_tokens(cfg: SFTConfig, device: str, *, memory_gib: float | None = None) -> int:
+    """`cfg.micro_batch_tokens`, or where unset the size for `device` and its memory (`memory_gib` None: asked of
+    the device), as training's learner chooses it."""
+    if cfg.micro_batch_tokens is not None:
+        return cfg.micro_batch_tokens
+    memory = device_memory_gib(device) if memory_gib is None else memory_gib
+    return device_sizes(device, memory).micro_batch_tokens
 
 
 def run_sft(cfg: SFTConfig) -> SFTReport:

@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from conductor.heap import trim_heap
+from conductor.models import device_memory_gib
 from main_agent.tokens import Batch, TrainSequence, collate, micro_batches
-from training.config import TrainConfig
+from training.config import TrainConfig, device_sizes
 from training.loss import LossOutput, batch_logprobs, policy_loss
 
 if TYPE_CHECKING:
@@ -167,7 +168,9 @@ def accumulate_gradients(
     model.train()
     sums = {"pg": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0}
     device = str(next(model.parameters()).device)
-    chunks = micro_batches(sequences, max_tokens=cfg.micro_batch_tokens, share_prefix=cfg.share_prefix)
+    # A run's learner set the size (training/learner.py); a direct call with it unset gets its model's device's.
+    tokens = cfg.micro_batch_tokens or device_sizes(device, device_memory_gib(device)).micro_batch_tokens
+    chunks = micro_batches(sequences, max_tokens=tokens, share_prefix=cfg.share_prefix)
     finite = True
     for chunk in chunks if dp is None else chunks[dp.rank :: dp.world]:
         batch = collate(chunk, pad_id=0, device=device, share_prefix=cfg.share_prefix)

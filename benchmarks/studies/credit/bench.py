@@ -97,6 +97,7 @@ from training import tasks as task_data
 from training.advantages import BranchValues, branch_advantages, group_advantages
 from training.branching import sampled_tokens
 from training.config import TrainConfig, config_to_dict, load_train_config
+from training.learner import with_device_sizes
 from training.play import tool_session
 from training.step import episode_credits, score
 from training.tasks import Task
@@ -383,7 +384,8 @@ def main() -> None:
         "run_dir=runs/bench_credit",
     ]
     sets += [f"group_size={args.group_size}"] if args.group_size else []
-    cfg = load_train_config(args.config, [*sets, *args.sets])
+    # sized as a training run on this device would be (unchanged on a CPU, so the records' digests are too)
+    cfg = with_device_sizes(load_train_config(args.config, [*sets, *args.sets]), "auto")
     if args.episodes % cfg.group_size:
         sys.exit(f"--episodes {args.episodes} is not a multiple of the group size {cfg.group_size}")
     records = ROOT / "benchmarks" / "results" / f"bench_credit{suffix}"
