@@ -653,7 +653,7 @@ def test_device_sizes_follow_the_device_and_its_memory(
 def test_an_explicit_size_wins_over_the_device() -> None:
     """Unset sizes are chosen for the device; a size set in the settings stays, on a CPU and on a GPU; the
     defaults on a CPU resolve to exactly the old fixed values."""
-    from training.learner import with_device_sizes
+    from training.config import with_device_sizes
 
     cpu = with_device_sizes(TrainConfig(), "cpu", memory_gib=0.0)
     assert (cpu.micro_batch_tokens, cpu.max_concurrent_episodes) == (2048, 8)
@@ -678,12 +678,12 @@ def test_a_run_plays_trains_and_saves_the_sizes_its_learner_chose(
     from the saved settings is the same run. (The device's rule is replaced to see the value travel.)"""
     import asyncio
 
-    from training import learner as learner_module
+    from training import config as config_module
     from training.checkpoint import saved_config
     from training.config import DeviceSizes
     from training.local_session import local_session
 
-    monkeypatch.setattr(learner_module, "device_sizes", lambda device, memory: DeviceSizes(96, 3))
+    monkeypatch.setattr(config_module, "device_sizes", lambda device, memory: DeviceSizes(96, 3))
     cfg = tiny_config(tmp_path / "run", tiny_policy, max_concurrent_episodes=None)
     assert cfg.micro_batch_tokens is None and cfg.max_concurrent_episodes is None
 

@@ -22,15 +22,17 @@ minutes there, most of it generation).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from conductor.cluster import RayConfig
-from conductor.models import DEFAULT_MODEL
+from conductor.models import DEFAULT_MODEL, default_device, device_memory_gib
 from conductor.settings import ConfigError, load_settings, shared, to_dict
 from main_agent.policy import SamplingConfig
 from main_agent.rollout import RolloutConfig
@@ -59,6 +61,8 @@ MOVED = {
     "max_inflight_tool_calls": "tools.max_inflight_calls",
 }
 """The flat keys of earlier versions and where each went; loading one is an error that names the new place."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -241,6 +245,24 @@ def _power_of_two(value: float, low: int, high: int) -> int:
     """The largest power of two <= `value`, kept within [low, high]."""
     below = 1 << (int(value).bit_length() - 1) if value >= 1 else 0
     return min(high, max(low, below))
+
+
+def with_device_sizes(cfg: TrainConfig, device: str, *, memory_gib: float | None = None) -> TrainConfig:
+    """`cfg` with `micro_batch_tokens` and `max_concurrent_episodes`, where unset, chosen for `device` ("auto":
+    cuda when visible) and its memory (`device_sizes`; `memory_gib` None: asked of the device), said in the log.
+    A value set in the TOML or by `--set` stays as it is. A run's learner calls it with its model's device
+    (training/learner.py), and the run uses and saves what it returns; a caller without a learner (the sampler
+    built directly, a benchmark) with `cfg.device`."""
+    device = default_device() if device == "auto" else device
+    sizes = device_sizes(device, device_memory_gib(device) if memory_gib is None else memory_gib)
+    unset = {
+        name: getattr(sizes, name)
+        for name in ("micro_batch_tokens", "max_concurrent_episodes")
+        if getattr(cfg, name) is None
+    }
+    if unset:
+        logger.info("sized for %s: %s", device, ", ".join(f"{k} {v}" for k, v in unset.items()))
+    return dataclasses.replace(cfg, **unset)
 
 
 def load_train_config(path: Path | None, overrides: Sequence[str] = ()) -> TrainConfig:

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from conductor.models import default_device, device_memory_gib, native_bf16, resolve_model
+from conductor.models import native_bf16, resolve_model
 from main_agent.transformers_policy import load_model
 from training import checkpoint as ckpt
 from training.checkpoint import TrainState
-from training.config import TrainConfig, device_sizes
+from training.config import TrainConfig, with_device_sizes
 
 if TYPE_CHECKING:
     from training.checkpoint import Model
@@ -81,23 +81,6 @@ def with_precision(cfg: TrainConfig, device: str) -> TrainConfig:
     precision = "bf16" if native_bf16(device) else "fp32"
     logger.info("precision auto: %s on %s", precision, device)
     return dataclasses.replace(cfg, precision=precision)
-
-
-def with_device_sizes(cfg: TrainConfig, device: str, *, memory_gib: float | None = None) -> TrainConfig:
-    """`cfg` with `micro_batch_tokens` and `max_concurrent_episodes`, where unset, chosen for `device` ("auto":
-    cuda when visible) and its memory (`training.config.device_sizes`; `memory_gib` None: asked of the device),
-    said in the log. A value set in the TOML or by `--set` stays as it is. The learner calls it with its model's
-    device; a caller that plays without a learner (a benchmark) with `cfg.device`."""
-    device = default_device() if device == "auto" else device
-    sizes = device_sizes(device, device_memory_gib(device) if memory_gib is None else memory_gib)
-    unset = {
-        name: getattr(sizes, name)
-        for name in ("micro_batch_tokens", "max_concurrent_episodes")
-        if getattr(cfg, name) is None
-    }
-    if unset:
-        logger.info("sized for %s: %s", device, ", ".join(f"{k} {v}" for k, v in unset.items()))
-    return dataclasses.replace(cfg, **unset)
 
 
 def resume_learner(learner: Trainable, checkpoint: Path) -> TrainState:

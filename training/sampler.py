@@ -42,7 +42,7 @@ from torch import nn
 
 from main_agent.backends import build_policy, build_reloadable, chosen_backend
 from main_agent.policy import Policy, ReloadablePolicy, SamplingConfig
-from training.config import TrainConfig
+from training.config import TrainConfig, with_device_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ def sampler_settings(cfg: TrainConfig, *, rank: int | None = None) -> SamplerSet
     """The run's sampler (`rank` None), or Ray rollout worker `rank`'s: its own folder, its seed one per rank
     further, and the GPU weight push `[ray] weight_push` names."""
     root = cfg.run_dir / "sampler"
+    cfg = with_device_sizes(cfg, cfg.device)  # a run's learner sized it; a direct call: by the device
     return SamplerSettings(
         backend=chosen_backend(cfg.sampling),
         sampling=cfg.sampling,

@@ -51,8 +51,7 @@ GROUP = 2  # episodes per photo: enough to batch turns, small enough to keep fou
 
 
 def base_config(args: argparse.Namespace, run_dir: Path):
-    from training.config import load_train_config
-    from training.learner import with_device_sizes
+    from training.config import load_train_config, with_device_sizes
 
     sets = [f"policy={args.policy}", f"group_size={GROUP}", f"run_dir={run_dir}", "seed=0"]
     return with_device_sizes(load_train_config(CONFIG, sets), "auto")  # as a run's learner would size it

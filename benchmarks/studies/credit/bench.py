@@ -96,8 +96,7 @@ from main_agent.types import Episode
 from training import tasks as task_data
 from training.advantages import BranchValues, branch_advantages, group_advantages
 from training.branching import sampled_tokens
-from training.config import TrainConfig, config_to_dict, load_train_config
-from training.learner import with_device_sizes
+from training.config import TrainConfig, config_to_dict, load_train_config, with_device_sizes
 from training.play import tool_session
 from training.step import episode_credits, score
 from training.tasks import Task

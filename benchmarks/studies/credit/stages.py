@@ -24,7 +24,7 @@ from main_agent.policy import Policy
 from main_agent.types import Episode
 from tool_server.client import ToolClient
 from training.branching import branch_values, chosen_turns, continue_from, sampled_tokens, states, trainable
-from training.config import TrainConfig
+from training.config import TrainConfig, with_device_sizes
 from training.data_order import seed_step
 from training.play import play
 from training.step import rewarded
@@ -47,6 +47,10 @@ class Session:
     """Sets this process's random draws apart from those of every earlier process on the same records (the
     lines recorded before it started): a resumed stage, or more replays of a recorded state, must not repeat
     the draws it adds to."""
+
+    def __post_init__(self) -> None:
+        # episodes in flight, as a training run on this device would play them
+        self.cfg = with_device_sizes(self.cfg, self.cfg.device)
 
 
 class Records:
