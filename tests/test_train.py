@@ -701,6 +701,12 @@ def test_a_run_plays_trains_and_saves_the_sizes_its_learner_chose(
     assert (saved["micro_batch_tokens"], saved["max_concurrent_episodes"]) == (96, 3)
 
 
+@pytest.mark.parametrize("setting", ["micro_batch_tokens=0", "max_concurrent_episodes=0"])
+def test_a_size_set_to_zero_is_refused_not_taken_for_unset(setting: str) -> None:
+    with pytest.raises(ConfigError, match=setting.split("=")[0]):
+        load_train_config(None, [setting])
+
+
 def test_sft_micro_batch_is_chosen_by_device_unless_set() -> None:
     from training.sft import SFTConfig, micro_batch_tokens
 

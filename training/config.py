@@ -184,8 +184,11 @@ class TrainConfig:
             ),
             "reward_kind task or graded": self.reward_kind in ("task", "graded"),
             "lora_rank >= 0": self.lora_rank >= 0,
-            "micro_batch_tokens >= 1 (or unset)": (self.micro_batch_tokens or 1) >= 1,
-            "max_concurrent_episodes >= 1 (or unset)": (self.max_concurrent_episodes or 1) >= 1,
+            "micro_batch_tokens >= 1 (or unset)": self.micro_batch_tokens is None
+            or self.micro_batch_tokens >= 1,
+            "max_concurrent_episodes >= 1 (or unset)": (
+                self.max_concurrent_episodes is None or self.max_concurrent_episodes >= 1
+            ),
             "0 <= max_infra_failure_frac <= 1": 0.0 <= self.max_infra_failure_frac <= 1.0,
             "max_staleness >= 0": self.max_staleness >= 0,
             "save_every >= 1": self.save_every >= 1,
@@ -226,9 +229,10 @@ def device_sizes(device: str, memory_gib: float = 0.0) -> DeviceSizes:
     `GPU_CAPS`: an H200 (~140 GiB) 65,536 / 256, an 80 GB H100 or A100 32,768 / 128, a 40 GB A100 16,384 / 64,
     an L4 (24 GB) 8,192 / 32. Measured on an H200 (SmolLM2-135M shape, bf16, 256 episodes of 2 turns x 128 new
     tokens, the transformers sampler): the update took 17.7-21.4 s at 2048 tokens, 2.1-3.1 s at 16,384 and
-    1.25-1.6 s at 65,536, and 256 episodes in flight sampled 5,700 tokens/s where 64 sampled 2,700. Per GiB is an
-    estimate, not a measurement: ~1-2 MB of activations and [tokens, vocab] logits a token for the 135M model,
-    so a larger policy on a smaller GPU may need `micro_batch_tokens` set lower by hand.
+    1.25-1.6 s at 65,536, and a step of 256 episodes sampled 5,700 tokens/s where one of 64 sampled 2,700. Per
+    GiB is an estimate, not a measurement: ~1-2 MB of activations and [tokens, vocab] logits a token for the 135M
+    model, so a larger policy on a smaller GPU may need `micro_batch_tokens` set lower by hand
+    (`python -m benchmarks.perf.gpu_step` measures a device).
     """
     if not device.startswith("cuda"):
         return CPU_SIZES
