@@ -38,6 +38,7 @@ def test_the_tiny_step_measures_every_configuration(smollm2_path: Path, tmp_path
         for key in (*MEASURES, "update_flops", "update_unique_tokens"):
             assert math.isfinite(row[key]) and row[key] > 0, (key, row[key])
         assert row["step_s"] >= row["sampling_s"] + row["update_s"]
+        assert (row["peak_memory_gib"] is None) == (device["type"] == "cpu")
     assert device["peak_flops"] > 0 and result["parameters"]["total"] > result["parameters"]["head"]
     assert all(header in done.stdout for header, _, _ in COLUMNS)
     assert f"{default['micro_batch_tokens']:,} (default)" in done.stdout

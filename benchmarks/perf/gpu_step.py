@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import math
 import statistics
@@ -202,9 +203,9 @@ def measure(cfg: TrainConfig, params: Parameters) -> dict[str, object]:
 
 def device_peak(device: str, precision: str) -> dict[str, object]:
     """The device's name and peak FLOP/s for `precision`'s matmuls: from `PEAK_TFLOPS` for a listed GPU, else
-    measured here (the best of 5 timed square matmuls, after a warm-up)."""
+    measured here (`matmul_peak`)."""
     gpu = device.startswith("cuda")
-    name = torch.cuda.get_device_name(device) if gpu else f"CPU ({torch.get_num_threads()} threads)"
+    name = torch.cuda.get_device_name(device) if gpu else f"CPU, {torch.get_num_threads()} torch threads"
     known = sheet_name(name) if gpu else None
     if known is not None:
         return {
@@ -221,6 +222,7 @@ def sheet_name(device_name: str) -> str | None:
 
 
 def matmul_peak(device: str, precision: str, size: int = 1024) -> float:
+    """FLOP/s of the fastest of 6 timed `size` x `size` matmuls in `precision`'s dtype (the first warms up)."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
     best = math.inf
@@ -231,6 +233,20 @@ def matmul_peak(device: str, precision: str, size: int = 1024) -> float:
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best
+
+
+def measured_on(device: str, cfg: TrainConfig, params: Parameters) -> dict[str, object]:
+    """`measure(cfg)` with, on a GPU, the most memory torch allocated during the run (None on a CPU), and the
+    memory freed for the next configuration."""
+    gpu = device.startswith("cuda")
+    if gpu:
+        torch.cuda.reset_peak_memory_stats(device)
+    row = measure(cfg, params)
+    row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if gpu else None
+    gc.collect()  # the run's models and optimizer, before the next one allocates
+    if gpu:
+        torch.cuda.empty_cache()
+    return row
 
 
 def run(shape: Shape) -> dict[str, object]:
@@ -246,9 +262,11 @@ def run(shape: Shape) -> dict[str, object]:
         for episodes in shape.episodes:
             for micro in shape.micro_batch_tokens:
                 run_dir = Path(tmp) / f"run-{episodes}-{micro}"
-                rows.append(measure(config(shape, episodes, micro, policy=policy, run_dir=run_dir), params))
-                if device.startswith("cuda"):
-                    torch.cuda.empty_cache()
+                rows.append(
+                    measured_on(
+                        device, config(shape, episodes, micro, policy=policy, run_dir=run_dir), params
+                    )
+                )
     peak = device_peak(device, str(rows[0]["precision"]))
     for row in rows:
         row["update_mfu"] = float(row["update_flops"]) / float(row["update_s"]) / float(peak["peak_flops"])
@@ -271,19 +289,21 @@ COLUMNS = (  # header, key, format
     ("step s", "step_s", "{:.2f}"),
     ("sampled tok/s", "sampled_tokens_per_s", "{:,.0f}"),
     ("update MFU", "update_mfu", "{:.2%}"),
+    ("peak GiB", "peak_memory_gib", "{:.1f}"),  # a GPU's; "-" on a CPU
 )
 
 
 def table(result: dict) -> str:
     """A markdown table of the rows, under a line naming the device, its peak and the model."""
     dev = result["device"]
+    memory = f", {dev['memory_gib']:.0f} GiB" if dev["type"] != "cpu" else ""
     head = (
-        f"{dev['name']} ({dev['type']}, {dev['memory_gib']:.0f} GiB), peak {dev['peak_flops'] / 1e12:.3g} TFLOP/s "
+        f"{dev['name']} ({dev['type']}{memory}), peak {dev['peak_flops'] / 1e12:.3g} TFLOP/s "
         f"{result['rows'][0]['precision']} ({dev['peak_from']}); {result['parameters']['total'] / 1e6:.1f}M parameters"
     )
     lines = [head, "| " + " | ".join(c[0] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in result["rows"]:
-        cells = [fmt.format(row[key]) for _, key, fmt in COLUMNS]
+        cells = [fmt.format(row[key]) if row[key] is not None else "-" for _, key, fmt in COLUMNS]
         cells[1] += "" if row["micro_batch_tokens_set"] else " (default)"
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
