@@ -184,8 +184,9 @@ class TrainConfig:
             ),
             "reward_kind task or graded": self.reward_kind in ("task", "graded"),
             "lora_rank >= 0": self.lora_rank >= 0,
-            "micro_batch_tokens >= 1 (or unset)": self.micro_batch_tokens is None
-            or self.micro_batch_tokens >= 1,
+            "micro_batch_tokens >= 1 (or unset)": (
+                self.micro_batch_tokens is None or self.micro_batch_tokens >= 1
+            ),
             "max_concurrent_episodes >= 1 (or unset)": (
                 self.max_concurrent_episodes is None or self.max_concurrent_episodes >= 1
             ),
