@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from conductor.models import default_device, device_memory_gib
 from conductor.settings import ConfigError, load_settings, shared
 from main_agent.backends import load_policy
 from main_agent.policy import Policy, SamplingConfig
@@ -52,7 +53,7 @@ from main_agent.types import Episode
 from tool_server.client import ToolClient
 from tool_server.embedded import ToolAccess
 from training import tasks as task_data
-from training.config import RunSettings
+from training.config import RunSettings, device_sizes
 from training.metrics import mean, save_rollouts
 from training.play import play, tool_session
 from training.tasks import Task
@@ -79,8 +80,10 @@ class EvalConfig:
     samples: int = 1
     """Episodes per task. Greedy episodes of one task are all the same, so more than 1 asks for a sampling
     temperature (`sampling.temperature`)."""
-    max_concurrent_episodes: int = 8
-    """Episodes in flight at once; the in-process policy batches their turns into one generate."""
+    max_concurrent_episodes: int | None = None
+    """Episodes in flight at once; the in-process policy batches their turns into one generate. None (the
+    default): by the device the policy loads on, as training sizes it (`in_flight`: 8 on a CPU, up to 256 on a
+    GPU), said in the log."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Turn, token and time budgets (`[rollout]`): the training defaults, so evaluation measures what training
     optimises."""
@@ -93,6 +96,9 @@ class EvalConfig:
     def __post_init__(self) -> None:
         checks = {
             "samples >= 1": self.samples >= 1,
+            "max_concurrent_episodes >= 1 (or unset)": (
+                self.max_concurrent_episodes is None or self.max_concurrent_episodes >= 1
+            ),
             "sampling.temperature > 0 with samples > 1 (greedy samples of a task are one episode)": (
                 self.samples == 1 or self.sampling.temperature > 0
             ),
@@ -274,12 +280,24 @@ async def evaluate_policy(
     return summarise(played, episodes, policy=label, wall_s=time.monotonic() - start), episodes
 
 
+def in_flight(cfg: EvalConfig) -> EvalConfig:
+    """`cfg` with `max_concurrent_episodes`, where unset, chosen for the device the policy loads on ("auto": cuda
+    when visible) by training's rule (`training.config.device_sizes`)."""
+    if cfg.max_concurrent_episodes is not None:
+        return cfg
+    device = default_device()
+    n = device_sizes(device, device_memory_gib(device)).max_concurrent_episodes
+    logger.info("sized for %s: max_concurrent_episodes %d", device, n)
+    return dataclasses.replace(cfg, max_concurrent_episodes=n)
+
+
 async def evaluate(
     tasks: Sequence[Task], *, tools: ToolClient, cfg: EvalConfig, episodes_out: Path | None = None
 ) -> EvalReport:
     """Load `cfg.run.policy` (`main_agent.backends.load_policy`) and evaluate it on `tasks`; the episodes go to
     `episodes_out` as JSON lines when given (`conductor trace` renders them)."""
     context = cfg.rollout.max_context_tokens + cfg.rollout.max_new_tokens
+    cfg = in_flight(cfg)
     policy, tokenizer = load_policy(
         cfg.run.policy,
         cfg.sampling,

@@ -40,7 +40,7 @@ from main_agent.transformers_policy import tokenizer_dir
 from training import tasks as task_data
 from training.checkpoint import find_latest
 from training.config import load_train_config
-from training.evaluate import EvalConfig, summarise
+from training.evaluate import EvalConfig, in_flight, summarise
 from training.metrics import read_metrics
 from training.play import tool_session
 from training.sft import play_experts
@@ -142,7 +142,7 @@ async def _play_expert(family: str, n: int):
     tokenizer = AutoTokenizer.from_pretrained(
         tokenizer_dir(resolve_model(DEFAULT_MODEL)), local_files_only=True
     )
-    cfg = EvalConfig(task=family)
+    cfg = in_flight(EvalConfig(task=family))
     tasks = task_data.load_family(family, "dev", limit=n)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-expert-") as work:
