@@ -1,0 +1,167 @@
+"""The research assistant's headline benchmark: policies on corpus_qa dev, question by question.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.studies.research.bench --policy conductor-default --n 12
+    python -m benchmarks.studies.research.bench --policy conductor-default --policy runs/x/model --n 300
+    python -m benchmarks.studies.research.bench --policy conductor-default --n 12 --recorded   # tabulate only
+
+Every policy plays the first n questions of corpus_qa dev (HotpotQA dev, 300 questions, its pages and every other
+question's pages as one searched corpus) as `conductor eval --task corpus_qa --split dev` plays them: greedy, the
+tools in this process, the shipped recipe's budgets (rollout.max_turns=8, max_new_tokens=192; `--set` changes
+them). Questions run in chunks (`--chunk`, one tool session and one policy load for the whole run); each chunk's
+episodes are kept in runs/bench_research/<policy>/ as they finish, so an interrupted run resumes at the first
+missing chunk, and a policy's folder refuses other settings. Each episode becomes a record (records.py: answer,
+EM, F1, searches, reads, hop 1 and hop 2 read, the failure category); the table (summary.py) gives per policy
+answer rate, EM, F1, calls per question, both supporting pages read, tool error rate and the categories, and for
+two or more policies the paired F1 difference of each against the first over the questions both played. Power:
+the questions a paired comparison needs to detect 0.05 F1 (summary.power). Records, tables and power go to
+benchmarks/results/bench_research.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from benchmarks import ROOT
+from benchmarks.studies.research.records import record, supporting_pages
+from benchmarks.studies.research.summary import format_table, paired, power, summarise
+from main_agent.types import Episode
+from training import tasks as task_data
+from training.evaluate import EvalConfig, evaluate, load_eval_config
+from training.metrics import load_episodes
+from training.play import tool_session
+from training.tasks import Task
+from training.tasks.corpus_qa import write_corpus
+
+FAMILY, SPLIT = "corpus_qa", "dev"
+RECIPE_SETS = ("rollout.max_turns=8", "rollout.max_new_tokens=192")
+"""The shipped default's rollout budgets (examples/default_policy.toml), so the benchmark measures what it was
+trained for."""
+
+
+def folder_name(policy: str) -> str:
+    """A policy's folder under the work folder: its name or path with every run of other characters as "_"."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", policy).strip("_")
+
+
+def recorded(folder: Path) -> dict[str, Episode]:
+    """The episodes of every finished chunk in a policy's folder, by task id."""
+    return {e.task_id: e for path in sorted(folder.glob("q*.episodes.jsonl")) for e in load_episodes(path)}
+
+
+def claim(folder: Path, policy: str, sets: Sequence[str]) -> None:
+    """Record the settings a policy's folder is played with; exit when it was played with others."""
+    folder.mkdir(parents=True, exist_ok=True)
+    settings, path = {"policy": policy, "sets": list(sets)}, folder / "settings.json"
+    if path.is_file() and (then := json.loads(path.read_text(encoding="utf-8"))) != settings:
+        sys.exit(f"{folder} was played with {then}, not {settings}: move it away or pass the same --set")
+    path.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+
+
+def play(policy: str, tasks: Sequence[Task], folder: Path, *, chunk: int, sets: Sequence[str]) -> None:
+    """Play the questions of `tasks` that `folder` has no episode of yet, `chunk` at a time, in one tool
+    session; each chunk's episodes are written once all of them are played (q<first index>+<count>)."""
+    done = recorded(folder)
+    todo = [(i, t) for i, t in enumerate(tasks) if t.task_id not in done]
+    if not todo:
+        return
+    cfg = load_eval_config(None, [f"policy={json.dumps(policy)}", f"task={FAMILY}", f"split={SPLIT}", *sets])
+    asyncio.run(_play([todo[k : k + chunk] for k in range(0, len(todo), chunk)], folder, cfg=cfg))
+
+
+async def _play(chunks: list[list[tuple[int, Task]]], folder: Path, *, cfg: EvalConfig) -> None:
+    pending = [t for c in chunks for _, t in c]
+    with tempfile.TemporaryDirectory(prefix="bench-research-") as work:
+        session = tool_session(pending, work_dir=Path(work), access=cfg.tools, data_dir=cfg.run.data_dir)
+        async with session as (tools, ready):
+            by_id = {t.task_id: t for t in ready}
+            for c in chunks:
+                start, name = time.monotonic(), f"q{c[0][0]:04d}+{len(c)}"
+                partial = folder / f"{name}.partial"
+                played = [by_id[t.task_id] for _, t in c]
+                report = await evaluate(played, tools=tools, cfg=cfg, episodes_out=partial)
+                partial.replace(folder / f"{name}.episodes.jsonl")  # a chunk counts once all of it is on disk
+                print(
+                    f"{cfg.run.policy} {name}: EM {report.success_rate:.3f} F1 {report.mean_reward:.3f} "
+                    f"{time.monotonic() - start:.0f} s",
+                    flush=True,
+                )
+
+
+def records_of(tasks: Sequence[Task], folder: Path, corpus: Path) -> list[dict]:
+    """The records of the questions of `tasks` that `folder` has episodes of, in task order; `corpus` holds the
+    split's pages (`write_corpus`)."""
+    episodes = recorded(folder)
+    out = []
+    for task in [t for t in tasks if t.task_id in episodes]:
+        pages = {p: (corpus / SPLIT / p).read_text(encoding="utf-8") for p in supporting_pages(task)}
+        out.append(record(task, episodes[task.task_id], pages=pages))
+    return out
+
+
+def results(policies: Sequence[str], record_sets: Sequence[list[dict]], *, n: int, available: int) -> dict:
+    """The JSON the benchmark writes: per policy its measures and records, the paired differences, the power."""
+    summaries = [summarise(rs) for rs in record_sets]
+    return {
+        "family": FAMILY,
+        "split": SPLIT,
+        "n": n,
+        "policies": {p: s for p, s in zip(policies, summaries, strict=True)},
+        "paired_vs_first": {
+            p: paired(record_sets[0], rs) for p, rs in zip(policies[1:], record_sets[1:], strict=True)
+        },
+        "power": power(record_sets, available=available),
+        "table": format_table(policies, summaries),
+        "records": {p: rs for p, rs in zip(policies, record_sets, strict=True)},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--policy", action="append", required=True, help="built-in name or checkpoint; repeat"
+    )
+    parser.add_argument(
+        "--n", type=int, default=12, help="the first n questions of corpus_qa dev (300 in all)"
+    )
+    parser.add_argument("--chunk", type=int, default=4, help="questions a chunk: the unit of resuming")
+    parser.add_argument("--set", dest="sets", action="append", default=[], help="eval setting key=value")
+    parser.add_argument("--recorded", action="store_true", help="tabulate what is recorded; play nothing")
+    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_research")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_research.json")
+    args = parser.parse_args()
+    every = task_data.load_family(FAMILY, SPLIT)
+    if not 0 < args.n <= len(every):
+        sys.exit(f"--n must be 1..{len(every)} (corpus_qa {SPLIT} has {len(every)} questions)")
+    tasks, sets = every[: args.n], [*RECIPE_SETS, *args.sets]
+    write_corpus([SPLIT], args.work / "corpus")
+    record_sets = []
+    for policy in args.policy:
+        folder = args.work / folder_name(policy)
+        if not args.recorded:
+            claim(folder, policy, sets)
+            play(policy, tasks, folder, chunk=args.chunk, sets=sets)
+        record_sets.append(records_of(tasks, folder, args.work / "corpus"))
+    found = results(args.policy, record_sets, n=args.n, available=len(every))
+    found["settings"] = sets
+    print(f"\n## corpus_qa dev, first {args.n} questions\n{found['table']}")
+    for policy, diff in found["paired_vs_first"].items():
+        print(
+            f"{policy} - {args.policy[0]}: F1 {diff['f1_diff']:+.3f} +- {diff['f1_diff_se']:.3f} (n {diff['n_shared']})"
+        )
+    p = found["power"]
+    print(f"power: {p['n']} questions detect d = {p['d']} (sd_diff {p['sd_diff']:.3f}, {p['sd_from']}); "
+          f"the {p['available']} dev questions detect {p['detectable_with_available']:.3f}")  # fmt: skip
+    args.out.write_text(json.dumps(found, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

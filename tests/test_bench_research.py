@@ -1,0 +1,174 @@
+"""benchmarks/studies/research: the per-question record and its failure category on hand-built corpus_qa episodes,
+the table's measures, the paired difference and the power calculation (pure; the data test skips without it)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks.studies.research.records import CATEGORIES, record, supporting_pages
+from benchmarks.studies.research.summary import detectable, paired, power, questions_needed, summarise
+from main_agent.types import Episode, ToolCall, ToolResult, Turn
+from training.tasks import Task
+from training.tasks.task import TaskMeta
+
+PAGES = {
+    "Bridge.md": "# Bridge\n\nThe album Tinted Windows was released by the band Tinted Windows.",
+    "Answer.md": "# Answer\n\nTinted Windows first performed in Tulsa, Oklahoma.",
+}
+
+
+def corpus_task(reference: str = "Tulsa") -> Task:
+    titles = ("Other", "Bridge", "Answer", "Answer of AB")
+    meta = TaskMeta(
+        supporting_titles=("Bridge", "Answer"),
+        page_titles=titles,
+        page_paths=("dev/Other.md", "dev/Bridge.md", "dev/Answer.md", "dev/XAnswer.md"),
+        split="dev",
+    )
+    return Task(
+        "corpus-q1",
+        "corpus_qa",
+        "Where did the band first perform?",
+        ("search", "page_qa"),
+        reference,
+        meta=meta,
+    )
+
+
+def url(name: str) -> str:
+    return f"file:///tmp/corpus/dev/{name}"
+
+
+def search(*names: str, ok: bool = True) -> Turn:
+    hits = {"hits": [{"id": f"d_{i}", "url": url(n), "title": n} for i, n in enumerate(names)]}
+    return turn(ToolResult("search", ok, "hits", None, 1.0, 0, 0, False, hits))
+
+
+def read(name: str, answer: str, *, ok: bool = True) -> Turn:
+    return turn(
+        ToolResult("page_qa", ok, answer, None, 1.0, 0, 0, False, {"url": url(name), "answer": answer})
+    )
+
+
+def turn(*results: ToolResult) -> Turn:
+    calls = [ToolCall(r.name, {}, "") for r in results]
+    return Turn([1], [0.0], [], "", "", calls, list(results), [], 0, 0.0, 0.0)
+
+
+def episode(*turns: Turn, answer: str | None = "Boston", stop: str = "answer") -> Episode:
+    return Episode("corpus-q1", "q", [1], list(turns), answer, stop, 0, 1.0, 1.0, 0.0)  # type: ignore[arg-type]
+
+
+def category(
+    *turns: Turn, answer: str | None = "Boston", stop: str = "answer", reference: str = "Tulsa"
+) -> str:
+    return record(corpus_task(reference), episode(*turns, answer=answer, stop=stop), pages=PAGES)["category"]
+
+
+def test_right_and_infra_failed_come_before_what_was_read():
+    """An exact match is `right` whatever was read; an episode the tools failed is `infra_failed` even if right."""
+    assert category(answer="tulsa.") == "right"
+    assert category(search("Answer.md"), answer="Tulsa", stop="infra_failed") == "infra_failed"
+
+
+def test_nothing_read_ok_is_no_read():
+    """Only a page_qa call that came back ok counts as a read: searches and failed reads give `no_read`."""
+    assert category() == "no_read"
+    assert category(search("Answer.md"), read("Answer.md", "Tulsa", ok=False)) == "no_read"
+
+
+def test_a_read_that_returned_the_gold_blames_the_final_answer_before_any_search_check():
+    """page_qa answered with the gold (as whole tokens) but the policy answered otherwise: `answer_not_from_read`,
+    even with one search on a two-hop question (the evidence reached it); an unanswered episode too."""
+    assert category(search("Answer.md"), read("Answer.md", "in Tulsa, Oklahoma")) == "answer_not_from_read"
+    assert category(search("Answer.md"), read("Answer.md", "Tulsa"), answer=None) == "answer_not_from_read"
+    assert category(search("Answer.md"), read("Answer.md", "Tulsans")) != "answer_not_from_read"
+
+
+def test_the_answer_page_read_without_the_gold_is_reader_missed():
+    """The page holding the gold was read and page_qa answered something else: `reader_missed`, even when the
+    bridge page was never read (the answer was on the page it read)."""
+    assert category(search("Answer.md"), read("Answer.md", "Oklahoma")) == "reader_missed"
+
+
+def test_answer_page_unread_on_one_search_is_no_second_search_before_wrong_hit():
+    """Two hops, one search, the answer page shown but not read: `no_second_search` (checked before
+    `wrong_hit_read`); with a second search it becomes `wrong_hit_read`."""
+    first = (search("Bridge.md", "Answer.md"), read("Bridge.md", "Tinted Windows"))
+    assert category(*first) == "no_second_search"
+    assert category(*first, search("Answer.md")) == "wrong_hit_read"
+
+
+def test_answer_page_never_shown_is_not_retrieved():
+    """Two searches whose hits never listed the answer page (a file whose name merely ends alike does not count):
+    `not_retrieved`; a failed search's hits are not shown."""
+    turns = (search("Bridge.md"), read("Bridge.md", "Tinted Windows"), search("XAnswer.md", "Other.md"))
+    assert category(*turns) == "not_retrieved"
+    assert category(*turns, search("Answer.md", ok=False)) == "not_retrieved"
+
+
+def test_a_gold_on_no_page_needs_both_pages_read():
+    """When no supporting page holds the gold (a yes/no answer), reading one page is not enough for
+    `reader_missed`: both must be read."""
+    one = (search("Bridge.md", "Answer.md"), read("Answer.md", "Tulsa"), search("Bridge.md"))
+    assert category(*one, answer="no", reference="yes") == "wrong_hit_read"
+    both = (*one, read("Bridge.md", "no"))
+    assert category(*both, answer="no", reference="yes") == "reader_missed"
+
+
+def test_record_counts_calls_and_marks_each_hop_read():
+    """The record scores the answer (EM, F1), counts searches and reads, and marks hop 1 (the first supporting
+    title) and hop 2 read by the page_qa URLs that came back ok."""
+    played = episode(
+        search("Bridge.md"), read("Answer.md", "Tulsa"), read("Bridge.md", "x", ok=False), answer="Tulsa OK"
+    )
+    got = record(corpus_task(), played, pages=PAGES)
+    assert supporting_pages(corpus_task()) == ["Bridge.md", "Answer.md"]
+    assert (got["searches"], got["reads"], got["tool_errors"], got["tool_results"]) == (1, 2, 1, 3)
+    assert (got["hop1_read"], got["hop2_read"], got["two_hop"]) == (False, True, True)
+    assert got["em"] == 0.0 and got["f1"] == pytest.approx(2 / 3)
+    assert got["category"] in CATEGORIES
+
+
+def rec(task_id: str, f1: float, *, category: str = "right", hops: tuple[bool, bool] = (True, True)) -> dict:
+    return {"task_id": task_id, "f1": f1, "em": float(f1 == 1.0), "answer": "a", "calls": 2, "searches": 1,
+            "reads": 1, "invalid_calls": 0, "two_hop": True, "hop1_read": hops[0], "hop2_read": hops[1],
+            "tool_errors": 1, "tool_results": 4, "category": category}  # fmt: skip
+
+
+def test_summary_leaves_infra_failures_out_of_scores_and_counts_both_pages_read():
+    """F1 and both-pages-read are over the episodes the tools did not fail; every category is counted."""
+    records = [rec("a", 1.0), rec("b", 0.0, hops=(True, False)), rec("c", 1.0, category="infra_failed")]
+    got = summarise(records)
+    assert (got["n"], got["n_infra_failed"], got["f1"], got["both_read"]) == (3, 1, 0.5, 0.5)
+    assert got["tool_error_rate"] == 0.25 and got["categories"]["infra_failed"] == 1
+
+
+def test_paired_difference_is_over_shared_scored_questions():
+    """The paired F1 difference is b - a over the questions both scored, with the sd of the differences."""
+    a = [rec("q1", 0.0), rec("q2", 0.5), rec("q3", 1.0), rec("q4", 0.0, category="infra_failed")]
+    b = [rec("q1", 1.0), rec("q2", 0.5), rec("q4", 1.0), rec("q5", 1.0)]
+    got = paired(a, b)
+    assert got["n_shared"] == 2 and got["f1_diff"] == 0.5
+    assert got["sd_diff"] == pytest.approx(math.sqrt(0.5)) and got["f1_diff_se"] == pytest.approx(0.5)
+
+
+def test_questions_needed_is_the_normal_paired_formula():
+    """n = ((1.96 + 0.84) sd / d)^2 rounded up, and `detectable` inverts it; more spread needs more questions."""
+    assert questions_needed(0.05, 0.4) == 503
+    assert detectable(503, 0.4) == pytest.approx(0.05, abs=1e-4)
+    assert questions_needed(0.05, 0.2) < questions_needed(0.05, 0.4)
+    assert power([[rec("q1", 0.0)]])["sd_from"].startswith("assumed")
+    one = power([[rec("q1", 0.0), rec("q2", 1.0)]], available=300)
+    assert one["sd_diff"] == pytest.approx(1.0) and one["available"] == 300
+
+
+def test_every_dev_question_has_two_supporting_pages_in_the_corpus(shared_data):
+    """corpus_qa dev (the benchmark's questions) has 300 questions, each with two supporting pages it can find."""
+    from training.tasks import load_family
+
+    tasks = load_family("corpus_qa", "dev", data_dir=shared_data)
+    assert len(tasks) == 300
+    assert all(len(supporting_pages(t)) == 2 for t in tasks)
