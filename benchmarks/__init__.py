@@ -1,7 +1,8 @@
 """The benchmarks, each run from the repository root as `python -m benchmarks.<package>.<module>`: it prints a
 table and writes JSON (and records) under benchmarks/results/.
 
-    studies/   one package per question a study answers: credit, learning, horizon, reader, rl (the chain)
+    studies/   one package per question a study answers: credit, learning, horizon, reader, rl (the chain),
+               research (corpus_qa dev question by question)
     perf/      one-shot performance benches: sub-agents, context, train, sampler, throughput, ray, slow_body,
                gpu_step (one training step on whatever device there is)
     common/    what several studies share: `conductor` stages and what episode files say

@@ -7,9 +7,9 @@
 Every policy plays the first n questions of corpus_qa dev (HotpotQA dev, 300 questions, its pages and every other
 question's pages as one searched corpus) as `conductor eval --task corpus_qa --split dev` plays them: greedy, the
 tools in this process, the shipped recipe's budgets (rollout.max_turns=8, max_new_tokens=192; `--set` changes
-them). Questions run in chunks (`--chunk`, one tool session and one policy load for the whole run); each chunk's
-episodes are kept in runs/bench_research/<policy>/ as they finish, so an interrupted run resumes at the first
-missing chunk, and a policy's folder refuses other settings. Each episode becomes a record (records.py: answer,
+them). Questions run in chunks (`--chunk`; one tool session for the run, the policy loaded per chunk); each chunk's
+episodes are kept in runs/bench_research/<policy>/ as they finish, so an interrupted run plays only the
+questions it has no episode of, and a policy's folder refuses other settings. Each episode becomes a record (records.py: answer,
 EM, F1, searches, reads, hop 1 and hop 2 read, the failure category); the table (summary.py) gives per policy
 answer rate, EM, F1, calls per question, both supporting pages read, tool error rate and the categories, and for
 two or more policies the paired F1 difference of each against the first over the questions both played. Power:
@@ -150,7 +150,10 @@ def main() -> None:
             play(policy, tasks, folder, chunk=args.chunk, sets=sets)
         record_sets.append(records_of(tasks, folder, args.work / "corpus"))
     found = results(args.policy, record_sets, n=args.n, available=len(every))
-    found["settings"] = sets
+    found |= {
+        "settings": sets,
+        "command": " ".join(["python -m benchmarks.studies.research.bench", *sys.argv[1:]]),
+    }
     print(f"\n## corpus_qa dev, first {args.n} questions\n{found['table']}")
     for policy, diff in found["paired_vs_first"].items():
         print(
