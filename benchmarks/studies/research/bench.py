@@ -9,8 +9,8 @@ question's pages as one searched corpus) as `conductor eval --task corpus_qa --s
 tools in this process, the shipped recipe's budgets (rollout.max_turns=8, max_new_tokens=192; `--set` changes
 them). Questions run in chunks (`--chunk`; one tool session for the run, the policy loaded per chunk); each chunk's
 episodes are kept in runs/bench_research/<policy>/ as they finish, so an interrupted run plays only the
-questions it has no episode of, and a policy's folder refuses other settings. Each episode becomes a record (records.py: answer,
-EM, F1, searches, reads, hop 1 and hop 2 read, the failure category); the table (summary.py) gives per policy
+questions it has no episode of, and a policy's folder refuses other settings. Each episode becomes a record
+(records.py: answer, EM, F1, searches, reads, hop 1 and hop 2 read, the failure category); the table (summary.py) gives per policy
 answer rate, EM, F1, calls per question, both supporting pages read, tool error rate and the categories, and for
 two or more policies the paired F1 difference of each against the first over the questions both played. Power:
 the questions a paired comparison needs to detect 0.05 F1 (summary.power). Records, tables and power go to
@@ -157,7 +157,8 @@ def main() -> None:
     print(f"\n## corpus_qa dev, first {args.n} questions\n{found['table']}")
     for policy, diff in found["paired_vs_first"].items():
         print(
-            f"{policy} - {args.policy[0]}: F1 {diff['f1_diff']:+.3f} +- {diff['f1_diff_se']:.3f} (n {diff['n_shared']})"
+            f"{policy} - {args.policy[0]}: F1 {diff['f1_diff']:+.3f} +- {diff['f1_diff_se']:.3f} "
+            f"(n {diff['n_shared']})"
         )
     p = found["power"]
     print(f"power: {p['n']} questions detect d = {p['d']} (sd_diff {p['sd_diff']:.3f}, {p['sd_from']}); "
