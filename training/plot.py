@@ -80,9 +80,16 @@ def plot_run(run_dir: Path) -> list[Path]:
         ax.set(title=panel.title, xlabel="step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-        fig.tight_layout()
-        path = out / f"{panel.name}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        written.append(save_figure(fig, out / f"{panel.name}.png"))
     return written
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay `fig` out, write it to `path` as a 100-dpi PNG (its folder made) and free it: every plot's last step."""
+    from matplotlib import pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -98,6 +98,7 @@ from training.advantages import BranchValues, branch_advantages, group_advantage
 from training.branching import sampled_tokens
 from training.config import TrainConfig, config_to_dict, load_train_config, with_device_sizes
 from training.play import tool_session
+from training.plot import save_figure
 from training.step import episode_credits, score
 from training.tasks import Task
 
@@ -262,11 +263,7 @@ def plot(rows: Sequence[dict], out: Path) -> Path:
         )
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize="small")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 @dataclass(frozen=True)

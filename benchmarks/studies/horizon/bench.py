@@ -43,6 +43,7 @@ from benchmarks import ROOT
 from benchmarks.common.stages import conductor, train_to, warm_start_sha
 from training.checkpoint import find_latest
 from training.metrics import read_metrics
+from training.plot import save_figure
 
 CONFIG = ROOT / "examples" / "train_audit.toml"
 CREDITS = {  # credit mode -> its settings at equal sampled-token budgets (see the module docstring)
@@ -228,11 +229,7 @@ def plot(rows: list[dict], n: int, out: Path) -> Path:
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def parse_args() -> argparse.Namespace:

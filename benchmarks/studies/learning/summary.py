@@ -32,6 +32,7 @@ from pathlib import Path
 
 from benchmarks.common.episodes import how_sure
 from training.metrics import load_episodes, read_metrics
+from training.plot import save_figure
 
 K = 5
 """Steps averaged at each end of a curve."""
@@ -425,11 +426,7 @@ def plot(report: Mapping, out: Path) -> Path:
     ax.set(title="plate_reading: graded reward while training", xlabel="step", ylabel="reward (graded)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def _share(trained: Sequence[Mapping]) -> float:

@@ -43,6 +43,7 @@ from training.config import load_train_config
 from training.evaluate import EvalConfig, in_flight, summarise
 from training.metrics import read_metrics
 from training.play import tool_session
+from training.plot import save_figure
 from training.sft import play_experts
 
 CREDITS = ("outcome", "turn")
@@ -186,11 +187,7 @@ def plot_rewards(family: Family, rl_dirs: dict[str, Path], out: Path) -> Path:
     ax.set(title=f"{family.name}: final reward of the training episodes", xlabel="step", ylabel="reward")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def bench_family(family: Family, opts: Options) -> dict:
