@@ -202,11 +202,12 @@ async def _answer(request: Request, cfg: Config, rt: Runtime[None]) -> Response:
 
 async def _reply(prep: Prepared, question: str, *, cfg: Config, rt: Runtime[None]) -> Reply:
     """The answer in `cfg.answer_mode` (module docstring)."""
-    messages = build_prompt(["\n".join(chunk) for chunk in prep.top], question)
+    chunks = ["\n".join(chunk) for chunk in prep.top]
+    messages = build_prompt(chunks, question)
     sentences = page_sentences(prep.top)
     mode = chosen_mode(cfg, rt.llm)
     if mode == "extract":
-        return await _extract(prep, question, messages, cfg=cfg, rt=rt)
+        return await _extract(sentences, chunks, question, messages, cfg=cfg, rt=rt)
     generation = await rt.llm.generate(messages, max_new_tokens=cfg.max_new_tokens)
     said, read = clean_answer(generation.text, cfg.max_answer_chars), generation.prompt_tokens
     if mode == "free":
@@ -219,16 +220,21 @@ async def _reply(prep: Prepared, question: str, *, cfg: Config, rt: Runtime[None
 
 
 async def _extract(
-    prep: Prepared, question: str, messages: list[Message], *, cfg: Config, rt: Runtime[None]
+    sentences: list[str],
+    chunks: list[str],
+    question: str,
+    messages: list[Message],
+    *,
+    cfg: Config,
+    rt: Runtime[None],
 ) -> Reply:
-    """ "extract": the page's candidate spans and "not in the page" scored by the model (and, with a PMI weight,
-    by the prior's prompt too), the answer picked by `spans.choose`."""
+    """ "extract": the candidate spans of the shown `sentences` and "not in the page" scored by the model (and,
+    with a PMI weight, under the prior's prompt of the same `chunks` too), the answer picked by `spans.choose`."""
     rule = cfg.extract
-    found = spans.candidates(page_sentences(prep.top), question, limit=rule.max_candidates)
+    found = spans.candidates(sentences, question, limit=rule.max_candidates)
     replies = [c.span.text for c in found] + [NOT_FOUND]
     prompts = [messages]
     if rule.pmi_weight:
-        chunks = ["\n".join(chunk) for chunk in prep.top]
         prompts.append(prior_prompt(chunks) if rule.prior == "page" else bare_prompt())
     scores = [await rt.llm.score(prompt, replies) for prompt in prompts]
     best = spans.choose(found, scores[0], scores[1] if rule.pmi_weight else None, question, rule)
