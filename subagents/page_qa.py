@@ -61,9 +61,7 @@ SYSTEM_PROMPT = (
 # Whitespace after . ! ? possibly followed by a closing quote or bracket, or a citation mark such as [12].
 _SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')\]”’])|(?<=[.!?]\[\d\])|(?<=[.!?]\[\d\d\]))\s+")
 # A full stop that ends an initial or a title, not a sentence: "K.", "U.S.", "Dr.", "St." (the piece's last word).
-_NOT_AN_END = re.compile(
-    r"(?:^|[\s(])(?:[A-Z]|(?:[A-Za-z]\.)+[A-Za-z]|Mr|Mrs|Ms|Dr|Prof|St|Jr|Sr|Mt|Ft|vs)\.$"
-)
+_NOT_AN_END = re.compile(rf"(?:^|[\s(]){spans.ABBREVIATIONS}\.$")
 NOT_FOUND = "not in the page"  # the reply when the page does not say (the prompt asks for these words)
 _SAYS_NOT_FOUND = re.compile(
     r"not (in|on) the (page|text)|(does|do) not (say|mention|state)|not mentioned|no (answer|information)",

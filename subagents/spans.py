@@ -54,7 +54,9 @@ _NUMERIC = re.compile(
 )
 # A word a name goes on after although a full stop follows it: an initial ("James K. Polk"), a dotted
 # abbreviation ("U.S. Army") or a title ("St. Louis").
-_ABBREVIATION = re.compile(r"^(?:[A-Z]|(?:[A-Za-z]\.)+[A-Za-z]|Mr|Mrs|Ms|Dr|Prof|St|Jr|Sr|Mt|Ft)$")
+ABBREVIATIONS = r"(?:[A-Z]|(?:[A-Za-z]\.)+[A-Za-z]|Mr|Mrs|Ms|Dr|Prof|St|Jr|Sr|Mt|Ft|vs)"
+"""Words a full stop follows without ending a name or a sentence (page_qa's sentence split uses it too)."""
+_ABBREVIATION = re.compile(rf"^{ABBREVIATIONS}$")
 
 
 @dataclass(frozen=True)
