@@ -194,11 +194,12 @@ def test_evidence_read_counts_a_served_read_of_a_supporting_page():
 def test_episodes_in_flight_follow_the_device_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
     """Evaluation sizes its episodes in flight by training's rule: 8 on a CPU (as before), 256 on an H200-sized
     GPU; a set value stays."""
+    import training.config
     from training import evaluate as evaluate_module
 
     monkeypatch.setattr(evaluate_module, "default_device", lambda: "cpu")
     assert evaluate_module.in_flight(EvalConfig()).max_concurrent_episodes == 8
     monkeypatch.setattr(evaluate_module, "default_device", lambda: "cuda")
-    monkeypatch.setattr(evaluate_module, "device_memory_gib", lambda device: 139.8)
+    monkeypatch.setattr(training.config, "device_memory_gib", lambda device: 139.8)  # device_sizes asks it
     assert evaluate_module.in_flight(EvalConfig()).max_concurrent_episodes == 256
     assert evaluate_module.in_flight(EvalConfig(max_concurrent_episodes=3)).max_concurrent_episodes == 3

@@ -222,8 +222,9 @@ GPU_CAPS = DeviceSizes(micro_batch_tokens=65_536, max_concurrent_episodes=256)
 """The largest a GPU gets: the sizes measured on an H200 (docs/training.md, "On a GPU")."""
 
 
-def device_sizes(device: str, memory_gib: float = 0.0) -> DeviceSizes:
-    """The sizes for a model on `device` ("cpu", "cuda", "cuda:N") with `memory_gib` of device memory.
+def device_sizes(device: str, memory_gib: float | None = None) -> DeviceSizes:
+    """The sizes for a model on `device` ("cpu", "cuda", "cuda:N") with `memory_gib` of device memory (None: asked
+    of the device).
 
     CPU (and anything not CUDA): `CPU_SIZES`, unchanged. A GPU: 512 micro-batch tokens and 2 episodes in flight
     per GiB of its memory, each rounded down to a power of two, no less than the CPU's and no more than
@@ -237,6 +238,7 @@ def device_sizes(device: str, memory_gib: float = 0.0) -> DeviceSizes:
     """
     if not device.startswith("cuda"):
         return CPU_SIZES
+    memory_gib = device_memory_gib(device) if memory_gib is None else memory_gib
     low, high = CPU_SIZES, GPU_CAPS
     return DeviceSizes(
         micro_batch_tokens=_power_of_two(512 * memory_gib, low.micro_batch_tokens, high.micro_batch_tokens),
@@ -259,7 +261,7 @@ def with_device_sizes(cfg: TrainConfig, device: str, *, memory_gib: float | None
     (training/learner.py), and the run uses and saves what it returns; a caller without a learner (the sampler
     built directly, a benchmark) with `cfg.device`."""
     device = default_device() if device == "auto" else device
-    sizes = device_sizes(device, device_memory_gib(device) if memory_gib is None else memory_gib)
+    sizes = device_sizes(device, memory_gib)
     unset = {
         name: getattr(sizes, name)
         for name in ("micro_batch_tokens", "max_concurrent_episodes")

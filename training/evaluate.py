@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from conductor.models import default_device, device_memory_gib
+from conductor.models import default_device
 from conductor.settings import ConfigError, load_settings, shared
 from main_agent.backends import load_policy
 from main_agent.policy import Policy, SamplingConfig
@@ -286,7 +286,7 @@ def in_flight(cfg: EvalConfig) -> EvalConfig:
     if cfg.max_concurrent_episodes is not None:
         return cfg
     device = default_device()
-    n = device_sizes(device, device_memory_gib(device)).max_concurrent_episodes
+    n = device_sizes(device).max_concurrent_episodes
     logger.info("sized for %s: max_concurrent_episodes %d", device, n)
     return dataclasses.replace(cfg, max_concurrent_episodes=n)
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from conductor.models import device_memory_gib, portable_adapter
+from conductor.models import portable_adapter
 from conductor.settings import load_settings, shared
 from main_agent.backends import load_policy
 from main_agent.policy import Sample, SamplingConfig
@@ -326,8 +326,7 @@ def micro_batch_tokens(cfg: SFTConfig, device: str, *, memory_gib: float | None 
     the device), as training's learner chooses it."""
     if cfg.micro_batch_tokens is not None:
         return cfg.micro_batch_tokens
-    memory = device_memory_gib(device) if memory_gib is None else memory_gib
-    return device_sizes(device, memory).micro_batch_tokens
+    return device_sizes(device, memory_gib).micro_batch_tokens
 
 
 def run_sft(cfg: SFTConfig) -> SFTReport:

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from conductor.heap import trim_heap
-from conductor.models import device_memory_gib
 from main_agent.tokens import Batch, TrainSequence, collate, micro_batches
 from training.config import TrainConfig, device_sizes
 from training.loss import LossOutput, batch_logprobs, policy_loss
@@ -169,7 +168,7 @@ def accumulate_gradients(
     sums = {"pg": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0}
     device = str(next(model.parameters()).device)
     # A run's learner set the size (training/learner.py); a direct call with it unset gets its model's device's.
-    tokens = cfg.micro_batch_tokens or device_sizes(device, device_memory_gib(device)).micro_batch_tokens
+    tokens = cfg.micro_batch_tokens or device_sizes(device).micro_batch_tokens
     chunks = micro_batches(sequences, max_tokens=tokens, share_prefix=cfg.share_prefix)
     finite = True
     for chunk in chunks if dp is None else chunks[dp.rank :: dp.world]:
