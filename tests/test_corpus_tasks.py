@@ -51,7 +51,8 @@ MUSIQUE = dataclasses.replace(
         corpus="/corpus",
     ),
 )
-HITS = {  # query word -> hit files, best first
+HITS = {  # query word -> hit files, best first (the first key found in the query)
+    "France": ["France.md", "Berlin.md", "Paris.md"],
     "Paris": ["Berlin.md", "Paris.md", "Other.md", "France.md"],
     "publisher": ["Other.md", "The_Journal.md"],
     "president": ["APA.md", "Other.md"],
@@ -94,17 +95,36 @@ def calls(episode: Episode) -> list[list[tuple[str, dict[str, object]]]]:
     return [[(c.name, c.arguments) for c in turn.calls] for turn in episode.turns]
 
 
-async def test_corpus_oracle_searches_then_reads_the_supporting_hits_then_answers():
-    """HotpotQA: search with the question, then page_qa on one hit, the top one (a rule the policy can follow
-    from what it saw), then the answer; the page it reads is named by the handle search showed."""
+async def test_corpus_oracle_chains_a_second_search_from_what_the_first_read_answered():
+    """HotpotQA (two supporting pages): search with the question, read the top hit, search with the question and
+    what that read answered, read the two best hits not read yet, answer; every argument is the question, a
+    handle search showed or the span a read returned."""
     episode = await play(HOTPOT)
     q = HOTPOT.question
     assert calls(episode) == [
         [("search", {"query": q})],
         [("page_qa", {"url": doc("Berlin.md"), "question": q})],
+        [("search", {"query": f"{q} France"})],
+        [
+            ("page_qa", {"url": doc("France.md"), "question": q}),
+            ("page_qa", {"url": doc("Paris.md"), "question": q}),
+        ],
         [],
     ]
     assert episode.answer == "France" and not any(t.parse_errors for t in episode.turns)
+
+
+async def test_corpus_oracle_reads_one_page_of_a_one_page_question():
+    """A question with one page (research_corpus): one search, one read of the top hit, the answer."""
+    single = dataclasses.replace(HOTPOT, meta=dataclasses.replace(HOTPOT.meta, supporting_titles=()))
+    episode = await play(single)
+    q = single.question
+    assert calls(episode) == [
+        [("search", {"query": q})],
+        [("page_qa", {"url": doc("Berlin.md"), "question": q})],
+        [],
+    ]
+    assert episode.answer == "France"
 
 
 async def test_corpus_oracle_goes_hop_by_hop_with_a_search_each():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -22,6 +23,7 @@ from training.play import rollout_task, tool_session
 from training.sft import (
     OraclePolicy,
     SFTConfig,
+    family_tasks,
     generate_expert_episodes,
     load_sft_config,
     masked_nll,
@@ -311,6 +313,24 @@ def test_sft_settings_read_overrides_as_toml():
         load_sft_config(["epoch=2"])
     with pytest.raises(ValueError, match="set rollout.max_new_tokens instead"):
         load_sft_config(["max_new_tokens=320"])
+
+
+def test_sft_limits_give_each_family_its_own_number_of_tasks(shared_data):
+    """`limits` takes the first n tasks of each family in `tasks`' order; without it `limit` holds for all;
+    a list of another length than `tasks` is refused with both lengths named."""
+    cfg = load_sft_config(
+        [
+            'tasks=["corpus_qa", "plate_reading"]',
+            "limit=2",
+            "limits=[3, 1]",
+            f"data_dir={json.dumps(str(shared_data))}",
+        ]
+    )
+    families = [t.family for t in family_tasks(cfg, "train", cfg.run.limit, cfg.limits)]
+    assert families == ["corpus_qa"] * 3 + ["plate_reading"]
+    assert len(family_tasks(cfg, "train", cfg.run.limit)) == 4
+    with pytest.raises(ValueError, match="limits has 1 values for 2 tasks"):
+        load_sft_config(['tasks=["corpus_qa", "plate_reading"]', "limits=[3]"])
 
 
 # ---------------------------------------------------------------- fine-tuning a tiny model

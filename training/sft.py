@@ -217,6 +217,9 @@ class SFTConfig:
     keys of this table."""
     tasks: tuple[str, ...] = ("multihop_pages", "plate_reading")
     """Task families to demonstrate (keys of `training.tasks.FAMILIES`)."""
+    limits: tuple[int, ...] = ()
+    """Tasks of each family in `tasks`, in its order, where families need different numbers (one whose expert
+    succeeds less often needs more tasks for as many demonstrations); empty: `limit` for every family."""
     items: tuple[int, ...] = (1, 2, 4)
     """Item families (plate_audit, multihop_batch): one set of `limit` tasks per value, a mix of horizons, so the
     policy has recorded and folded before RL grows N."""
@@ -247,6 +250,12 @@ class SFTConfig:
     tools: ToolAccess = field(default_factory=ToolAccess)
     """The tool server (`[tools]`): a running one, or one in this process set up for the tasks."""
 
+    def __post_init__(self) -> None:
+        if self.limits and len(self.limits) != len(self.tasks):
+            raise ValueError(
+                f"limits has {len(self.limits)} values for {len(self.tasks)} tasks: one a family"
+            )
+
 
 MOVED = {"max_new_tokens": "rollout.max_new_tokens", "tools_url": "tools.url"}
 """The flat keys of earlier versions and where each went."""
@@ -258,14 +267,15 @@ def load_sft_config(overrides: Sequence[str], path: Path | None = None) -> SFTCo
     return load_settings(SFTConfig, path, overrides, moved=MOVED)
 
 
-def _tasks(cfg: SFTConfig, split: str, limit: int | None) -> list[Task]:
-    """`limit` tasks of each family (of each horizon in `items`, for item families)."""
-    load = functools.partial(task_data.load_family, split=split, data_dir=cfg.run.data_dir, limit=limit)
+def family_tasks(cfg: SFTConfig, split: str, limit: int | None, limits: Sequence[int] = ()) -> list[Task]:
+    """`limit` tasks of each family, or its own of `limits` (of each horizon in `items`, for item families)."""
+    load = functools.partial(task_data.load_family, split=split, data_dir=cfg.run.data_dir)
+    own = dict(zip(cfg.tasks, limits, strict=True)) if limits else {}
     return [
         t
         for family in cfg.tasks
         for n in (cfg.items if family in task_data.ITEM_FAMILIES else (None,))
-        for t in load(family, items=n)
+        for t in load(family, limit=own.get(family, limit), items=n)
     ]
 
 
@@ -289,8 +299,8 @@ class SFTReport:
 async def _demonstrate_and_learn(cfg: SFTConfig, policy: TransformersPolicy, tokenizer) -> SFTReport:
     """Evaluate on dev, play the oracle on train, fine-tune `policy.model`, evaluate again (all in one tool
     session)."""
-    train = _tasks(cfg, cfg.run.split, cfg.run.limit)
-    dev = _tasks(cfg, cfg.eval_split, cfg.eval_n) if cfg.eval_n else []
+    train = family_tasks(cfg, cfg.run.split, cfg.run.limit, cfg.limits)
+    dev = family_tasks(cfg, cfg.eval_split, cfg.eval_n) if cfg.eval_n else []
     # the run's seed; the policy and the tasks are handed to evaluate_policy below
     eval_cfg = EvalConfig(
         run=cfg.run, max_concurrent_episodes=cfg.max_concurrent_episodes, rollout=cfg.rollout
