@@ -14,9 +14,9 @@ with the hop's question (`#k` filled from the answer it observed for hop k), pag
 last hop the answer. A question with one page (research_corpus) is one search and one read. Each is a rule a small
 policy can follow from what it saw: the best match is read first (demonstrations that read a lower hit when the
 metadata knew it was the supporting page taught a 135M policy to read the second hit whatever the question), and
-every argument is the question, a handle search showed or a span a read returned. The answer is the reference
-where a read showed it, else what the last read answered; a demonstration whose reads never showed the answer fails
-and is not imitated.
+every argument is the question, a handle search showed or a span a read returned. The answer is a read's answer
+copied as written where one is right, else the reference where a read showed it (inside a quote), else what the
+last read answered; a demonstration whose reads never showed the answer fails and is not imitated.
 
 Why the second search adds the first read's answer to the question: on the first 60 HotpotQA train questions the
 top hit of the question was a supporting page for 43; for those, the other supporting page was the best unread hit
@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from main_agent.types import Turn
-from training.rewards import contains_evidence
+from training.rewards import contains_evidence, exact_match
 from training.tasks import multihop
 from training.tasks.task import NO_ANSWER, Task, answer_text, call_text, data_root, payload_field
 
@@ -188,10 +188,14 @@ def _top_hit(hits: list[tuple[str, str]]) -> list[str]:
 
 
 def _from_reads(task: Task, turns: list[Turn], answers: dict[int, str], trust_reference: bool) -> str:
-    """The reference when a reading turn among `turns` showed it (or when trusted), else what the last read
-    answered."""
-    reads = [r for t in turns if t.calls and t.calls[0].name == "page_qa" for r in t.results]
-    seen = "\n".join(r.observation for r in reads if r.ok)
+    """A read's answer copied as written where one is the reference (normalised); else the reference when a
+    reading turn among `turns` showed it (or when trusted); else what the last read answered. Copying an answer
+    is what a small policy learns; a gold span inside a quote it rarely picks out."""
+    reads = [r for t in turns if t.calls and t.calls[0].name == "page_qa" for r in t.results if r.ok]
+    copied = [a for r in reads if exact_match(a := str(payload_field(r, "answer") or ""), task.reference)]
+    if copied:
+        return copied[-1]
+    seen = "\n".join(r.observation for r in reads)
     if trust_reference or (seen and contains_evidence(seen, task.reference)):
         return task.reference
     useful = [a for _, a in sorted(answers.items()) if a != NO_ANSWER]
