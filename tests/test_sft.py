@@ -30,6 +30,7 @@ from training.sft import (
     sft,
 )
 from training.tasks import Task, TaskMeta, multihop, plates, video
+from training.tasks.task import NO_ANSWER
 
 
 def pages(task_id: str, titles: list[str]) -> tuple[Attachment, ...]:
@@ -109,13 +110,11 @@ PHOTO_NAMES = {photo(n).handle: n for n in ("good", "blurry", "late")}  # the fa
 CFG = RolloutConfig(max_turns=10, max_new_tokens=1024, max_context_tokens=32768)
 SFT = SFTConfig(rollout=CFG)
 # What find_text sees in every photo: a caption, the plate (the gold box is [400, 300, 470, 330]) and a sign.
-# late.jpg's plate region is boxed loosely too: a second region overlapping the plate, tried after the first.
 REGIONS = [
     {"id": "r1", "box": [100, 50, 300, 90], "score": 0.95, "label": "line"},
     {"id": "r2", "box": [405, 302, 468, 328], "score": 0.80, "label": "plate-like"},
     {"id": "r3", "box": [600, 400, 660, 420], "score": 0.70, "label": "plate-like"},
 ]
-LOOSE = {"id": "r4", "box": [380, 280, 520, 360], "score": 0.65, "label": "plate-like"}
 ANSWERS = {
     "The Journal": "the American Psychological Association",
     "American Psychological": "G. Stanley Hall",
@@ -132,7 +131,7 @@ def image_result(op: str, image_id: str, **fields: object) -> dict[str, object]:
 async def tools_handler(name: str, arguments: dict[str, object]) -> dict[str, object]:
     """Results shaped like the real sub-agents', payload fields included. Attached photo X is img_X here; an
     image's zoom is its id plus "z" and the region's id, an autocontrast its id plus "a"; reads of good's zooms
-    and of late's zoom on the loose region (r4) show the plate, every other read only "CALIFORNIA"."""
+    and of late's zoom on the plate's region (r2) show the plate, every other read only "CALIFORNIA"."""
     if name == "page_qa":
         question = str(arguments["question"])
         answer = next((a for k, a in ANSWERS.items() if k in question), "France")
@@ -144,12 +143,12 @@ async def tools_handler(name: str, arguments: dict[str, object]) -> dict[str, ob
     op, image = str(arguments["op"]), str(arguments["image"])
     image = "img_" + PHOTO_NAMES[image] if image in PHOTO_NAMES else image
     if op == "find_text":
-        return image_result(op, image, boxes=REGIONS + ([LOOSE] if "late" in image else []))
+        return image_result(op, image, boxes=REGIONS)
     if op == "zoom":
         return image_result(op, f"{image}z{arguments['region']}")
     if op == "autocontrast":
         return image_result(op, image + "a")
-    shows = image.startswith("img_good") or image == "img_latezr4"  # late: the loose region only
+    shows = image.startswith("img_good") or image == "img_latezr2"  # late: the plate's region only
     return image_result(op, image, text="7ABC 123\nCALIFORNIA" if shows else "CALIFORNIA")
 
 
@@ -243,13 +242,13 @@ def test_independent_hops_go_out_together():
 
 
 async def test_plate_oracle_finds_text_zooms_on_a_found_region_reads_then_answers():
-    """find_text on the attached photo -> zoom on the region overlapping the plate, by its id -> read -> answer."""
+    """find_text on the attached photo -> zoom on its first region, by its id -> read -> answer the plate."""
     episode = await play(PLATE)
     good = PLATE.attachments[0].handle
     assert calls(episode) == [
         [("image_ops", {"op": "find_text", "image": good})],
-        [("image_ops", {"op": "zoom", "image": good, "region": "r2"})],
-        [("image_ops", {"op": "read", "image": "img_goodzr2"})],
+        [("image_ops", {"op": "zoom", "image": good, "region": "r1"})],
+        [("image_ops", {"op": "read", "image": "img_goodzr1"})],
         [],
     ]
     assert episode.answer == "7ABC123"
@@ -257,16 +256,12 @@ async def test_plate_oracle_finds_text_zooms_on_a_found_region_reads_then_answer
     assert_seen_before_written(episode)
 
 
-async def test_plate_oracle_retries_with_autocontrast_then_the_next_region():
-    """A read without a plate-like line: autocontrast the zoom and read again; still none: zoom on the next
-    region that overlaps the plate, read, answer."""
+async def test_plate_oracle_retries_the_next_region_when_a_read_shows_no_plate():
+    """A read without plate-shaped text: zoom on find_text's next region, read, answer the plate."""
     episode = await play(LATE)
-    assert [c[0][1]["op"] for c in calls(episode)[:-1]] == [
-        "find_text", "zoom", "read", "autocontrast", "read", "zoom", "read",
-    ]  # fmt: skip
-    assert calls(episode)[3] == [("image_ops", {"op": "autocontrast", "image": "img_latezr2"})]
-    assert calls(episode)[5] == [
-        ("image_ops", {"op": "zoom", "image": LATE.attachments[0].handle, "region": "r4"})
+    assert [c[0][1]["op"] for c in calls(episode)[:-1]] == ["find_text", "zoom", "read", "zoom", "read"]
+    assert calls(episode)[3] == [
+        ("image_ops", {"op": "zoom", "image": LATE.attachments[0].handle, "region": "r2"})
     ]
     assert_clean(episode, LATE)
     assert_seen_before_written(episode)
@@ -283,10 +278,10 @@ async def test_video_oracle_summarises_with_the_question_then_answers():
 
 
 async def test_oracle_states_the_reference_only_when_an_observation_showed_it():
-    """Reads that never show the plate make the oracle answer what it read; such episodes are not kept,
-    unless the oracle is told to trust the reference."""
+    """Reads that never show a plate-shaped text make the oracle answer it could not read it; such episodes are
+    not kept, unless the oracle is told to trust the reference."""
     blurry = await play(BLURRY)
-    assert blurry.answer == "CALIFORNIA"
+    assert blurry.answer == NO_ANSWER
     tokenizer = ByteChatTokenizer()
     async with tools() as client:
         kept = await generate_expert_episodes([PLATE, BLURRY], client, tokenizer, SFT)

@@ -9,10 +9,15 @@ Reward and success: `plate_match` (letters and digits only, case-insensitive); `
 credit (`plate_similarity`: 1 - normalised edit distance), what a run with `reward_kind = "graded"` trains on.
 
 Expert: find_text on the attached photo (where text is, never what it says) -> zoom on a returned region by its
-id (image_ops adds the margin) -> read -> answer. The region is the returned one overlapping the gold box most
-(the only use of the metadata: it picks among what find_text showed). When a read shows no plate-like text it
-retries: first an autocontrast of the zoomed image, then the next overlapping region, before answering its best
-reading.
+id (image_ops adds the margin) -> read -> answer the read's plate-shaped text (`plate_shaped`: letters and digits
+in a plate's length, not a state, city, date or dealer line), a rule the policy can see, never the label it
+cannot. When a read holds no plate-shaped text it retries, up to MAX_ATTEMPTS zoomed reads: the next region, or
+when none is left an autocontrast of the first zoom; then it answers NO_ANSWER. The regions are tried in
+find_text's order (r1, the largest, first), as the policy sees them: the expert uses no metadata, so every
+demonstration is one the policy can follow (docs/plates.md weighs this against zooming the plate's region
+first). A refused call
+(an evicted or mistyped image) is made good from the photo's handle, always valid; after MAX_REFUSALS refused
+calls it answers what it has, and plate_audit moves on to the next photo.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from main_agent.types import ToolResult, Turn
+from main_agent.types import ToolCall, ToolResult, Turn
 from subagents.handles import Attachment, file_key
 from training.rewards import normalize_plate, plate_match, plate_similarity
 from training.tasks.task import (
@@ -34,14 +39,18 @@ from training.tasks.task import (
     context_lines,
     hash_split,
     payload_field,
-    results,
 )
 
 NAME = "plate_reading"
 QUESTION = "What is the licence plate number?"
-# A reading that looks like a plate: 4-9 letters and digits with both present (vanity plates without digits
-# read as not plate-like and get the retry, which costs a few turns, not the answer).
-_PLATE_LIKE = re.compile(r"^(?=.*[A-Z])(?=.*\d)[A-Z\d]{4,9}$")
+# Plate-shaped text, the rule the expert answers by (`plate_shaped`): 5-8 letters and digits with at least one digit.
+# Chosen on the US train photos' reads, reported on the EU photos' (docs/plates.md): every US and EU plate in the
+# shared data is 5-8 characters long; a read line of letters alone is a state, a city or a dealer (the few vanity
+# plates without a digit are given up), one of 9+ characters a phone number, a web address or a frame run together.
+PLATE_LENGTH = (5, 8)
+# Letters a plate opens with before its first digit, at most: where a line runs a city into the plate
+# ("PRCURITIBAAZJ6991"), the plate is the digit's run with at most this many letters before it.
+PLATE_LEAD = 3
 
 
 def reward(answer: str, reference: str) -> float:
@@ -81,80 +90,145 @@ def prepared(tasks: Sequence[Task], work_dir: Path, *, data_dir: Path | None = N
     yield list(tasks)
 
 
-# ---------------------------------------------------------------- the expert
+# ---------------------------------------------------------------- plate-shaped text
 
 
-def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool) -> str:
-    """The next step of find_text -> zoom -> read (-> autocontrast -> read -> next region) -> answer."""
-    images = context_lines(task, "Image")
-    if not images or task.meta.plate_box is None:
-        raise ValueError(f"task {task.task_id} has no image line in its context or no plate box")
-    done = [r for r in results(turns) if r.name == "image_ops"]
-    if not done:
-        return call_text("image_ops", op="find_text", image=images[0])
-    last = done[-1]
-    step = _next_step(task, images[0], done) if last.ok else None
-    return step or answer_text(_answer(task, done, trust_reference))
+def plate_shaped(text: str) -> str | None:
+    """The plate-shaped part of a read, normalised (A-Z, 0-9), or None when it holds none: the expert's answer.
 
-
-def _next_step(task: Task, photo: str, done: list[ToolResult]) -> str | None:
-    """The call that follows the last result, or None when it is time to answer."""
-    last, op = done[-1], payload_field(done[-1], "op")
-    if op in ("zoom", "autocontrast"):
-        return call_text("image_ops", op="read", image=str(payload_field(last, "image_id")))
-    if op == "find_text" or (op == "read" and not _plate_reads(done)):
-        return _retry(task, photo, done)
+    In order of trust: a whole line that is plate-shaped (`is_plate_shaped`: "YG9-X2G", "K17 9658"); else the
+    longest run of a line's words that is ("TEXAS CRK-4732" -> CRK4732); else, inside a word run together past
+    the plate's length ("PRCURITIBAAZJ6991"), its first digit with at most PLATE_LEAD letters before it and what
+    follows, up to the longest plate (AZJ6991). Within a tier, letters and digits beat digits alone (a sticker's
+    number, a year), then the read's order."""
+    lines = text.splitlines()
+    for tier in (_whole_line, _word_run, _run_together):
+        found = [plate for line in lines if (plate := tier(line))]
+        if found:
+            return min(found, key=str.isdigit)  # the first with a letter, else the first
     return None
 
 
-def _retry(task: Task, photo: str, done: list[ToolResult]) -> str | None:
-    """After find_text or a failed read: autocontrast the last zoom once, else zoom on the next region."""
-    ops = [payload_field(r, "op") for r in done]
-    zooms = [r for r in done if payload_field(r, "op") == "zoom"]
-    if ops[-1] == "read" and zooms and ops[-2] == "zoom":
-        return call_text("image_ops", op="autocontrast", image=str(payload_field(zooms[-1], "image_id")))
-    regions = _regions(task, done)
-    if len(zooms) >= len(regions):
+def is_plate_shaped(text: str) -> bool:
+    """PLATE_LENGTH letters and digits with at least one digit (after `normalize_plate`), and not a date."""
+    plate = normalize_plate(text)
+    fits = PLATE_LENGTH[0] <= len(plate) <= PLATE_LENGTH[1] and any(c.isdigit() for c in plate)
+    return fits and not _DATE.search(text)
+
+
+_DATE = re.compile(r"\b\d{1,2}[/.]\d{1,2}[/.]\d{2,4}\b")  # 12/05/2019, 5.12.19: a sticker's date
+
+
+def _whole_line(line: str) -> str | None:
+    return normalize_plate(line) if is_plate_shaped(line) else None
+
+
+def _word_run(line: str) -> str | None:
+    words = line.split()
+    runs = [" ".join(words[i:j]) for i in range(len(words)) for j in range(i + 1, len(words) + 1)]
+    best = max(filter(is_plate_shaped, runs), key=lambda run: len(normalize_plate(run)), default=None)
+    return normalize_plate(best) if best else None
+
+
+_RUN_TOGETHER = re.compile(rf"[A-Z]{{0,{PLATE_LEAD}}}\d[A-Z\d]*")
+
+
+def _run_together(line: str) -> str | None:
+    for word in line.split():
+        run = normalize_plate(word)
+        found = _RUN_TOGETHER.search(run) if len(run) > PLATE_LENGTH[1] and not _DATE.search(word) else None
+        plate = found.group()[: PLATE_LENGTH[1]] if found else ""
+        if is_plate_shaped(plate) and not plate.isdigit():  # digits alone run past a plate: a phone number
+            return plate
+    return None
+
+
+# ---------------------------------------------------------------- the expert
+
+# Zoomed reads a photo gets (regions, then an autocontrast): find_text, three zoom -> read pairs and the answer
+# fill the 8 turns of the shipped recipe (examples/default_policy_sft.toml).
+MAX_ATTEMPTS = 3
+# Refused calls on one photo before the expert answers what it has: plate_audit then records it and moves on.
+MAX_REFUSALS = 2
+
+
+def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool) -> str:
+    """The next step of find_text -> zoom -> read (-> the next region or an autocontrast -> read) -> answer."""
+    images = context_lines(task, "Image")
+    if not images:
+        raise ValueError(f"task {task.task_id} has no image line in its context")
+    done = image_calls(turns)
+    step = _next_step(images[0], done)
+    return step or answer_text(task.reference if trust_reference else _answer(done))
+
+
+def image_calls(turns: list[Turn]) -> list[tuple[ToolCall, ToolResult]]:
+    """Every image_ops call so far with its result, in order."""
+    return [
+        (c, r)
+        for turn in turns
+        for c, r in zip(turn.calls, turn.results, strict=True)
+        if c.name == "image_ops"
+    ]
+
+
+def usable(done: list[tuple[ToolCall, ToolResult]]) -> list[ToolResult]:
+    """The served results, less those a later call was refused on (an evicted or mistyped image: the expert
+    makes it again from the photo, whose handle is always valid)."""
+    served: list[ToolResult] = []
+    for call, result in done:
+        if not result.ok:
+            served = [r for r in served if payload_field(r, "image_id") != call.arguments.get("image")]
+        else:
+            served.append(result)
+    return served
+
+
+def _next_step(photo: str, done: list[tuple[ToolCall, ToolResult]]) -> str | None:
+    """The call that follows, or None when it is time to answer: a plate-shaped read, no attempt left, or
+    MAX_REFUSALS refused calls."""
+    if sum(not r.ok for _, r in done) >= MAX_REFUSALS:
         return None
-    return call_text("image_ops", op="zoom", image=photo, region=regions[len(zooms)])
+    served = usable(done)
+    if not any(payload_field(r, "op") == "find_text" for r in served):
+        return call_text("image_ops", op="find_text", image=photo)
+    last, op = served[-1], payload_field(served[-1], "op")
+    if op in ("zoom", "autocontrast"):
+        return call_text("image_ops", op="read", image=str(payload_field(last, "image_id")))
+    if op == "read" and plate_shaped(str(payload_field(last, "text") or "")):
+        return None
+    return _retry(photo, served)
 
 
-def _regions(task: Task, done: list[ToolResult]) -> list[str]:
-    """The ids of find_text's regions that overlap the gold plate box, most overlapping first (at most two)."""
-    found = next((r for r in done if payload_field(r, "op") == "find_text"), None)
-    boxes = [(b["id"], list(b["box"])) for b in payload_field(found, "boxes") or []] if found else []  # type: ignore[attr-defined]
-    assert task.meta.plate_box is not None
-    x, y, w, h = task.meta.plate_box
-    gold = [x, y, x + w, y + h]
-    scored = sorted(((iou(box, gold), region) for region, box in boxes), key=lambda pair: -pair[0])
-    return [region for score, region in scored if score > 0][:2]
+def _retry(photo: str, served: list[ToolResult]) -> str | None:
+    """After find_text or a read without plate-shaped text: zoom on the next region (`regions`), or when none
+    is left, autocontrast the first zoom; None after MAX_ATTEMPTS."""
+    zooms = [r for r in served if payload_field(r, "op") == "zoom"]
+    tries = len(zooms) + sum(payload_field(r, "op") == "autocontrast" for r in served)
+    if tries >= MAX_ATTEMPTS:
+        return None
+    order = regions(served)
+    if len(zooms) < len(order):
+        return call_text("image_ops", op="zoom", image=photo, region=order[len(zooms)])
+    if zooms and tries == len(zooms):
+        return call_text("image_ops", op="autocontrast", image=str(payload_field(zooms[0], "image_id")))
+    return None
 
 
-def iou(a: Sequence[float], b: Sequence[float]) -> float:
-    """Intersection over union of two [x0, y0, x1, y1] boxes."""
-    width = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    height = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = width * height
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
+def regions(served: list[ToolResult]) -> list[str]:
+    """The ids of find_text's regions in its order (r1, the largest, first): the order the policy sees them in.
+    The gold plate box orders nothing: a region chosen by it would be a choice the policy cannot make, and
+    demonstrations zooming straight on the plate's region never show a retry (docs/plates.md)."""
+    found = next((r for r in served if payload_field(r, "op") == "find_text"), None)
+    return [str(b["id"]) for b in payload_field(found, "boxes") or []] if found else []  # type: ignore[attr-defined]
 
 
-def read_lines(done: list[ToolResult]) -> list[str]:
-    """Every line `read` returned so far."""
-    texts = [str(payload_field(r, "text") or "") for r in done if payload_field(r, "op") == "read"]
-    return [line for text in texts for line in text.splitlines() if line.strip()]
+def read_texts(done: list[tuple[ToolCall, ToolResult]]) -> list[str]:
+    """What every served read returned, in order."""
+    return [str(payload_field(r, "text") or "") for _, r in done if r.ok and payload_field(r, "op") == "read"]
 
 
-def _plate_reads(done: list[ToolResult]) -> list[str]:
-    """The plate-like readings of the last read."""
-    last = str(payload_field(done[-1], "text") or "")
-    return [n for n in map(normalize_plate, last.splitlines()) if _PLATE_LIKE.match(n)]
-
-
-def _answer(task: Task, done: list[ToolResult], trust_reference: bool) -> str:
-    """The reference when a read showed it (or when trusted), else the most plate-like reading."""
-    lines = read_lines(done)
-    if trust_reference or normalize_plate(task.reference) in normalize_plate(" ".join(lines)):
-        return task.reference
-    plate_like = [line for line in lines if _PLATE_LIKE.match(normalize_plate(line))]
-    return max(plate_like or lines, key=lambda s: len(normalize_plate(s)), default=NO_ANSWER)
+def _answer(done: list[tuple[ToolCall, ToolResult]]) -> str:
+    """The plate-shaped text of the last read that held some, else NO_ANSWER: never the label, which no
+    observation shows."""
+    return next((p for text in reversed(read_texts(done)) if (p := plate_shaped(text))), NO_ANSWER)
