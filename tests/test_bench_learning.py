@@ -47,7 +47,9 @@ def test_a_stage_is_made_once_and_read_back_while_its_settings_and_warm_start_ho
     settings = opts.settings("main", "full-lr1e-5")
     first = bl.stage("outcome-s0", settings, make, opts)
     assert first is not None and len(calls) == 1
-    assert first["warm_start"]["sha256"] == bl.warm_start_sha(opts.policy, made_by=bl.CONFIG.name)
+    assert first["warm_start"]["sha256"] == bl.warm_start_sha(
+        opts.policy, made_by=bl.RECIPES["plates"].config.name
+    )
     assert bl.stage("outcome-s0", settings, make, opts) == first and len(calls) == 1
     other = opts.settings("main", "full-lr3e-5")
     assert bl.stage("outcome-s0", other, make, options(tmp_path, recorded_only=True)) is None
@@ -174,15 +176,19 @@ def test_a_stage_never_takes_a_run_trained_with_other_settings(tmp_path: Path, m
     sets = ("seed=0", "steps=5", f"run_dir={tmp_path / 'old'}", "lr=0")
     ckpt = tmp_path / "run" / "step_5"
     ckpt.mkdir(parents=True)
-    (ckpt / "config.json").write_text(json.dumps(config_to_dict(load_train_config(bl.CONFIG, sets))))
+    (ckpt / "config.json").write_text(
+        json.dumps(config_to_dict(load_train_config(bl.RECIPES["plates"].config, sets)))
+    )
     again = ("seed=0", "steps=20", f"run_dir={tmp_path / 'run'}", "lr=0")
-    assert stages.run_differs(ckpt, bl.CONFIG, again) == []
+    assert stages.run_differs(ckpt, bl.RECIPES["plates"].config, again) == []
     hotter = (*again, "sampling.temperature=1.3")
-    assert stages.run_differs(ckpt, bl.CONFIG, hotter) == ["sampling.temperature: 1.0 -> 1.3"]
+    assert stages.run_differs(ckpt, bl.RECIPES["plates"].config, hotter) == [
+        "sampling.temperature: 1.0 -> 1.3"
+    ]
     monkeypatch.setattr(stages, "find_latest", lambda run_dir: ckpt)
     monkeypatch.setattr(stages, "conductor", lambda *a, **k: pytest.fail("nothing trains"))
     with pytest.raises(SystemExit, match="sampling.temperature: 1.0 -> 1.3"):
-        stages.train_to(bl.CONFIG, tmp_path / "run", hotter, 20)
+        stages.train_to(bl.RECIPES["plates"].config, tmp_path / "run", hotter, 20)
     assert bl.run_name("turn", 2, 1.0) == "turn-s2" and bl.run_name("turn", 2, 1.15) == "turn-s2-t1.15"
 
 
@@ -192,7 +198,7 @@ def test_a_run_with_a_temperature_in_its_name_logs_under_its_whole_name(tmp_path
     logs = []
     monkeypatch.setattr(stages, "conductor", lambda *args, log: logs.append(log.name))
     for name in ("turn-s0-t1.15", "turn-s0-t1.3"):
-        stages.train_to(bl.CONFIG, tmp_path / name, ("seed=0",), 20)
+        stages.train_to(bl.RECIPES["plates"].config, tmp_path / name, ("seed=0",), 20)
     assert logs == ["turn-s0-t1.15.log", "turn-s0-t1.3.log"]
 
 

@@ -2,6 +2,9 @@
 
     python -m benchmarks.studies.learning.bench --sampler vllm  # the study (vLLM env)
                                                                 # -> results/bench_learning.json, .png
+    python -m benchmarks.studies.learning.bench --recipe research --cells lora-lr5e-5 --sampler vllm
+        # the same stages on the research assistant's recipe (RECIPES): the default policy's SFT adapter on
+        # corpus_qa -> results/bench_learning_research.json, runs/learning-research-vllm/
     python -m benchmarks.studies.learning.bench --sampler vllm --recorded  # the table and plot so far
     python -m benchmarks.studies.learning.bench --steps 1 --seeds 1 --sweep-steps 1 --eval-n 2 --tag smoke \
         --cells full-lr1e-5 lora16-lr2e-4 --policy /abs/path/to/runs/sft-plates/model
@@ -74,10 +77,8 @@ from benchmarks.studies.learning.summary import (
 from training.checkpoint import find_latest
 from training.tasks import load_family
 
-CONFIG = ROOT / "examples" / "train_plates.toml"
-TASK = "plate_reading"
 BASE = ("reward_kind=graded", "save_every=5", "keep_last=1")
-"""Settings of every run on top of the example's (group_size 4, batch_tasks 2, lr 1e-5); one checkpoint kept
+"""Settings of every plates run on top of the example's (group_size 4, batch_tasks 2, lr 1e-5); one checkpoint kept
 (1.6 GB with the optimizer's state), every 5 steps, so a run cut short loses at most 5 steps."""
 CREDITS = {
     "outcome": ("credit.mode=outcome",),
@@ -90,6 +91,44 @@ SWEEP = {  # cell -> its settings; every cell plays 8 episodes a step
     "full-lr1e-5-g8": ("lr=1e-5", "group_size=8", "batch_tasks=1"),
     "full-lr1e-5-exact": ("lr=1e-5", "reward_kind=task"),  # what the graded reward buys: groups with signal
 }
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What the study trains and evaluates: a config, its task, the settings every run adds, the sweep's cells
+    (the first is the default), those `choose` may pick, the warm start, dev tasks per evaluation and the
+    settings every evaluation adds."""
+
+    config: Path
+    task: str
+    base: tuple[str, ...]
+    sweep: dict[str, tuple[str, ...]]
+    candidates: tuple[str, ...]
+    policy: str
+    eval_n: int
+    eval_sets: tuple[str, ...] = ()
+
+    @property
+    def default_cell(self) -> str:
+        return next(iter(self.sweep))
+
+
+RECIPES = {
+    "plates": Recipe(
+        ROOT / "examples" / "train_plates.toml", "plate_reading", BASE, SWEEP,
+        ("full-lr1e-5", "full-lr3e-5", "lora16-lr2e-4", "full-lr1e-5-g8"),  # exact reward: measured, not a choice
+        "runs/sft-plates/model", 49,
+    ),
+    # The research assistant's recipe (examples/default_policy.toml): RL of the default's LoRA SFT adapter on
+    # corpus_qa train, token F1 as the reward (the family's own: graded by nature), evaluated greedy on the first
+    # 72 corpus_qa dev questions under the default's rollout budgets (as benchmarks.studies.research.bench).
+    "research": Recipe(
+        ROOT / "examples" / "default_policy.toml", "corpus_qa", ("save_every=5", "keep_last=1"),
+        {"lora-lr5e-5": ("lr=5e-5",), "lora-lr2e-4": ("lr=2e-4",)}, ("lora-lr5e-5", "lora-lr2e-4"),
+        "runs/default-sft/model", 72, ("rollout.max_turns=8", "rollout.max_new_tokens=192"),
+    ),
+}  # fmt: skip
+"""The recipes the study runs (`--recipe`); plates is the recorded study."""
 TEMPERATURES = (1.0, 1.15, 1.3)
 """Sampling temperatures the exploration stage measures: the sampler's own distribution and two hotter ones (the
 warm start draws 98 % of its tokens with p > 0.99 at 1.0, so half its groups carry no signal)."""
@@ -108,9 +147,6 @@ COOLER = 1.0
 """The warm start's own temperature, its sampled dev evaluation the reference a sharpened sampler must beat: at
 1.0 it drew 98 % of its tokens with p > 0.99 where at 1.15 it drew 97 % (the exploration stage), so part of any
 gain at 1.15 could be a policy that learned to sample as if cooler, not to read better."""
-DEFAULT_CELL = "full-lr1e-5"
-CANDIDATES = ("full-lr1e-5", "full-lr3e-5", "lora16-lr2e-4", "full-lr1e-5-g8")
-"""Cells `choose` may pick; the exact-reward cell measures the reward, whose kind the issue fixes (graded)."""
 
 
 @dataclass(frozen=True)
@@ -125,11 +161,12 @@ class Options:
     runs: Path
     records: Path
     recorded_only: bool
+    recipe: Recipe = RECIPES["plates"]
 
     def settings(self, kind: str, cell: str | None = None, temperature: float = 1.0) -> dict:
         """What a stage's record must match to be reused: its kind's sizes, the cell it trained and the
         temperature it sampled at."""
-        common = {"sampler": self.sampler, "base": list(BASE)}
+        common = {"sampler": self.sampler, "base": list(self.recipe.base)}
         if kind == "warm":
             return {"eval_n": self.eval_n, "sampler": self.sampler}
         if kind == "sampled":
@@ -142,13 +179,17 @@ class Options:
         if kind == "explore":
             return common | {"steps": 1, "explore": list(EXPLORE), "temperature": temperature}
         if kind == "sweep":
-            return common | {"steps": self.sweep_steps, "cell": list(SWEEP[cell or DEFAULT_CELL])}
+            return common | {"steps": self.sweep_steps, "cell": list(self.cell(cell))}
         run = common | {
             "steps": self.steps,
-            "cell": list(SWEEP[cell or DEFAULT_CELL]),
+            "cell": list(self.cell(cell)),
             "temperature": temperature,
         }
         return run | ({"control": list(CONTROL)} if kind == "control" else {"eval_n": self.eval_n})
+
+    def cell(self, name: str | None) -> tuple[str, ...]:
+        """A sweep cell's settings (None: the recipe's default cell)."""
+        return self.recipe.sweep[name or self.recipe.default_cell]
 
 
 def train(name: str, sets: tuple[str, ...], steps: int, seed: int, opts: Options) -> Path:
@@ -156,17 +197,19 @@ def train(name: str, sets: tuple[str, ...], steps: int, seed: int, opts: Options
     run_dir = opts.runs / name
     sets = (
         f"policy={opts.policy}", f"steps={steps}", f"seed={seed}", f"run_dir={run_dir}",
-        f"sampling.backend={opts.sampler}", *BASE, *sets,
+        f"sampling.backend={opts.sampler}", *opts.recipe.base, *sets,
     )  # fmt: skip
-    return train_to(CONFIG, run_dir, sets, steps)
+    return train_to(opts.recipe.config, run_dir, sets, steps)
 
 
 def evaluate(policy: str, out: Path, opts: Options, *sets: str) -> dict:
-    """`conductor eval` of `policy` on the first `eval_n` dev photos, greedy unless `sets` say otherwise (reused
+    """`conductor eval` of `policy` on the first `eval_n` dev tasks, greedy unless `sets` say otherwise (reused
     when present)."""
     if not out.exists():
-        args = ["eval", "--policy", policy, "--task", TASK, "--split", "dev", "--n", str(opts.eval_n)]
-        args += [arg for x in (f"sampling.backend={opts.sampler}", *sets) for arg in ("--set", x)]
+        task = opts.recipe.task
+        args = ["eval", "--policy", policy, "--task", task, "--split", "dev", "--n", str(opts.eval_n)]
+        sets = (f"sampling.backend={opts.sampler}", *opts.recipe.eval_sets, *sets)
+        args += [arg for x in sets for arg in ("--set", x)]
         conductor(*args, "--out", str(out), log=out.with_suffix(".log"))
     return json.loads(out.read_text(encoding="utf-8"))
 
@@ -230,7 +273,7 @@ def reference_sha(opts: Options) -> str | None:
 @functools.cache
 def weights_sha(policy: str) -> str:
     """The warm start's SHA-256, hashed once per process (every stage checks its record against it)."""
-    return warm_start_sha(policy, made_by=CONFIG.name)
+    return warm_start_sha(policy, made_by="the recipe's SFT command (examples/)")
 
 
 def warm_out(opts: Options) -> Path:
@@ -261,7 +304,7 @@ def explore(temperature: float, opts: Options) -> dict | None:
 
 def sweep_cell(cell: str, opts: Options) -> dict | None:
     def make() -> tuple[None, dict]:
-        run_dir = train(f"sweep-{cell}", (*CREDITS["outcome"], *SWEEP[cell]), opts.sweep_steps, 0, opts)
+        run_dir = train(f"sweep-{cell}", (*CREDITS["outcome"], *opts.cell(cell)), opts.sweep_steps, 0, opts)
         return None, training_summary(run_dir)
 
     return stage(f"sweep-{cell}", opts.settings("sweep", cell), make, opts)
@@ -277,13 +320,13 @@ def main_run(credit: str, seed: int, cell: str, temperature: float, opts: Option
     name = run_name(credit, seed, temperature)
 
     def make() -> tuple[dict, dict]:
-        sets = (*CREDITS[credit], *SWEEP[cell], f"sampling.temperature={temperature}")
+        sets = (*CREDITS[credit], *opts.cell(cell), f"sampling.temperature={temperature}")
         run_dir = train(name, sets, opts.steps, seed, opts)
         latest = find_latest(run_dir)
         assert latest is not None, f"{run_dir} has no checkpoint after training"
         out = run_dir / f"eval-dev-{latest.name}-first{opts.eval_n}.json"
         evaluation = evaluate(str(latest / "model"), out, opts)
-        dev = load_family(TASK, "dev", limit=opts.eval_n)
+        dev = load_family(opts.recipe.task, "dev", limit=opts.eval_n)
         vs_warm = moved(warm_episodes(opts), episodes_of(out), dev)
         return evaluation | {"vs_warm": vs_warm}, training_summary(run_dir)
 
@@ -296,7 +339,7 @@ def control_run(seed: int, cell: str, temperature: float, opts: Options) -> dict
     name = run_name("control", seed, temperature)
 
     def make() -> tuple[None, dict]:
-        sets = (*CREDITS["outcome"], *SWEEP[cell], *CONTROL, f"sampling.temperature={temperature}")
+        sets = (*CREDITS["outcome"], *opts.cell(cell), *CONTROL, f"sampling.temperature={temperature}")
         return None, training_summary(train(name, sets, opts.steps, seed, opts))
 
     return stage(name, opts.settings("control", cell, temperature), make, opts)
@@ -306,7 +349,7 @@ def sampled_eval(policy: str, out: Path, temperature: float, opts: Options) -> d
     """`conductor eval` of `policy` with SAMPLES episodes per dev photo at `temperature`, and its scores photo by
     photo (`sampled_scores`)."""
     evaluation = evaluate(policy, out, opts, f"samples={SAMPLES}", f"sampling.temperature={temperature}")
-    dev = load_family(TASK, "dev", limit=opts.eval_n)
+    dev = load_family(opts.recipe.task, "dev", limit=opts.eval_n)
     return evaluation | {"per_task": sampled_scores(episodes_of(out), dev)}
 
 
@@ -352,7 +395,8 @@ def study(args: argparse.Namespace, opts: Options) -> dict:
     summary."""
     warm_record = warm(opts)
     cells = {c: r for c in args.cells if (r := sweep_cell(c, opts)) is not None}
-    choice = choose({c: r["training"] for c, r in cells.items() if c in CANDIDATES}, default=DEFAULT_CELL)
+    candidates = {c: r["training"] for c, r in cells.items() if c in opts.recipe.candidates}
+    choice = choose(candidates, default=opts.recipe.default_cell)
     print(f"chosen cell: {choice['cell']} ({choice['why']})", flush=True)
     explored = {t: r["training"] for t in args.temperatures if (r := explore(t, opts)) is not None}
     heat = choose_temperature(explored)
@@ -384,35 +428,45 @@ def study(args: argparse.Namespace, opts: Options) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--policy", default="runs/sft-plates/model", help="the SFT warm start")
+    parser.add_argument("--recipe", default="plates", choices=list(RECIPES), help="what is trained (RECIPES)")
+    parser.add_argument("--policy", help="the SFT warm start (default: the recipe's)")
     parser.add_argument("--steps", type=int, default=20, help="RL steps of each main run")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per credit mode")
     parser.add_argument("--sweep-steps", type=int, default=3, help="RL steps of each sweep cell")
-    parser.add_argument("--cells", nargs="+", default=list(SWEEP), choices=list(SWEEP), help="sweep cells")
+    parser.add_argument("--cells", nargs="+", help="sweep cells (default: all of the recipe's)")
     parser.add_argument("--temperatures", nargs="+", type=float, default=list(TEMPERATURES),
                         help="sampling temperatures the exploration stage measures")  # fmt: skip
     parser.add_argument("--credits", nargs="+", default=list(CREDITS), choices=list(CREDITS))
-    parser.add_argument("--eval-n", type=int, default=49, help="dev photos per evaluation (the first ones)")
+    parser.add_argument(
+        "--eval-n", type=int, help="dev tasks per evaluation, the first ones (default: the recipe's)"
+    )
     parser.add_argument("--sampler", default="transformers", choices=("transformers", "vllm", "auto"))
     parser.add_argument("--recorded", action="store_true", help="run nothing: tabulate the recorded stages")
     parser.add_argument("--tag", default="", help="names the runs and results apart")
     args = parser.parse_args()
+    recipe = RECIPES[args.recipe]
+    args.cells = args.cells or list(recipe.sweep)
+    args.policy, args.eval_n = args.policy or recipe.policy, args.eval_n or recipe.eval_n
+    if unknown := set(args.cells) - set(recipe.sweep):
+        parser.error(f"--cells: {sorted(unknown)} are not cells of {args.recipe} ({', '.join(recipe.sweep)})")
+    name = "learning" + ("" if args.recipe == "plates" else f"-{args.recipe}")  # plates: the recorded study
     suffix = f"_{args.tag}" if args.tag else ""
     results = ROOT / "benchmarks" / "results"
+    stem = f"bench_{name.replace('-', '_')}{suffix}"
     opts = Options(
         args.policy, args.steps, args.sweep_steps, args.eval_n, args.sampler,
-        ROOT / "runs" / f"learning-{args.sampler}{suffix}", results / f"bench_learning{suffix}", args.recorded,
+        ROOT / "runs" / f"{name}-{args.sampler}{suffix}", results / stem, args.recorded, recipe,
     )  # fmt: skip  # runs apart by sampler: a stage reuses or resumes only runs made as its record says
     start = time.monotonic()
     report = study(args, opts)
-    png = plot(report, results / f"bench_learning{suffix}.png")
+    png = plot(report, results / f"{stem}.png", title=f"{recipe.task}: graded reward while training")
     print("\n" + table(report))
     report |= {
         "settings": vars(args),
         "plot": str(png.relative_to(ROOT)),
         "wall_s_now": time.monotonic() - start,
     }
-    out = results / f"bench_learning{suffix}.json"
+    out = results / f"{stem}.json"
     out.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
     print(
         f"\nplot: {png}\nwrote {out}\nstudy wall time (stages run now): {report['wall_s_now'] / 60:.1f} min"

@@ -400,7 +400,7 @@ def exploration_table(heat: Mapping) -> list[str]:
     return lines + [f"chosen temperature: {heat['temperature']:g} ({heat['why']})"]
 
 
-def plot(report: Mapping, out: Path) -> Path:
+def plot(report: Mapping, out: Path, *, title: str = "plate_reading: graded reward while training") -> Path:
     """The training reward (graded) per step, one line per seed, a colour per credit mode; the controls dashed."""
     import matplotlib
 
@@ -423,7 +423,7 @@ def plot(report: Mapping, out: Path) -> Path:
         )
     if not math.isnan(report["warm_success"]):
         ax.axhline(report["warm_success"], color="grey", linestyle=":", label="warm start, dev success")
-    ax.set(title="plate_reading: graded reward while training", xlabel="step", ylabel="reward (graded)")
+    ax.set(title=title, xlabel="step", ylabel="reward (graded)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     return save_figure(fig, out)
