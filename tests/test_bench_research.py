@@ -172,3 +172,42 @@ def test_every_dev_question_has_two_supporting_pages_in_the_corpus(shared_data):
     tasks = load_family("corpus_qa", "dev", data_dir=shared_data)
     assert len(tasks) == 300
     assert all(len(supporting_pages(t)) == 2 for t in tasks)
+
+
+async def test_the_expert_row_plays_the_scripted_expert_and_writes_its_episodes(tmp_path, smollm2_path):
+    """`--policy expert` plays corpus_qa's scripted expert through the given tools (here a fake server): its
+    chained calls, its episodes on disk as records read them, and EM and F1 by the family's own scoring."""
+    from benchmarks.studies.research import bench
+    from subagents.handles import handle_for
+    from tests.fakes import fake_tool_server, ok_result
+    from tool_server.client import ToolClient
+    from training.evaluate import load_eval_config
+    from training.metrics import load_episodes
+
+    files = ["Bridge.md", "Answer.md", "Other.md"]
+
+    async def handler(name: str, arguments: dict[str, object]) -> dict[str, object]:
+        if name == "search":
+            hits = [
+                {"id": handle_for("page", f"corpus/dev/{f}"), "title": f[:-3], "url": url(f), "snippet": ""}
+                for f in files
+            ]
+            return {**ok_result("hits"), "query": arguments["query"], "hits": hits}
+        tulsa = arguments["url"] == handle_for("page", "corpus/dev/Answer.md")
+        answer = "Tulsa" if tulsa else "Tinted Windows"
+        return {**ok_result(f"answer: {answer}"), "answer": answer, "url": arguments["url"]}
+
+    cfg = load_eval_config(None, ['policy="expert"', "task=corpus_qa", "split=dev", *bench.RECIPE_SETS])
+    out = tmp_path / "chunk.jsonl"
+    async with ToolClient("http://tools", transport=fake_tool_server(handler), deadline_s=5.0) as tools:
+        em, f1 = await bench._chunk([corpus_task()], tools, cfg, out)
+    [episode] = load_episodes(out)
+    assert [c.name for turn in episode.turns for c in turn.calls] == [
+        "search",
+        "page_qa",
+        "search",
+        "page_qa",
+        "page_qa",
+    ]
+    assert episode.turns[2].calls[0].arguments["query"] == f"{corpus_task().question} Tinted Windows"
+    assert (em, f1, episode.answer) == (1.0, 1.0, "Tulsa")

@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python -m benchmarks.studies.research.bench --policy conductor-default --n 12
     python -m benchmarks.studies.research.bench --policy conductor-default --policy runs/x/model --n 300
     python -m benchmarks.studies.research.bench --policy conductor-default --n 12 --recorded   # tabulate only
+    python -m benchmarks.studies.research.bench --policy expert --n 72   # the scripted expert SFT imitates
 
 Every policy plays the first n questions of corpus_qa dev (HotpotQA dev, 300 questions, its pages and every other
 question's pages as one searched corpus) as `conductor eval --task corpus_qa --split dev` plays them: greedy, the
@@ -29,18 +30,28 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from benchmarks import ROOT
 from benchmarks.studies.research.records import record, supporting_pages
 from benchmarks.studies.research.summary import format_table, paired, power, summarise
+from conductor.models import DEFAULT_MODEL, resolve_model
+from main_agent.transformers_policy import tokenizer_dir
 from main_agent.types import Episode
+from tool_server.client import ToolClient
 from training import tasks as task_data
 from training.evaluate import EvalConfig, evaluate, load_eval_config
-from training.metrics import load_episodes
+from training.metrics import load_episodes, save_rollouts
 from training.play import tool_session
+from training.sft import play_experts
 from training.tasks import Task
 from training.tasks.corpus_qa import write_corpus
 
 FAMILY, SPLIT = "corpus_qa", "dev"
+EXPERT = "expert"
+"""The policy name that plays the scripted expert the recipe's SFT imitates (corpus_qa.oracle_reply), through
+the same tools and budgets: what its demonstrations reach on questions they never saw, the ceiling of imitation."""
+EXPERT_CONCURRENCY = 4  # episodes in flight: the expert samples nothing, its calls share the tool server
 RECIPE_SETS = ("rollout.max_turns=8", "rollout.max_new_tokens=192")
 """The shipped default's rollout budgets (examples/default_policy.toml), so the benchmark measures what it was
 trained for."""
@@ -86,13 +97,29 @@ async def _play(chunks: list[list[tuple[int, Task]]], folder: Path, *, cfg: Eval
                 start, name = time.monotonic(), f"q{c[0][0]:04d}+{len(c)}"
                 partial = folder / f"{name}.partial"
                 played = [by_id[t.task_id] for _, t in c]
-                report = await evaluate(played, tools=tools, cfg=cfg, episodes_out=partial)
+                em, f1 = await _chunk(played, tools, cfg, partial)
                 partial.replace(folder / f"{name}.episodes.jsonl")  # a chunk counts once all of it is on disk
                 print(
-                    f"{cfg.run.policy} {name}: EM {report.success_rate:.3f} F1 {report.mean_reward:.3f} "
-                    f"{time.monotonic() - start:.0f} s",
+                    f"{cfg.run.policy} {name}: EM {em:.3f} F1 {f1:.3f} {time.monotonic() - start:.0f} s",
                     flush=True,
                 )
+
+
+async def _chunk(tasks: list[Task], tools: ToolClient, cfg: EvalConfig, out: Path) -> tuple[float, float]:
+    """Play one chunk (the policy, or the scripted expert for EXPERT) into `out`; its EM and F1."""
+    if cfg.run.policy != EXPERT:
+        report = await evaluate(tasks, tools=tools, cfg=cfg, episodes_out=out)
+        return report.success_rate, report.mean_reward
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(resolve_model(DEFAULT_MODEL)))
+    episodes = await play_experts(
+        tasks, tools, tokenizer, rollout=cfg.rollout, max_concurrent=EXPERT_CONCURRENCY
+    )
+    save_rollouts(out, episodes)
+    scores = [
+        (task_data.success(t, e.answer), task_data.reward_for(t, e.answer))
+        for t, e in zip(tasks, episodes, strict=True)
+    ]
+    return sum(s for s, _ in scores) / len(scores), sum(r for _, r in scores) / len(scores)
 
 
 def records_of(tasks: Sequence[Task], folder: Path, corpus: Path) -> list[dict]:
