@@ -11,6 +11,7 @@ from pathlib import Path
 
 from conductor.batching import GenerationError, MicroBatcher, left_pad
 from conductor.models import ModelNotFound, default_device, past_key_values_accepted, resolve_model
+from main_agent.decode import static_decode
 from main_agent.policy import PolicyError, Sample, SamplingConfig
 from main_agent.tokens import common_prefix
 
@@ -95,37 +96,56 @@ class TransformersPolicy:
         await self._batcher.aclose()
 
     def _sample_batch(self, prompts: list[list[int]], max_new: int) -> list[tuple[list[int], list[float]]]:
-        """One padded generate for several episodes' prompts (runs in a worker thread): ids and log-probs.
+        """One padded decode of several episodes' prompts (runs in a worker thread): ids and log-probs.
 
         The ids all prompts share (a group's prompt, at least the system prompt) run once: their keys and values
-        are computed for one row and repeated for all (`shared_prefix`), and the rows' rests are left-padded
-        after them (positions come from the attention mask, so padding in the middle moves nothing). Greedy
-        decoding gives the same tokens as without sharing (tests/test_policy.py).
+        are computed for one row and repeated for all, and the rows' rests are left-padded after them (positions
+        come from the attention mask, so padding in the middle moves nothing). Greedy decoding gives the same
+        tokens as without sharing (tests/test_policy.py). `[sampling] decoder` picks the loop: `generate` or
+        main_agent/decode.py's fixed-shape one (the same tokens and log-probs, tests/test_decode.py).
         """
         import torch
 
         shared = common_prefix(prompts, limit=len(prompts[0])) if len(prompts) > 1 else 0
         shared = shared if shared >= MIN_SHARED_PREFIX else 0
+        was_training = self.model.training
+        self.model.eval()
+        with torch.inference_mode():
+            if self.cfg.decoder == "generate":
+                out = self._generate(prompts, max_new, shared=shared)
+            else:
+                out = static_decode(
+                    self.model,
+                    prompts,
+                    max_new,
+                    temperature=self.cfg.temperature,
+                    top_p=self.cfg.top_p,
+                    eos_token_id=self.eos_token_id,
+                    shared=shared,
+                    compile_step=self.cfg.decoder == "compiled",
+                )
+        self.model.train(was_training)
+        return out
+
+    def _generate(
+        self, prompts: list[list[int]], max_new: int, *, shared: int
+    ) -> list[tuple[list[int], list[float]]]:
+        """`model.generate` over the shared prefix's cache (a DynamicCache, grown a step at a time)."""
+        import torch
+
         rests, attention = left_pad([p[shared:] for p in prompts], pad_id=self.eos_token_id)
         head = torch.tensor([prompts[0][:shared]] * len(prompts), dtype=torch.long)
         input_ids = torch.cat([head, rests], dim=1).to(self.model.device)
         attention = torch.cat([torch.ones_like(head), attention], dim=1).to(self.model.device)
-        was_training = self.model.training
-        self.model.eval()
-        with torch.inference_mode(), past_key_values_accepted():
+        with past_key_values_accepted():
             cache = self._prefix_cache(head[:1], rows=len(prompts)) if shared else None
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention,
                 past_key_values=cache,
-                generation_config=self._generation_config(max_new),
+                generation_config=self.generation_config(max_new),
             )
-        self.model.train(was_training)
-        # out.sequences: [B, P + N]; out.logits: N tensors of [B, V] (raw, before temperature)
-        new = out.sequences[:, input_ids.shape[1] :]
-        logits = torch.stack(out.logits, dim=1).float() / max(self.cfg.temperature, 1e-5)  # [B, N, V]
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [B, N]
-        return [(new[i].tolist(), logp[i].tolist()) for i in range(len(prompts))]
+        return generated(out, prompt_width=input_ids.shape[1], temperature=self.cfg.temperature)
 
     def _prefix_cache(self, prefix, *, rows: int):
         """The keys and values of `prefix` ([1, P] ids), computed once and repeated for `rows` rows."""
@@ -136,7 +156,7 @@ class TransformersPolicy:
         cache.batch_repeat_interleave(rows)
         return cache
 
-    def _generation_config(self, max_new: int):
+    def generation_config(self, max_new: int):
         """Explicit settings: the checkpoint's own generation_config may ask for other sampling."""
         from transformers import GenerationConfig
 
@@ -160,3 +180,14 @@ class TransformersPolicy:
         ids, logprobs = ids[:end], logprobs[:end]
         finish = "stop" if ids and ids[-1] == self.eos_token_id else "length"
         return Sample(ids, logprobs, self.tokenizer.decode(ids, skip_special_tokens=True), finish)
+
+
+def generated(out, *, prompt_width: int, temperature: float) -> list[tuple[list[int], list[float]]]:
+    """Each row's new ids and their log-probs at `temperature` from generate's output (`output_logits`)."""
+    import torch
+
+    # out.sequences: [B, P + N]; out.logits: N tensors of [B, V] (raw, before temperature)
+    new = out.sequences[:, prompt_width:]
+    logits = torch.stack(out.logits, dim=1).float() / max(temperature, 1e-5)  # [B, N, V]
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [B, N]
+    return [(new[i].tolist(), logp[i].tolist()) for i in range(new.shape[0])]
