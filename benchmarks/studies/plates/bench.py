@@ -1,0 +1,152 @@
+"""Plate reading by country: the scripted expert and policies on plate_reading photos, US and EU apart.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.studies.plates.bench --policy expert --split train --split dev
+    python -m benchmarks.studies.plates.bench --policy conductor-default --split dev --n 12
+    python -m benchmarks.studies.plates.bench --policy expert --policy conductor-default --split dev --recorded
+
+`expert` is the scripted plate expert (training/tasks/plates.py, as `conductor sft` plays it); any other name is
+a policy played as `conductor eval --task plate_reading` plays it: greedy, the tools in this process, the shipped
+recipe's budgets (rollout.max_turns=8, max_new_tokens=192, as examples/default_policy_sft.toml; `--set` changes
+them), and the expert plays under the same budgets. Each split's photos are the first n of each country (`--n`;
+all by default), played in chunks (`--chunk`) whose episodes are kept in runs/bench_plates/<policy>/ as they
+finish, so an interrupted run plays only the photos it has no episode of; a policy's folder refuses other
+settings. Each episode becomes a record (records.py) and the records a table per policy, country and split:
+success, answered, plate-shaped answers, retried (and the share of successes that retried: the demonstrations
+SFT keeps), calls a photo, tool error rate, the label shown in a read, and the plate-shaped rule's hits where it
+was. Records and tables go to benchmarks/results/bench_plates.json. docs/plates.md: which split chose what.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from benchmarks import ROOT
+from benchmarks.studies.plates.records import country, format_table, groups, record
+from main_agent.types import Episode
+from training import tasks as task_data
+from training.evaluate import EvalConfig, evaluate, load_eval_config
+from training.metrics import load_episodes, save_rollouts
+from training.play import tool_session
+from training.sft import play_experts
+from training.tasks import Task
+
+FAMILY = "plate_reading"
+EXPERT = "expert"
+RECIPE_SETS = ("rollout.max_turns=8", "rollout.max_new_tokens=192")
+"""The shipped default's SFT budgets (examples/default_policy_sft.toml): what its plate demonstrations fit."""
+
+
+def folder_name(policy: str) -> str:
+    """A policy's folder under the work folder: its name or path with every run of other characters as "_"."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", policy).strip("_")
+
+
+def photos(split: str, n: int | None) -> list[Task]:
+    """The first `n` photos (all: None) of each country of `split`, in load order."""
+    tasks = task_data.load_family(FAMILY, split)
+    return [t for c in sorted({country(t) for t in tasks}) for t in [t for t in tasks if country(t) == c][:n]]
+
+
+def recorded(folder: Path) -> dict[str, Episode]:
+    """The episodes of every finished chunk in a policy's folder, by task id."""
+    return {e.task_id: e for path in sorted(folder.glob("*.episodes.jsonl")) for e in load_episodes(path)}
+
+
+def claim(folder: Path, policy: str, sets: Sequence[str]) -> None:
+    """Record the settings a policy's folder is played with; exit when it was played with others."""
+    folder.mkdir(parents=True, exist_ok=True)
+    settings, path = {"policy": policy, "sets": list(sets)}, folder / "settings.json"
+    if path.is_file() and (then := json.loads(path.read_text(encoding="utf-8"))) != settings:
+        sys.exit(f"{folder} was played with {then}, not {settings}: move it away or pass the same --set")
+    path.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+
+
+def play(policy: str, tasks: Sequence[Task], folder: Path, *, chunk: int, sets: Sequence[str]) -> None:
+    """Play the photos of `tasks` that `folder` has no episode of yet, `chunk` at a time, in one tool session;
+    each chunk's episodes are written once all of them are played (<first task id>+<count>)."""
+    done = recorded(folder)
+    todo = [t for t in tasks if t.task_id not in done]
+    if not todo:
+        return
+    model = [] if policy == EXPERT else [f"policy={json.dumps(policy)}"]
+    cfg = load_eval_config(None, [*model, f"task={FAMILY}", *sets])
+    asyncio.run(_play(policy, [todo[k : k + chunk] for k in range(0, len(todo), chunk)], folder, cfg=cfg))
+
+
+async def _play(policy: str, chunks: list[list[Task]], folder: Path, *, cfg: EvalConfig) -> None:
+    pending = [t for c in chunks for t in c]
+    with tempfile.TemporaryDirectory(prefix="bench-plates-") as work:
+        session = tool_session(pending, work_dir=Path(work), access=cfg.tools, data_dir=cfg.run.data_dir)
+        async with session as (tools, ready):
+            by_id = {t.task_id: t for t in ready}
+            for c in chunks:
+                start, name = time.monotonic(), f"{c[0].task_id}+{len(c)}"
+                partial, played = folder / f"{name}.partial", [by_id[t.task_id] for t in c]
+                if policy == EXPERT:
+                    save_rollouts(partial, await _expert(played, tools, cfg))
+                else:
+                    await evaluate(played, tools=tools, cfg=cfg, episodes_out=partial)
+                partial.replace(folder / f"{name}.episodes.jsonl")  # a chunk counts once all of it is on disk
+                print(f"{policy} {name}: {time.monotonic() - start:.0f} s", flush=True)
+
+
+async def _expert(tasks: list[Task], tools, cfg: EvalConfig) -> list[Episode]:
+    """The scripted expert's episodes, its replies tokenised by the evaluated policy's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from conductor.models import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.run.policy), local_files_only=True)
+    return await play_experts(tasks, tools, tokenizer, rollout=cfg.rollout, max_concurrent=2)
+
+
+def records_of(tasks: Sequence[Task], folder: Path) -> list[dict]:
+    """The records of the photos of `tasks` that `folder` has episodes of, in task order."""
+    episodes = recorded(folder)
+    return [record(t, episodes[t.task_id]) for t in tasks if t.task_id in episodes]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--policy", action="append", required=True, help="expert, a built-in name or a checkpoint"
+    )
+    parser.add_argument("--split", action="append", help="train, dev, test; repeat (default: dev)")
+    parser.add_argument(
+        "--n", type=int, default=None, help="the first n photos of each country (default: all)"
+    )
+    parser.add_argument("--chunk", type=int, default=8, help="photos a chunk: the unit of resuming")
+    parser.add_argument("--set", dest="sets", action="append", default=[], help="eval setting key=value")
+    parser.add_argument("--recorded", action="store_true", help="tabulate what is recorded; play nothing")
+    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_plates")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_plates.json")
+    args = parser.parse_args()
+    tasks = [t for split in args.split or ["dev"] for t in photos(split, args.n)]
+    sets = [*RECIPE_SETS, *args.sets]
+    rows, records = [], {}
+    for policy in args.policy:
+        folder = args.work / folder_name(policy)
+        if not args.recorded:
+            claim(folder, policy, sets)
+            play(policy, tasks, folder, chunk=args.chunk, sets=sets)
+        records[policy] = records_of(tasks, folder)
+        rows += groups(policy, records[policy])
+    table = format_table(rows)
+    command = " ".join(["python -m benchmarks.studies.plates.bench", *sys.argv[1:]])
+    found = {"family": FAMILY, "settings": sets, "command": command, "rows": rows, "table": table}
+    print(f"\n## plate_reading by country\n{table}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(found | {"records": records}, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
