@@ -79,7 +79,8 @@ def _task(txt: Path) -> Task:
 
 
 def load(data_dir: Path, split: str, *, limit: int | None = None) -> list[Task]:
-    """Licence plate photos (US, then EU, by file name) whose hashed file name falls in `split`."""
+    """Licence plate photos (EU, then US: the folders in order, then by file name) whose hashed file name
+    falls in `split`."""
     labels = sorted((data_dir / "images" / "plates" / "endtoend").glob("*/*.txt"))
     return [t for t in map(_task, labels) if t.meta.split == split][:limit]
 
