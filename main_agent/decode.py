@@ -67,7 +67,8 @@ def static_decode(
             logits_to_keep=1,
         )
     step = _step(model, cache, mask)
-    step = torch.compile(step, dynamic=False) if compile_step else step
+    if compile_step:  # on a GPU through CUDA graphs: a small model's step is mostly kernel launches there
+        step = torch.compile(step, dynamic=False, mode="reduce-overhead" if device.type == "cuda" else None)
     choose = _chooser(temperature, top_p)
     new_positions = positions[:, width : width + max_new]  # [B, N]
     ids, logprobs = _loop(step, out.logits[:, -1], new_positions, choose, temperature, eos_token_id)

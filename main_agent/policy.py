@@ -75,12 +75,12 @@ class SamplingConfig:
     batch_wait_ms: float = 20.0
     """In-process sampling: wait this long for more concurrent requests after the first; small next to a
     multi-second generate."""
-    decoder: Literal["generate", "static", "compiled"] = "generate"
-    """backend "transformers": how a batch is decoded. "generate": `model.generate` with a growing cache (the
-    fastest on a CPU); "static": a hand-written loop over a preallocated cache, the same tokens and log-probs
-    with fixed shapes (main_agent/decode.py); "compiled": that loop's step through torch.compile (on a GPU, the
-    candidate to measure: `python -m benchmarks.perf.decode`; on a CPU 70 s of compiling a batch shape buys
-    nothing, docs/training.md)."""
+    decoder: Literal["auto", "generate", "static", "compiled"] = "auto"
+    """backend "transformers": how a batch is decoded. "generate": `model.generate`, its cache grown a step at a
+    time; "static": main_agent/decode.py's loop over a preallocated cache (the same tokens and log-probs, fixed
+    shapes); "compiled": that loop's step through torch.compile (CUDA graphs on a GPU; a batch shape compiles
+    for 20-60 s on a CPU, for nothing); "auto": static on a CPU (1.08-1.12x generate's tokens/s, no slower
+    anywhere measured: benchmarks/results/bench_decode.json), generate on a GPU (not measured there yet)."""
     gpu_memory_utilization: float = 0.3
     """backend "vllm": the engine's share of GPU memory (weights + KV cache); the rest holds the trainer's
     weights, gradients and Adam states, ~16 bytes a parameter in float32."""

@@ -66,7 +66,13 @@ MIN_SHARED_PREFIX = 32
 
 class TransformersPolicy:
     """The trainable in-process policy. `model` is a plain HF causal LM (optionally a peft model); `max_batch`
-    concurrent samples share one generate (bounded by memory, the KV cache, on CPU)."""
+    concurrent samples share one decode (bounded by memory, the KV cache, on CPU).
+
+    The decode is `[sampling] decoder`'s; "auto" (the default) picks by the model's device: on a CPU the
+    fixed-shape loop of main_agent/decode.py, which sampled 1.08x generate's tokens/s at 4 rows x 96 tokens and
+    1.12x at 8 x 128 on the policy's prompts with the same tokens and log-probs (benchmarks/perf/decode.py, one
+    CPU thread: no concatenation of the cache each step); on a GPU `generate`, today's path, until the same
+    benchmark says otherwise there. A decoder named in the settings always wins."""
 
     def __init__(
         self,
@@ -111,7 +117,7 @@ class TransformersPolicy:
         was_training = self.model.training
         self.model.eval()
         with torch.inference_mode():
-            if self.cfg.decoder == "generate":
+            if self.decoder == "generate":
                 out = self._generate(prompts, max_new, shared=shared)
             else:
                 out = static_decode(
@@ -122,10 +128,19 @@ class TransformersPolicy:
                     top_p=self.cfg.top_p,
                     eos_token_id=self.eos_token_id,
                     shared=shared,
-                    compile_step=self.cfg.decoder == "compiled",
+                    compile_step=self.decoder == "compiled",
                 )
         self.model.train(was_training)
         return out
+
+    @property
+    def decoder(self) -> str:
+        """The decoder this policy runs: the setting's, or for "auto" the one that won on the model's device."""
+        if self.cfg.decoder != "auto":
+            return self.cfg.decoder
+        import torch
+
+        return "static" if torch.device(self.model.device).type == "cpu" else "generate"
 
     def _generate(
         self, prompts: list[list[int]], max_new: int, *, shared: int

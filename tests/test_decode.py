@@ -71,6 +71,33 @@ def test_the_static_loop_samples_what_generate_samples(temperature: float, top_p
             )
 
 
+def test_a_lora_policy_decodes_as_generate_does() -> None:
+    """The trained policy is often a peft model (LoRA adapters): the static loop drives it through peft's forward
+    and still samples generate's tokens and log-probs."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        tiny_model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    today, static = (sample(model, d, temperature=1.0) for d in ("generate", "static"))
+    assert [s.ids for s in static] == [s.ids for s in today]
+    for mine, theirs in zip(static, today, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(mine.logprobs), torch.tensor(theirs.logprobs), atol=EXACT, rtol=0
+        )
+
+
+def test_auto_decodes_with_the_static_loop_on_a_cpu_unless_told() -> None:
+    """[sampling] decoder "auto" runs the loop that won on the model's device (the static one on a CPU); a decoder
+    named in the settings wins."""
+    model = tiny_model()
+    chosen = {
+        d: TransformersPolicy(model, ByteChatTokenizer(), cfg=SamplingConfig(decoder=d)).decoder
+        for d in ("auto", "generate")
+    }
+    assert chosen == {"auto": "static", "generate": "generate"}
+
+
 @pytest.mark.slow
 def test_the_compiled_step_changes_no_sample() -> None:
     """The loop with its step through torch.compile samples the uncompiled loop's tokens and log-probs (a CPU

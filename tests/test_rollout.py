@@ -227,7 +227,8 @@ async def test_a_failing_in_process_policy_marks_the_episode_infra_failed():
     from main_agent.transformers_policy import TransformersPolicy
 
     tokenizer = ByteChatTokenizer()
-    policy = TransformersPolicy(_FailingModel(), tokenizer, cfg=SamplingConfig(batch_wait_ms=1.0))
+    cfg = SamplingConfig(batch_wait_ms=1.0, decoder="generate")  # the decoder the stand-in fails in
+    policy = TransformersPolicy(_FailingModel(), tokenizer, cfg=cfg)
     async with client(fake_tool_server()) as tools:
         episode = await rollout(TASK, policy, tools, tokenizer, DEFAULT_CFG)
     await policy.aclose()
