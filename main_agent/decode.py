@@ -4,12 +4,15 @@
 positions, shared prefix, temperature and top-p warpers, the same random draws in the same order), but every
 step has the same shapes: the keys and values of `prompt + max_new` positions are allocated once (transformers'
 `StaticCache`, written in place instead of concatenated a step at a time) and the attention mask is built once.
-Fixed shapes are what a compiled decode step or a CUDA graph needs; on a CPU they alone buy nothing (the step is
-the weights' matrix products; benchmarks/perf/decode.py, docs/training.md).
+On a CPU that alone samples 1.08-1.12x generate's tokens/s (no cache copied each step; the rest of a step is
+the weights' matrix products, which no loop changes), so `[sampling] decoder = "auto"` picks it there; fixed
+shapes are also what a compiled step or a CUDA graph needs (`compile_step`: no gain on a CPU, unmeasured on a
+GPU). benchmarks/perf/decode.py measures, docs/training.md has the table.
 
 Log-probs are log-softmax(logits / temperature) of the sampled token, from the very logits it was drawn from;
 greedy decoding (temperature 0) takes the argmax of the raw logits, as generate does. Tests:
-tests/test_decode.py.
+tests/test_decode.py. Limit: the cache is allocated for the whole limit up front (the 135M policy: 46 KB a
+token, 0.2 GB for 8 rows of 400 + 128), where generate grows to that only when some row runs to the limit.
 """
 
 from __future__ import annotations
