@@ -7,7 +7,8 @@ what the observation rendered to, so the training sequence is the one the policy
 
 An implementation per file, picked by `[sampling] backend` in one place (main_agent/backends.py):
 - `TransformersPolicy` (transformers_policy.py): in-process and trainable (the trainer updates its `model` and
-  bumps `version`). Concurrent `sample` calls from many episodes are micro-batched into one `generate`.
+  bumps `version`). Concurrent `sample` calls from many episodes are micro-batched into one decode
+  (`[sampling] decoder`).
 - `OpenAIPolicy` (openai_policy.py): any OpenAI-compatible completions endpoint (vLLM `serve` for GPU
   rollouts). It sends the prompt as token ids and reads back sampled ids and log-probs when the server returns
   them; otherwise it re-tokenises the text and marks the sample `exact=False`, which the trainer refuses to

@@ -1,7 +1,8 @@
 """The trainable in-process policy (`[sampling] backend = "transformers"`) and the loading of its weights.
 
 `load_model(path)` reads a dense checkpoint or a LoRA adapter (optionally adding fresh adapters to train);
-`TransformersPolicy` samples it, micro-batching concurrent episodes' turns into one `generate`.
+`TransformersPolicy` samples it, micro-batching concurrent episodes' turns into one decode (`generate`, or
+main_agent/decode.py's loop on a CPU).
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ class TransformersPolicy:
     The decode is `[sampling] decoder`'s; "auto" (the default) picks by the model's device: on a CPU the
     fixed-shape loop of main_agent/decode.py, which sampled 1.08x generate's tokens/s at 4 rows x 96 tokens and
     1.12x at 8 x 128 on the policy's prompts with the same tokens and log-probs (benchmarks/perf/decode.py, one
-    CPU thread: no concatenation of the cache each step); on a GPU `generate`, today's path, until the same
-    benchmark says otherwise there. A decoder named in the settings always wins."""
+    CPU thread: no concatenation of the cache each step); on a GPU `generate`, the path before it, until the
+    same benchmark says otherwise there. A decoder named in the settings always wins."""
 
     def __init__(
         self,
