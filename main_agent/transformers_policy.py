@@ -65,6 +65,18 @@ def adapter_base(path: Path) -> Path | None:
 MIN_SHARED_PREFIX = 32
 
 
+STATIC_TESTED = (5, 24)
+"""The oldest transformers the static loop's cache calls were tested on (tests/test_decode.py ran on 5.25; the
+vLLM environment pins an older one): "auto" keeps `generate` below it."""
+
+
+def _transformers_version() -> tuple[int, int]:
+    import transformers
+
+    major, minor = transformers.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
 class TransformersPolicy:
     """The trainable in-process policy. `model` is a plain HF causal LM (optionally a peft model); `max_batch`
     concurrent samples share one decode (bounded by memory, the KV cache, on CPU).
@@ -73,7 +85,8 @@ class TransformersPolicy:
     fixed-shape loop of main_agent/decode.py, which sampled 1.08x generate's tokens/s at 4 rows x 96 tokens and
     1.12x at 8 x 128 on the policy's prompts with the same tokens and log-probs (benchmarks/perf/decode.py, one
     CPU thread: no concatenation of the cache each step); on a GPU `generate`, the path before it, until the
-    same benchmark says otherwise there. A decoder named in the settings always wins."""
+    same benchmark says otherwise there, and `generate` too under a transformers older than the loop was tested
+    on (STATIC_TESTED). A decoder named in the settings always wins."""
 
     def __init__(
         self,
@@ -141,7 +154,8 @@ class TransformersPolicy:
             return self.cfg.decoder
         import torch
 
-        return "static" if torch.device(self.model.device).type == "cpu" else "generate"
+        on_cpu = torch.device(self.model.device).type == "cpu"
+        return "static" if on_cpu and _transformers_version() >= STATIC_TESTED else "generate"
 
     def _generate(
         self, prompts: list[list[int]], max_new: int, *, shared: int

@@ -87,15 +87,23 @@ def test_a_lora_policy_decodes_as_generate_does() -> None:
         )
 
 
-def test_auto_decodes_with_the_static_loop_on_a_cpu_unless_told() -> None:
-    """[sampling] decoder "auto" runs the loop that won on the model's device (the static one on a CPU); a decoder
-    named in the settings wins."""
+def test_auto_decodes_with_the_static_loop_on_a_cpu_unless_told(monkeypatch) -> None:
+    """[sampling] decoder "auto" runs the loop that won on the model's device (the static one on a CPU, under a
+    transformers it was tested on; `generate` under an older one); a decoder named in the settings wins."""
+    from main_agent import transformers_policy
+
     model = tiny_model()
-    chosen = {
-        d: TransformersPolicy(model, ByteChatTokenizer(), cfg=SamplingConfig(decoder=d)).decoder
-        for d in ("auto", "generate")
-    }
-    assert chosen == {"auto": "static", "generate": "generate"}
+
+    def chosen() -> dict[str, str]:
+        return {
+            d: TransformersPolicy(model, ByteChatTokenizer(), cfg=SamplingConfig(decoder=d)).decoder
+            for d in ("auto", "generate", "static")
+        }
+
+    monkeypatch.setattr(transformers_policy, "_transformers_version", lambda: (5, 25))
+    assert chosen() == {"auto": "static", "generate": "generate", "static": "static"}
+    monkeypatch.setattr(transformers_policy, "_transformers_version", lambda: (5, 19))
+    assert chosen() == {"auto": "generate", "generate": "generate", "static": "static"}
 
 
 @pytest.mark.slow
