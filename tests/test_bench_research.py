@@ -177,6 +177,7 @@ def test_every_dev_question_has_two_supporting_pages_in_the_corpus(shared_data):
 async def test_the_expert_row_plays_the_scripted_expert_and_writes_its_episodes(tmp_path, smollm2_path):
     """`--policy expert` plays corpus_qa's scripted expert through the given tools (here a fake server): its
     chained calls, its episodes on disk as records read them, and EM and F1 by the family's own scoring."""
+    from benchmarks.common import chunks
     from benchmarks.studies.research import bench
     from subagents.handles import handle_for
     from tests.fakes import fake_tool_server, ok_result
@@ -200,7 +201,7 @@ async def test_the_expert_row_plays_the_scripted_expert_and_writes_its_episodes(
     cfg = load_eval_config(None, ['policy="expert"', "task=corpus_qa", "split=dev", *bench.RECIPE_SETS])
     out = tmp_path / "chunk.jsonl"
     async with ToolClient("http://tools", transport=fake_tool_server(handler), deadline_s=5.0) as tools:
-        em, f1 = await bench._chunk([corpus_task()], tools, cfg, out)
+        em, f1 = await chunks.play_chunk([corpus_task()], tools, cfg, out)
     [episode] = load_episodes(out)
     assert [c.name for turn in episode.turns for c in turn.calls] == [
         "search",

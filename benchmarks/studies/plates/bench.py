@@ -19,34 +19,21 @@ was. Records and tables go to benchmarks/results/bench_plates.json. docs/plates.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import re
 import sys
-import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks import ROOT
+from benchmarks.common.chunks import claim, folder_name, play_chunks, recorded
 from benchmarks.studies.plates.records import country, format_table, groups, record
-from main_agent.types import Episode
 from training import tasks as task_data
-from training.evaluate import EvalConfig, evaluate, load_eval_config
-from training.metrics import load_episodes, save_rollouts
-from training.play import tool_session
-from training.sft import play_experts
+from training.evaluate import load_eval_config
 from training.tasks import Task
 
 FAMILY = "plate_reading"
-EXPERT = "expert"
 RECIPE_SETS = ("rollout.max_turns=8", "rollout.max_new_tokens=192")
 """The shipped default's SFT budgets (examples/default_policy_sft.toml): what its plate demonstrations fit."""
-
-
-def folder_name(policy: str) -> str:
-    """A policy's folder under the work folder: its name or path with every run of other characters as "_"."""
-    return re.sub(r"[^A-Za-z0-9.-]+", "_", policy).strip("_")
 
 
 def photos(split: str, n: int | None) -> list[Task]:
@@ -55,57 +42,14 @@ def photos(split: str, n: int | None) -> list[Task]:
     return [t for c in sorted({country(t) for t in tasks}) for t in [t for t in tasks if country(t) == c][:n]]
 
 
-def recorded(folder: Path) -> dict[str, Episode]:
-    """The episodes of every finished chunk in a policy's folder, by task id."""
-    return {e.task_id: e for path in sorted(folder.glob("*.episodes.jsonl")) for e in load_episodes(path)}
-
-
-def claim(folder: Path, policy: str, sets: Sequence[str]) -> None:
-    """Record the settings a policy's folder is played with; exit when it was played with others."""
-    folder.mkdir(parents=True, exist_ok=True)
-    settings, path = {"policy": policy, "sets": list(sets)}, folder / "settings.json"
-    if path.is_file() and (then := json.loads(path.read_text(encoding="utf-8"))) != settings:
-        sys.exit(f"{folder} was played with {then}, not {settings}: move it away or pass the same --set")
-    path.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
-
-
 def play(policy: str, tasks: Sequence[Task], folder: Path, *, chunk: int, sets: Sequence[str]) -> None:
     """Play the photos of `tasks` that `folder` has no episode of yet, `chunk` at a time, in one tool session;
     each chunk's episodes are written once all of them are played (<first task id>+<count>)."""
     done = recorded(folder)
     todo = [t for t in tasks if t.task_id not in done]
-    if not todo:
-        return
-    model = [] if policy == EXPERT else [f"policy={json.dumps(policy)}"]
-    cfg = load_eval_config(None, [*model, f"task={FAMILY}", *sets])
-    asyncio.run(_play(policy, [todo[k : k + chunk] for k in range(0, len(todo), chunk)], folder, cfg=cfg))
-
-
-async def _play(policy: str, chunks: list[list[Task]], folder: Path, *, cfg: EvalConfig) -> None:
-    pending = [t for c in chunks for t in c]
-    with tempfile.TemporaryDirectory(prefix="bench-plates-") as work:
-        session = tool_session(pending, work_dir=Path(work), access=cfg.tools, data_dir=cfg.run.data_dir)
-        async with session as (tools, ready):
-            by_id = {t.task_id: t for t in ready}
-            for c in chunks:
-                start, name = time.monotonic(), f"{c[0].task_id}+{len(c)}"
-                partial, played = folder / f"{name}.partial", [by_id[t.task_id] for t in c]
-                if policy == EXPERT:
-                    save_rollouts(partial, await _expert(played, tools, cfg))
-                else:
-                    await evaluate(played, tools=tools, cfg=cfg, episodes_out=partial)
-                partial.replace(folder / f"{name}.episodes.jsonl")  # a chunk counts once all of it is on disk
-                print(f"{policy} {name}: {time.monotonic() - start:.0f} s", flush=True)
-
-
-async def _expert(tasks: list[Task], tools, cfg: EvalConfig) -> list[Episode]:
-    """The scripted expert's episodes, its replies tokenised by the evaluated policy's tokenizer."""
-    from transformers import AutoTokenizer
-
-    from conductor.models import resolve_model
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.run.policy), local_files_only=True)
-    return await play_experts(tasks, tools, tokenizer, rollout=cfg.rollout, max_concurrent=2)
+    parts = [todo[k : k + chunk] for k in range(0, len(todo), chunk)]
+    cfg = load_eval_config(None, [f"policy={json.dumps(policy)}", f"task={FAMILY}", *sets])
+    play_chunks([(f"{c[0].task_id}+{len(c)}", c) for c in parts], folder, cfg=cfg)
 
 
 def records_of(tasks: Sequence[Task], folder: Path) -> list[dict]:

@@ -21,59 +21,24 @@ benchmarks/results/bench_research.json.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import re
 import sys
-import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from benchmarks import ROOT
+from benchmarks.common.chunks import claim, folder_name, play_chunks, recorded
 from benchmarks.studies.research.records import record, supporting_pages
 from benchmarks.studies.research.summary import format_table, paired, power, summarise
-from conductor.models import DEFAULT_MODEL, resolve_model
-from main_agent.transformers_policy import tokenizer_dir
-from main_agent.types import Episode
-from tool_server.client import ToolClient
 from training import tasks as task_data
-from training.evaluate import EvalConfig, evaluate, load_eval_config
-from training.metrics import load_episodes, save_rollouts
-from training.play import tool_session
-from training.sft import play_experts
+from training.evaluate import load_eval_config
 from training.tasks import Task
 from training.tasks.corpus_qa import write_corpus
 
 FAMILY, SPLIT = "corpus_qa", "dev"
-EXPERT = "expert"
-"""The policy name that plays the scripted expert the recipe's SFT imitates (corpus_qa.oracle_reply), through
-the same tools and budgets: what its demonstrations reach on questions they never saw, the ceiling of imitation."""
-EXPERT_CONCURRENCY = 4  # episodes in flight: the expert samples nothing, its calls share the tool server
 RECIPE_SETS = ("rollout.max_turns=8", "rollout.max_new_tokens=192")
 """The shipped default's rollout budgets (examples/default_policy.toml), so the benchmark measures what it was
 trained for."""
-
-
-def folder_name(policy: str) -> str:
-    """A policy's folder under the work folder: its name or path with every run of other characters as "_"."""
-    return re.sub(r"[^A-Za-z0-9.-]+", "_", policy).strip("_")
-
-
-def recorded(folder: Path) -> dict[str, Episode]:
-    """The episodes of every finished chunk in a policy's folder, by task id."""
-    return {e.task_id: e for path in sorted(folder.glob("q*.episodes.jsonl")) for e in load_episodes(path)}
-
-
-def claim(folder: Path, policy: str, sets: Sequence[str]) -> None:
-    """Record the settings a policy's folder is played with; exit when it was played with others."""
-    folder.mkdir(parents=True, exist_ok=True)
-    settings, path = {"policy": policy, "sets": list(sets)}, folder / "settings.json"
-    if path.is_file() and (then := json.loads(path.read_text(encoding="utf-8"))) != settings:
-        sys.exit(f"{folder} was played with {then}, not {settings}: move it away or pass the same --set")
-    path.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
 
 
 def play(policy: str, tasks: Sequence[Task], folder: Path, *, chunk: int, sets: Sequence[str]) -> None:
@@ -81,45 +46,9 @@ def play(policy: str, tasks: Sequence[Task], folder: Path, *, chunk: int, sets: 
     session; each chunk's episodes are written once all of them are played (q<first index>+<count>)."""
     done = recorded(folder)
     todo = [(i, t) for i, t in enumerate(tasks) if t.task_id not in done]
-    if not todo:
-        return
+    parts = [todo[k : k + chunk] for k in range(0, len(todo), chunk)]
     cfg = load_eval_config(None, [f"policy={json.dumps(policy)}", f"task={FAMILY}", f"split={SPLIT}", *sets])
-    asyncio.run(_play([todo[k : k + chunk] for k in range(0, len(todo), chunk)], folder, cfg=cfg))
-
-
-async def _play(chunks: list[list[tuple[int, Task]]], folder: Path, *, cfg: EvalConfig) -> None:
-    pending = [t for c in chunks for _, t in c]
-    with tempfile.TemporaryDirectory(prefix="bench-research-") as work:
-        session = tool_session(pending, work_dir=Path(work), access=cfg.tools, data_dir=cfg.run.data_dir)
-        async with session as (tools, ready):
-            by_id = {t.task_id: t for t in ready}
-            for c in chunks:
-                start, name = time.monotonic(), f"q{c[0][0]:04d}+{len(c)}"
-                partial = folder / f"{name}.partial"
-                played = [by_id[t.task_id] for _, t in c]
-                em, f1 = await _chunk(played, tools, cfg, partial)
-                partial.replace(folder / f"{name}.episodes.jsonl")  # a chunk counts once all of it is on disk
-                print(
-                    f"{cfg.run.policy} {name}: EM {em:.3f} F1 {f1:.3f} {time.monotonic() - start:.0f} s",
-                    flush=True,
-                )
-
-
-async def _chunk(tasks: list[Task], tools: ToolClient, cfg: EvalConfig, out: Path) -> tuple[float, float]:
-    """Play one chunk (the policy, or the scripted expert for EXPERT) into `out`; its EM and F1."""
-    if cfg.run.policy != EXPERT:
-        report = await evaluate(tasks, tools=tools, cfg=cfg, episodes_out=out)
-        return report.success_rate, report.mean_reward
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(resolve_model(DEFAULT_MODEL)))
-    episodes = await play_experts(
-        tasks, tools, tokenizer, rollout=cfg.rollout, max_concurrent=EXPERT_CONCURRENCY
-    )
-    save_rollouts(out, episodes)
-    scores = [
-        (task_data.success(t, e.answer), task_data.reward_for(t, e.answer))
-        for t, e in zip(tasks, episodes, strict=True)
-    ]
-    return sum(s for s, _ in scores) / len(scores), sum(r for _, r in scores) / len(scores)
+    play_chunks([(f"q{c[0][0]:04d}+{len(c)}", [t for _, t in c]) for c in parts], folder, cfg=cfg)
 
 
 def records_of(tasks: Sequence[Task], folder: Path, corpus: Path) -> list[dict]:

@@ -1,0 +1,99 @@
+"""A study's episodes, played in chunks that resume: one folder a policy (or the scripted expert), its settings
+claimed, each finished chunk one file of episodes (the research and plates benchmarks).
+
+    folder = work / folder_name("runs/x/model")             # runs_x_model
+    claim(folder, policy, sets)                              # exits if the folder was played with other sets
+    play_chunks(chunks, folder, cfg=load_eval_config(None, [f"policy={policy}", "task=corpus_qa", *sets]))
+    episodes = recorded(folder)                              # task id -> episode, of every finished chunk
+
+`chunks` are (name, tasks) pairs: a chunk's episodes are written to <name>.partial as it plays and renamed to
+<name>.episodes.jsonl once all of them are on disk, so an interrupted run loses at most the chunk in flight and
+the caller plays only the tasks `recorded` lacks. The policy EXPERT plays the families' scripted experts (as
+`conductor sft` does) instead of a model, through the same tools and budgets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from conductor.models import DEFAULT_MODEL, resolve_model
+from main_agent.types import Episode
+from tool_server.client import ToolClient
+from training import tasks as task_data
+from training.evaluate import EvalConfig, evaluate
+from training.metrics import load_episodes, mean, save_rollouts
+from training.play import tool_session
+from training.sft import play_experts
+from training.tasks import Task
+
+EXPERT = "expert"
+"""The policy name that plays the scripted expert of each task's family: what its demonstrations reach on tasks
+they never saw, the ceiling of imitation."""
+EXPERT_CONCURRENCY = 4  # episodes in flight: the expert samples nothing, its calls share the tool server
+
+
+def folder_name(policy: str) -> str:
+    """A policy's folder under the work folder: its name or path with every run of other characters as "_"."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", policy).strip("_")
+
+
+def recorded(folder: Path) -> dict[str, Episode]:
+    """The episodes of every finished chunk in a policy's folder, by task id."""
+    return {e.task_id: e for path in sorted(folder.glob("*.episodes.jsonl")) for e in load_episodes(path)}
+
+
+def claim(folder: Path, policy: str, sets: Sequence[str]) -> None:
+    """Record the settings a policy's folder is played with; exit when it was played with others."""
+    folder.mkdir(parents=True, exist_ok=True)
+    settings, path = {"policy": policy, "sets": list(sets)}, folder / "settings.json"
+    if path.is_file() and (then := json.loads(path.read_text(encoding="utf-8"))) != settings:
+        sys.exit(f"{folder} was played with {then}, not {settings}: move it away or pass the same --set")
+    path.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+
+
+def play_chunks(chunks: Sequence[tuple[str, list[Task]]], folder: Path, *, cfg: EvalConfig) -> None:
+    """Play every chunk in one tool session (`cfg.tools`), writing each as it finishes (the module docstring)."""
+    if chunks:
+        asyncio.run(_play(chunks, folder, cfg=cfg))
+
+
+async def _play(chunks: Sequence[tuple[str, list[Task]]], folder: Path, *, cfg: EvalConfig) -> None:
+    pending = [t for _, c in chunks for t in c]
+    with tempfile.TemporaryDirectory(prefix="bench-chunks-") as work:
+        session = tool_session(pending, work_dir=Path(work), access=cfg.tools, data_dir=cfg.run.data_dir)
+        async with session as (tools, ready):
+            by_id = {t.task_id: t for t in ready}
+            for name, tasks in chunks:
+                start, partial = time.monotonic(), folder / f"{name}.partial"
+                success, reward = await play_chunk([by_id[t.task_id] for t in tasks], tools, cfg, partial)
+                partial.replace(folder / f"{name}.episodes.jsonl")  # a chunk counts once all of it is on disk
+                took = time.monotonic() - start
+                print(
+                    f"{cfg.run.policy} {name}: success {success:.3f} reward {reward:.3f} {took:.0f} s",
+                    flush=True,
+                )
+
+
+async def play_chunk(tasks: list[Task], tools: ToolClient, cfg: EvalConfig, out: Path) -> tuple[float, float]:
+    """Play `tasks` (the policy `cfg.run.policy`, or the scripted experts for EXPERT) into `out`; their success
+    rate and mean reward by each family's own scoring."""
+    if cfg.run.policy != EXPERT:
+        report = await evaluate(tasks, tools=tools, cfg=cfg, episodes_out=out)
+        return report.success_rate, report.mean_reward
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(DEFAULT_MODEL), local_files_only=True)
+    episodes = await play_experts(
+        tasks, tools, tokenizer, rollout=cfg.rollout, max_concurrent=EXPERT_CONCURRENCY
+    )
+    save_rollouts(out, episodes)
+    played = list(zip(tasks, episodes, strict=True))
+    success = mean([float(task_data.success(t, e.answer)) for t, e in played])
+    return success, mean([task_data.reward_for(t, e.answer) for t, e in played])
