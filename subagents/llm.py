@@ -60,8 +60,9 @@ class BackendConfig:
     """The endpoint accepts images in messages (a VLM); video frames go to it as images instead of OCR text."""
     max_new_tokens: int = 96
     """Upper bound on answer length; sub-agent answers are short by design."""
-    max_batch: int = 8
-    """Most requests the transformers micro-batcher packs into one generate call (memory-bound on CPU)."""
+    max_batch: int | None = None
+    """Most requests the transformers micro-batcher packs into one generate call; None: by the device the model
+    loads on (`batch_for`: 8 on a CPU, as before, where it is memory-bound; 64 on a GPU). A set value wins."""
     batch_wait_ms: float = 25.0
     """How long the micro-batcher waits for more requests after the first: short next to a ~10 s generation."""
     request_timeout_s: float = 120.0
@@ -76,7 +77,8 @@ class BackendConfig:
         """Bounded, finite numbers (BACKEND_BOUNDS), checked alike in the TOML file and in a hot swap, so no
         setting can leave a tool worse than before it (a NaN wait failed every later call)."""
         for name, (low, high) in BACKEND_BOUNDS.items():
-            check_range(name, getattr(self, name), low, high)
+            if getattr(self, name) is not None:  # max_batch None: chosen for the device (`batch_for`)
+                check_range(name, getattr(self, name), low, high)
         if not self.model:
             raise ValueError("model must name a model")
 
@@ -90,6 +92,18 @@ BACKEND_BOUNDS: dict[str, tuple[float, float]] = {
     "seed": (0, 2**63 - 1),  # torch.manual_seed's and the OpenAI API's range
     "max_retries": (0, 10),  # the openai backend's retries with backoff; ten already spend minutes
 }
+
+CPU_BATCH = 8  # memory-bound on a CPU; the value before the batch was sized by device
+# A 135M model's KV cache for a ~1.5k-token page_qa prompt is tens of MB a row: 64 rows are a few GB of a GPU's.
+GPU_BATCH = 64
+
+
+def batch_for(device: str, configured: int | None) -> int:
+    """The transformers micro-batch on `device` ("cpu", "cuda", "cuda:N"): `configured` where set, else
+    `GPU_BATCH` on a GPU and `CPU_BATCH` on anything else."""
+    if configured is not None:
+        return configured
+    return GPU_BATCH if device.startswith("cuda") else CPU_BATCH
 
 
 class LLM(Protocol):

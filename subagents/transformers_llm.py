@@ -13,6 +13,7 @@ from subagents.llm import (
     BackendError,
     Generation,
     Message,
+    batch_for,
     chat_dicts,
     context_error,
     cut_at_eos,
@@ -59,8 +60,9 @@ class TransformersLLM:
         self.eos_ids = frozenset(e for e in [*eos_list, self.tokenizer.eos_token_id] if e is not None)
         pad = self.tokenizer.pad_token_id
         self.pad_id: int = pad if pad is not None else min(self.eos_ids)
-        self.batcher = MicroBatcher(self.generate_batch, max_batch=cfg.max_batch, wait_ms=cfg.batch_wait_ms)
-        logger.info("loaded %s from %s on %s", cfg.model, path, self.device)
+        self.max_batch = batch_for(self.device, cfg.max_batch)
+        self.batcher = MicroBatcher(self.generate_batch, max_batch=self.max_batch, wait_ms=cfg.batch_wait_ms)
+        logger.info("loaded %s from %s on %s (micro-batch %d)", cfg.model, path, self.device, self.max_batch)
 
     @property
     def queue_depth(self) -> int:

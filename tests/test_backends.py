@@ -14,7 +14,7 @@ import pytest
 
 from conductor.batching import GenerationError, MicroBatcher
 from subagents.backends import build_llm
-from subagents.llm import BackendConfig, BackendError, Message
+from subagents.llm import BackendConfig, BackendError, Message, batch_for
 from subagents.openai_llm import OpenAILLM, served_model
 from subagents.transformers_llm import TransformersLLM
 from tests.fake_openai_server import Script, create_openai_app, serve, unused_port
@@ -139,6 +139,17 @@ async def test_aclose_fails_running_and_queued_requests() -> None:
             await batcher.submit([9], 1)
     finally:
         model.release.set()
+
+
+def test_micro_batch_is_sized_by_device_unless_set() -> None:
+    """An unset max_batch is 8 on a CPU (as before) and 64 on a GPU; a set value wins on either; a set value
+    is still checked against BACKEND_BOUNDS."""
+    assert BackendConfig().max_batch is None
+    assert batch_for("cpu", None) == 8
+    assert batch_for("cuda", None) == batch_for("cuda:1", None) == 64
+    assert batch_for("cpu", 3) == batch_for("cuda", 3) == 3
+    with pytest.raises(ValueError, match="max_batch"):
+        BackendConfig(max_batch=0)
 
 
 # ---------------------------------------------------------------- openai backend over loopback HTTP
