@@ -45,6 +45,8 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import ROOT
+from conductor.models import default_device
+from subagents.llm import batch_for
 from tool_server.app import create_app, uvicorn_config
 from tool_server.config import ServerConfig
 from tool_server.embedded import embedded_config
@@ -353,7 +355,7 @@ def settings_record(cfg: BenchConfig, server: ServerConfig) -> dict[str, Any]:
     model, tools = server.tools["page_qa"].model, server.tools
     return {
         **{key: str(value) if isinstance(value, Path) else value for key, value in asdict(cfg).items()},
-        "max_batch": model.max_batch, "batch_wait_ms": model.batch_wait_ms,
+        "max_batch": batch_for(default_device(), model.max_batch), "batch_wait_ms": model.batch_wait_ms,
         "page_qa_max_concurrency": tools["page_qa"].limits.max_concurrency,
         "image_ops_max_concurrency": tools["image_ops"].limits.max_concurrency,
         "image_ops_queue_s": tools["image_ops"].limits.queue_timeout_s,
