@@ -15,6 +15,7 @@ the caller plays only the tasks `recorded` lacks. The policy EXPERT plays the fa
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import sys
@@ -87,13 +88,18 @@ async def play_chunk(tasks: list[Task], tools: ToolClient, cfg: EvalConfig, out:
     if cfg.run.policy != EXPERT:
         report = await evaluate(tasks, tools=tools, cfg=cfg, episodes_out=out)
         return report.success_rate, report.mean_reward
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(DEFAULT_MODEL), local_files_only=True)
     episodes = await play_experts(
-        tasks, tools, tokenizer, rollout=cfg.rollout, max_concurrent=EXPERT_CONCURRENCY
+        tasks, tools, _tokenizer(), rollout=cfg.rollout, max_concurrent=EXPERT_CONCURRENCY
     )
     save_rollouts(out, episodes)
     played = list(zip(tasks, episodes, strict=True))
     success = mean([float(task_data.success(t, e.answer)) for t, e in played])
     return success, mean([task_data.reward_for(t, e.answer) for t, e in played])
+
+
+@functools.cache
+def _tokenizer():
+    """The built-in model's tokenizer, which the experts' replies are tokenised with: loaded once a process."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model(DEFAULT_MODEL), local_files_only=True)
