@@ -20,6 +20,7 @@ from tool_server.embedded import ToolAccess
 from training import tasks as task_data
 from training.play import play as play_tasks
 from training.play import rollout_task, tool_session
+from training.metrics import save_rollouts
 from training.sft import (
     OraclePolicy,
     SFTConfig,
@@ -27,6 +28,7 @@ from training.sft import (
     generate_expert_episodes,
     load_sft_config,
     masked_nll,
+    recorded_demonstrations,
     sft,
 )
 from training.tasks import Task, TaskMeta, multihop, plates, video
@@ -380,6 +382,20 @@ async def test_sft_reduces_the_loss_on_expert_episodes():
     assert len(losses) == 10  # all three episodes fit one micro-batch: one step per epoch
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+async def test_recorded_demonstrations_are_reused_except_for_tasks_played_again(tmp_path):
+    """An earlier run's kept episodes come back whole and in order, from every file named, but a task played
+    again now is not imitated twice (its recorded episode is dropped); the setting reads as TOML paths."""
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    multihop_ep, plate_ep, video_ep = await expert_episodes()
+    save_rollouts(first, [multihop_ep, plate_ep])
+    save_rollouts(second, [video_ep])
+    reused = recorded_demonstrations([first, second], replaced=[PLATE])
+    assert [e.task_id for e in reused] == [MULTIHOP.task_id, VIDEO.task_id]
+    assert reused[0].turns == multihop_ep.turns and reused[0].prompt_ids == multihop_ep.prompt_ids
+    cfg = load_sft_config([f'demonstrations=["{first}"]'])
+    assert [str(p) for p in cfg.demonstrations] == [str(first)]
 
 
 def test_sft_refuses_to_train_on_nothing():

@@ -47,7 +47,7 @@ from training import tasks as task_data
 from training.config import RunSettings, device_sizes
 from training.evaluate import EvalConfig, EvalReport, evaluate_policy
 from training.loss import all_finite, token_logprobs
-from training.metrics import save_rollouts
+from training.metrics import load_episodes, save_rollouts
 from training.play import play, tool_session
 from training.tasks import Task
 
@@ -223,6 +223,10 @@ class SFTConfig:
     items: tuple[int, ...] = (1, 2, 4)
     """Item families (plate_audit, multihop_batch): one set of `limit` tasks per value, a mix of horizons, so the
     policy has recorded and folded before RL grows N."""
+    demonstrations: tuple[Path, ...] = ()
+    """Kept expert episodes of earlier runs (their `expert_episodes.jsonl`), imitated besides the experts played
+    now, so a recipe that changes one family replays only that family; an episode of a task played now is
+    dropped for the new one. Only the experts' code makes them: reuse files made by the code you run."""
     epochs: int = 3
     """Passes over the kept expert episodes."""
     lr: float = 1e-5
@@ -320,7 +324,8 @@ async def _demonstrate_and_learn(cfg: SFTConfig, policy: TransformersPolicy, tok
                 reports.append(report)
 
         await check("before sft")
-        episodes = await generate_expert_episodes(train, tools, tokenizer, cfg)
+        episodes = recorded_demonstrations(cfg.demonstrations, replaced=train)
+        episodes += await generate_expert_episodes(train, tools, tokenizer, cfg)
         save_rollouts(cfg.out_dir / "expert_episodes.jsonl", episodes)
         tokens = micro_batch_tokens(cfg, str(next(policy.model.parameters()).device))
         learn = functools.partial(sft, epochs=cfg.epochs, lr=cfg.lr, micro_batch_tokens=tokens)
@@ -329,6 +334,18 @@ async def _demonstrate_and_learn(cfg: SFTConfig, policy: TransformersPolicy, tok
     await policy.aclose()
     before, after = (reports[0], reports[1]) if reports else (None, None)
     return SFTReport(len(train), len(episodes), losses, before, after, cfg.out_dir / "model", tokens)
+
+
+def recorded_demonstrations(paths: Sequence[Path], *, replaced: Sequence[Task]) -> list[Episode]:
+    """The episodes of `paths`, in order, but those of a task in `replaced` (played again now); the count per
+    file is logged."""
+    again = {t.task_id for t in replaced}
+    kept: list[Episode] = []
+    for path in paths:
+        episodes = [e for e in load_episodes(Path(path)) if e.task_id not in again]
+        logger.info("recorded demonstrations %s: %d episodes", path, len(episodes))
+        kept += episodes
+    return kept
 
 
 def micro_batch_tokens(cfg: SFTConfig, device: str, *, memory_gib: float | None = None) -> int:
