@@ -20,7 +20,7 @@ from urllib.parse import unquote, urlsplit
 
 from conductor.models import BUILTIN_MODELS, DEFAULT_MODEL, DEFAULT_POLICY, ModelNotFound
 from main_agent.backends import load_policy
-from main_agent.parse import CALL_CLOSE, CALL_OPEN
+from main_agent.parse import ANSWER_OPEN, CALL_CLOSE, CALL_OPEN
 from main_agent.policy import SamplingConfig
 from main_agent.rollout import ProgressHook, RolloutConfig, RolloutTask, rollout
 from main_agent.types import Episode
@@ -273,6 +273,7 @@ async def ask(
                 max_new_tokens=192,  # as the default policy was trained: a few page_qa calls by handle, or an answer
                 first_turn_prefix=first_turn_prefix(opts, [str(t["function"]["name"]) for t in schemas]),
                 untagged_is_answer=True,
+                last_turn_prefix=ANSWER_OPEN,  # a user gets an answer from what it read, not "max_turns"
             )
             return await rollout(task, policy, tools, tokenizer, cfg, on_turn=on_turn)
     finally:

@@ -44,7 +44,7 @@ PolicyModel = Annotated[
 ReaderUrl = Annotated[str | None, typer.Option(help=READER_URL_HELP)]
 ReaderModel = Annotated[str | None, typer.Option(help=READER_MODEL_HELP)]
 ToolsUrl = Annotated[str | None, typer.Option(help="A running tool server (default: start one in-process).")]
-MaxTurns = Annotated[int, typer.Option(help="Policy turns before giving up.")]
+MaxTurns = Annotated[int, typer.Option(help="Policy turns; the last one is asked for the answer.")]
 Tools = Annotated[list[str] | None, typer.Option("--tool", help="Offer only this sub-agent (repeatable).")]
 RequireCall = Annotated[
     bool | None,

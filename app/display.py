@@ -62,6 +62,8 @@ class LiveView:
             body = Text(f"(no answer: {episode.stop_reason})")
         else:
             body = Text(shown_answer(episode.answer) or "(an empty answer)")
+            if episode.stop_reason == "last_turn_answer":
+                body.append("\n(its last turn: the turn budget ran out and the answer was asked for)", style="dim")
         if episode.infra_error:
             body.append(f"\ninfrastructure failure: {episode.infra_error}")
         if sources:

@@ -326,5 +326,5 @@ def _reward(reward: float | None) -> str:
 
 
 def _stop(ep: Episode) -> str:
-    cls = "bad" if ep.stop_reason == "infra_failed" else "ok" if ep.stop_reason == "answer" else "muted"
+    cls = "bad" if ep.stop_reason == "infra_failed" else "ok" if ep.answer is not None else "muted"
     return f'<span class="{cls}">{escape(ep.stop_reason)}</span>'

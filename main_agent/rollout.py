@@ -83,6 +83,12 @@ class RolloutConfig:
     """Text that opens the first assistant turn, e.g. '<tool_call>{"name": "' to require a call first (the
     analogue of tool_choice="required"). Its ids join the prompt (never trained on); it is parsed with the
     first completion. Empty while training: the policy must learn the format itself."""
+    last_turn_prefix: str = ""
+    """Text that opens the last turn the budget allows (from the second turn on), e.g. '<answer>' so that an
+    episode about to run out of turns ends with an answer from what the policy saw (tool_choice="none" on the
+    last step; LangChain's early_stopping_method="generate"). Its ids follow the previous turn's observation
+    (never trained on) and the episode stops with "last_turn_answer". Empty while training and evaluating:
+    running out of turns is what the policy must learn not to do, and it scores 0."""
     turns_per_item: int = 6
     """Item tasks get at least this many turns per item (plus one to answer) whatever `max_turns` says: a
     plate takes 4 calls and up to 2 retries, so a horizon that grows keeps its room."""
@@ -153,7 +159,10 @@ async def rollout(
         if time.monotonic() - start > cfg.wall_clock_s:
             episode.stop_reason = "deadline"
             break
-        prefix = cfg.first_turn_prefix if index == 0 else ""
+        last = 0 < index == turns - 1 and cfg.last_turn_prefix != ""
+        prefix = cfg.last_turn_prefix if last else cfg.first_turn_prefix if index == 0 else ""
+        if last:
+            ids, opened = _open_last_turn(tokenizer, prefix, ids, opened, episode)
         redo = replay[index] if index < len(replay) else None
         try:
             turn, answer = await play_turn(
@@ -173,10 +182,23 @@ async def rollout(
         if on_turn is not None:
             on_turn(turn)
         if answer is not None:
-            episode.answer, episode.stop_reason = answer, "answer"
+            episode.answer, episode.stop_reason = answer, "last_turn_answer" if last else "answer"
             break
     _finish(episode, start)
     return episode
+
+
+def _open_last_turn(
+    tokenizer, prefix: str, ids: list[int], opened: list[int], episode: Episode
+) -> tuple[list[int], list[int]]:
+    """The stream and segment prompt with `prefix`'s ids appended, recorded where the episode keeps what the
+    policy did not sample: the prompt of a segment just opened, else the previous turn's observation."""
+    forced = tokenizer.encode(prefix, add_special_tokens=False)
+    if opened:
+        return ids + forced, opened + forced
+    last = episode.turns[-1]
+    episode.turns[-1] = dataclasses.replace(last, observation_ids=[*last.observation_ids, *forced])
+    return ids + forced, opened
 
 
 def max_turns(task: RolloutTask, cfg: RolloutConfig) -> int:

@@ -36,7 +36,8 @@ ParseErrorKind = Literal[
     "bad_item",  # a record of an item the task does not have (or a task without items)
 ]
 
-StopReason = Literal["answer", "max_turns", "max_context", "deadline", "infra_failed"]
+StopReason = Literal["answer", "last_turn_answer", "max_turns", "max_context", "deadline", "infra_failed"]
+"""last_turn_answer: the answer of a last turn that `RolloutConfig.last_turn_prefix` opened for it."""
 
 
 @dataclass(frozen=True)

@@ -205,6 +205,17 @@ def test_the_answer_panel_numbers_its_sources():
     assert "[1] GRPO <file:///g.html>" in shown and "[2] SmolLM2 <file:///s.html>" in shown
 
 
+def test_an_answer_asked_for_on_the_last_turn_says_so():
+    """An answer the turn budget forced (stop reason last_turn_answer) is shown with a note that says so; an
+    answer the policy chose to give is shown without it."""
+    for reason, noted in (("last_turn_answer", True), ("answer", False)):
+        episode = Episode("ask", "q", [1], [], "Hugging Face", reason, 0, 1.0, 1.0, 0.0)
+        console = Console(file=io.StringIO(), width=200)
+        LiveView("q", console=console).final(episode, [])
+        shown = console.file.getvalue()  # type: ignore[attr-defined]
+        assert "Hugging Face" in shown and ("turn budget ran out" in shown) is noted
+
+
 def test_sources_are_the_pages_read_and_search_hits_only_when_nothing_was_read():
     """A hit never opened is not a source: after page_qa read one hit, only that page is listed; an episode that
     only searched lists its hits; failed calls list nothing."""

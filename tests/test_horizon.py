@@ -115,6 +115,20 @@ async def test_a_long_episode_folds_into_segments_that_stay_under_the_limit() ->
     assert "Recorded so far" in opened and "Last results:" in opened
 
 
+async def test_the_forced_last_turn_opens_a_folded_segment_where_the_policy_saw_it() -> None:
+    """When the last turn follows a fold, last_turn_prefix's ids end the new segment's prompt: each segment's
+    stream is still exactly what the policy was given, and the audit ends with its ledger as the answer."""
+    cfg = RolloutConfig(
+        max_turns=9, max_new_tokens=96, max_context_tokens=4096, fold_at_tokens=700, turns_per_item=1,
+        last_turn_prefix="<answer>",
+    )  # fmt: skip
+    episode, policy = await play(audit_task(8), auditor(8), cfg)
+    assert episode.stop_reason == "last_turn_answer" and len(episode.turns) == 9
+    assert len(episode.segments) >= 2 and len(episode.segments[-1][1]) == 1  # the last turn opened a segment
+    assert segment_ids(episode)[-1] == policy.prompts[-1] + policy.samples[-1].ids
+    assert policy.tokenizer.decode(episode.segments[-1][0]).endswith("<answer>")
+
+
 async def test_segments_train_on_exactly_the_sampled_ids() -> None:
     """A folded episode lays out one sequence per segment; the masked-in ids over all of them are exactly the
     ids the policy sampled, with each turn's own advantage."""

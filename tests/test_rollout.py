@@ -192,6 +192,25 @@ async def test_first_turn_prefix_joins_the_prompt_and_the_first_parse():
     assert segment_ids(episode) == [policy.prompts[-1] + policy.samples[-1].ids]
 
 
+async def test_last_turn_prefix_makes_a_policy_that_would_run_out_of_turns_answer():
+    """A policy that only calls runs out of turns with no answer; with last_turn_prefix the last turn the budget
+    allows opens with it, the policy's completion is the answer ("last_turn_answer"), and the forced ids are in
+    the episode's stream where the policy saw them (after the previous observation), never among sampled ids."""
+
+    def calls_until_forced(history: str, turn: int) -> str:
+        return "Ada</answer>" if history.endswith("<answer>") else call_text("search", query=f"x{turn}")
+
+    looping, _ = await play(calls_until_forced, cfg=RolloutConfig(max_turns=3))
+    assert (looping.answer, looping.stop_reason, len(looping.turns)) == (None, "max_turns", 3)
+    cfg = RolloutConfig(max_turns=3, last_turn_prefix="<answer>")
+    episode, policy = await play(calls_until_forced, cfg=cfg)
+    assert (episode.answer, episode.stop_reason, len(episode.turns)) == ("Ada", "last_turn_answer", 3)
+    assert segment_ids(episode) == [policy.prompts[-1] + policy.samples[-1].ids]
+    assert policy.tokenizer.decode(episode.turns[1].observation_ids).endswith("<answer>")
+    early, _ = await play(two_calls_then_answer, cfg=cfg)
+    assert early.stop_reason == "answer" and early.answer == "Ada"
+
+
 async def test_untagged_text_ends_the_episode_only_when_asked():
     """With untagged_is_answer, a turn of plain text is the answer; by default it is a format error."""
 
