@@ -63,7 +63,9 @@ class LiveView:
         else:
             body = Text(shown_answer(episode.answer) or "(an empty answer)")
             if episode.stop_reason == "last_turn_answer":
-                body.append("\n(its last turn: the turn budget ran out and the answer was asked for)", style="dim")
+                body.append(
+                    "\n(its last turn: the turn budget ran out and the answer was asked for)", style="dim"
+                )
         if episode.infra_error:
             body.append(f"\ninfrastructure failure: {episode.infra_error}")
         if sources:

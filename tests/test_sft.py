@@ -18,9 +18,9 @@ from tests.fakes import TOOLS, ByteChatTokenizer, fake_tool_server, ok_result
 from tool_server.client import ToolClient
 from tool_server.embedded import ToolAccess
 from training import tasks as task_data
+from training.metrics import save_rollouts
 from training.play import play as play_tasks
 from training.play import rollout_task, tool_session
-from training.metrics import save_rollouts
 from training.sft import (
     OraclePolicy,
     SFTConfig,
