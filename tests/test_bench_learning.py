@@ -405,3 +405,26 @@ def test_a_sampled_evaluation_waits_for_its_runs_checkpoint_and_never_trains(
     assert args[args.index("--policy") + 1] == str(model)
     assert f"samples={bl.SAMPLES}" in args and "sampling.temperature=1.15" in args
     assert record["settings"]["run"] == opts.settings("main", "full-lr1e-5", 1.15)
+
+
+def test_an_adapter_warm_starts_hash_covers_its_base_model(tmp_path: Path) -> None:
+    """A LoRA warm start is its base's weights plus the adapter's: the hash changes when either changes, is the
+    same for the same bytes, and a missing base is reported as no weights (an exit naming how to make it)."""
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    for folder, name in ((base, "config.json"), (adapter, "adapter_config.json")):
+        folder.mkdir()
+        (folder / name).write_text(json.dumps({"base_model_name_or_path": str(base)}), encoding="utf-8")
+    (base / "model.safetensors").write_bytes(b"base weights")
+    (adapter / "adapter_model.safetensors").write_bytes(b"lora factors")
+    sha = stages.warm_start_sha(str(adapter), made_by="x")
+    assert sha == stages.warm_start_sha(str(adapter), made_by="x")
+    assert stages.weight_files(str(adapter)) == [
+        base / "model.safetensors",
+        adapter / "adapter_model.safetensors",
+    ]
+    (base / "model.safetensors").write_bytes(b"other base")
+    assert stages.warm_start_sha(str(adapter), made_by="x") != sha
+    (base / "config.json").unlink()
+    (base / "model.safetensors").unlink()
+    with pytest.raises(SystemExit, match="make the warm start first"):
+        stages.warm_start_sha(str(adapter), made_by="x")

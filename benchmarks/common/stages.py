@@ -9,6 +9,7 @@ they stopped, and the fingerprint of the warm start a stage trained from (the ho
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks import ROOT
+from conductor.models import ModelNotFound, resolve_model
 from training.checkpoint import changed_settings, find_latest, saved_config
 from training.config import config_to_dict, load_train_config
 
@@ -55,14 +57,33 @@ def run_differs(checkpoint: Path, config: Path, sets: Sequence[str]) -> list[str
 
 
 def warm_start_sha(policy: str, *, made_by: str) -> str:
-    """SHA-256 over the warm start's weight files, in name order: which warm start a stage was trained from.
-    Exits saying how the warm start is made (`made_by`) when it has no weights."""
-    digest = hashlib.sha256()
-    files = sorted((ROOT / policy).glob("*.safetensors"))
+    """SHA-256 over the warm start's weight files, in name order: which warm start a stage was trained from. An
+    adapter's hash covers its base model's weights first (the same adapter on another base is another policy).
+    `policy` is a folder under the project root or a name the project loads (conductor-default). Exits saying
+    how the warm start is made (`made_by`) when it has no weights."""
+    files = weight_files(policy)
     if not files:
         sys.exit(f"no weights (*.safetensors) in {policy}: make the warm start first (see {made_by})")
+    digest = hashlib.sha256()
     for path in files:
         with path.open("rb") as f:
             while chunk := f.read(1 << 24):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+def weight_files(policy: str) -> list[Path]:
+    """The policy's *.safetensors in name order, after its base model's when it is an adapter; [] when the
+    folder or the base is missing."""
+    try:
+        folder = ROOT / policy if (ROOT / policy).is_dir() else resolve_model(policy)
+        config = folder / "adapter_config.json"
+        base = (
+            json.loads(config.read_text(encoding="utf-8"))["base_model_name_or_path"]
+            if config.is_file()
+            else None
+        )
+        own = sorted(folder.glob("*.safetensors"))
+        return [*weight_files(str(resolve_model(base))), *own] if base and own else own
+    except ModelNotFound:
+        return []

@@ -82,6 +82,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import ROOT
+from benchmarks.common.stages import warm_start_sha
 from benchmarks.studies.credit import scores as cs
 from benchmarks.studies.credit.stages import (
     Records,
@@ -290,13 +291,9 @@ class Options:
 
 
 def weights_sha(policy: str) -> str:
-    """SHA-256 over the policy's weight files in name order: which policy a record was sampled from."""
-    from conductor.models import resolve_model
-
-    digest = hashlib.sha256()
-    for path in sorted(resolve_model(policy).glob("*.safetensors")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
+    """SHA-256 over the policy's weight files (an adapter's after its base's): which policy a record was
+    sampled from."""
+    return warm_start_sha(policy, made_by="examples/train_audit.toml's SFT command")
 
 
 def claim(folder: Path, settings: dict, sha: str) -> None:
