@@ -1,14 +1,16 @@
 """Credit quality against the truth, without gradient steps: every credit mode's per-turn advantages on episodes of
 one fixed policy, scored against Monte Carlo advantages from exact replays (VinePPO's test of an estimator).
 
-    python -m benchmarks.studies.credit.bench             # runs/sft-audit/model; N 1 2 4 8; 24 episodes;
+    python -m benchmarks.studies.credit.bench             # the committed warm start; N 1 2 4 8; 24 episodes;
                                                           # 16 replays
     python -m benchmarks.studies.credit.bench --recorded  # the table and plot of the records; nothing sampled
     python -m benchmarks.studies.credit.bench --policy conductor-default --n-items 1 2 --episodes 2 \\
         --group-size 2 --replays 2 --tag smoke            # the smoke run (docs/credit.md)
 
-The policy (`--policy`) stays fixed. Its default is the plate_audit warm start, runs/sft-audit/model, made by the
-SFT command in examples/train_audit.toml's comments (22-29 min on 2 cores); any reference the project loads works
+The policy (`--policy`) stays fixed. Its default is the plate_audit warm start committed beside the study,
+benchmarks/studies/credit/warm_start/: SmolLM2-135M-Instruct plus a LoRA adapter (its README says how it was made),
+the same bytes on every machine; the records before it (results/bench_credit*) were sampled from a full-weight
+warm start, runs/sft-audit/model, that resumes only where it was made. Any reference the project loads works
 (`conductor-default`, `smollm2-135m-instruct`, a checkpoint). It samples as training does: the rollout budgets,
 sampling (temperature 1; `--set sampling.temperature=T` for another), final reward (`reward_kind`), turn rewards
 and credit settings of `--config` (examples/train_audit.toml), the family and N from the flags: every stage's
@@ -41,9 +43,9 @@ appended a group (episodes, branch) or a state (truth) at a time, each line with
 stage's previous line (their sum is the stage's time, over sessions). They are committed, as bench_horizon's are,
 so a study cut short resumes where it stopped on a clean checkout: the same flags find the same folder (the digest
 covers every setting but `--replays`), and settings.json's SHA-256 of the policy's weights refuses records of
-another warm start. The tools replay recorded episodes exactly on another machine, but the SFT command remakes the
-warm start bit for bit only on the same kind of machine (docs/credit.md): records resume where their
-warm start's weights are kept or remade. What a resumed stage samples anew is drawn from the same distribution,
+another warm start (an adapter's hash covers its base's weights). The tools replay recorded episodes exactly on
+another machine; the SFT command remakes a warm start bit for bit only on the same kind of machine (docs/credit.md),
+which is why the default warm start is committed rather than remade. What a resumed stage samples anew is drawn from the same distribution,
 not the same draws: the sampler's seed is offset by the lines recorded so far. Raising `--replays` on a recorded
 study gives every recorded state the continuations it lacks and nothing else; the report uses every continuation
 recorded.
@@ -106,6 +108,7 @@ from training.tasks import Task
 CONFIG = ROOT / "examples" / "train_audit.toml"
 MODES = ("outcome", "turn", "anchor", "branch", "branch_all")
 METRICS = {"spearman": cs.spearman, "sign": cs.sign_agreement, "pairwise": cs.pairwise_accuracy}
+WARM_START = "benchmarks/studies/credit/warm_start"  # SmolLM2 + a committed LoRA adapter: resumes anywhere
 
 
 # ---------------------------------------------------------------- scoring
@@ -351,7 +354,7 @@ async def sample(opts: Options, cfg: TrainConfig, tasks: dict[int, list[Task]]) 
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--policy", default="runs/sft-audit/model", help="the fixed policy (the warm start)")
+    add("--policy", default=WARM_START, help="the fixed policy (the warm start)")
     add("--family", default="plate_audit", choices=("plate_audit", "multihop_batch"))
     add("--n-items", type=int, nargs="+", default=[1, 2, 4, 8], help="items per episode")
     add("--episodes", type=int, default=24, help="episodes per N (a multiple of the group size)")
