@@ -77,13 +77,11 @@ def weight_files(policy: str) -> list[Path]:
     folder or the base is missing."""
     try:
         folder = ROOT / policy if (ROOT / policy).is_dir() else resolve_model(policy)
-        config = folder / "adapter_config.json"
-        base = (
-            json.loads(config.read_text(encoding="utf-8"))["base_model_name_or_path"]
-            if config.is_file()
-            else None
-        )
         own = sorted(folder.glob("*.safetensors"))
-        return [*weight_files(str(resolve_model(base))), *own] if base and own else own
+        config = folder / "adapter_config.json"
+        if not own or not config.is_file():
+            return own
+        base = json.loads(config.read_text(encoding="utf-8"))["base_model_name_or_path"]
+        return [*weight_files(str(resolve_model(base))), *own]
     except ModelNotFound:
         return []

@@ -44,11 +44,11 @@ stage's previous line (their sum is the stage's time, over sessions). They are c
 so a study cut short resumes where it stopped on a clean checkout: the same flags find the same folder (the digest
 covers every setting but `--replays`), and settings.json's SHA-256 of the policy's weights refuses records of
 another warm start (an adapter's hash covers its base's weights). The tools replay recorded episodes exactly on
-another machine; the SFT command remakes a warm start bit for bit only on the same kind of machine (docs/credit.md),
-which is why the default warm start is committed rather than remade. What a resumed stage samples anew is drawn from the same distribution,
-not the same draws: the sampler's seed is offset by the lines recorded so far. Raising `--replays` on a recorded
-study gives every recorded state the continuations it lacks and nothing else; the report uses every continuation
-recorded.
+another machine; the SFT command remakes a warm start bit for bit only on the same kind of machine
+(docs/credit.md), which is why the default warm start is committed rather than remade. What a resumed stage
+samples anew is drawn from the same distribution, not the same draws: the sampler's seed is offset by the lines
+recorded so far. Raising `--replays` on a recorded study gives every recorded state the continuations it lacks and
+nothing else; the report uses every continuation recorded.
 
 Cost, in sampled tokens. Per episode of T turns, in turns sampled: the episode T; branch (k = 2 around 2 turns)
 ~4T; branch_all k T²/2 (every turn) or ~k m T (m scored turns); the truth R T²/2 + T/G (every turn) or ~m R T. The
