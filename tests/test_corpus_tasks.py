@@ -23,6 +23,7 @@ from training.play import rollout_task, search_corpus, tool_session
 from training.rewards import normalize_answer
 from training.sft import OraclePolicy
 from training.tasks import Task, TaskMeta, corpus_qa, research_corpus
+from training.tasks.task import NO_ANSWER
 
 CFG = RolloutConfig(max_turns=10, max_new_tokens=1024, max_context_tokens=32768)  # a byte tokenizer's budgets
 HOTPOT = Task(
@@ -81,9 +82,9 @@ def doc(file: str) -> str:
     return handle_for("page", f"corpus/train/{file}")
 
 
-async def play(task: Task) -> Episode:
+async def play(task: Task, tools=handler) -> Episode:
     tokenizer = ByteChatTokenizer()
-    client = ToolClient("http://tools", transport=fake_tool_server(handler), deadline_s=5.0)
+    client = ToolClient("http://tools", transport=fake_tool_server(tools), deadline_s=5.0)
     async with client:
         policy = OraclePolicy(task, tokenizer)
         return await rollout(
@@ -112,6 +113,30 @@ async def test_corpus_oracle_chains_a_second_search_from_what_the_first_read_ans
         [],
     ]
     assert episode.answer == "France" and not any(t.parse_errors for t in episode.turns)
+
+
+@pytest.mark.parametrize(
+    ("by_page", "expected"),
+    [
+        ({"Berlin.md": "Germany", "France.md": "France"}, "Germany"),
+        ({"Berlin.md": "not in the page", "France.md": "not in the page", "Paris.md": "France"}, "France"),
+        ({}, NO_ANSWER),
+    ],
+)
+async def test_corpus_oracle_answers_a_chain_with_the_first_useful_read(by_page, expected):
+    """A chained question's answer is one the policy saw: the first read's answer, unless that was "not in the
+    page", then the first useful answer of the second reads; never the gold when no read answered it (here
+    the gold France is wrong for the first case: the expert copies, the success filter drops it)."""
+
+    async def reads(name: str, arguments: dict[str, object]) -> dict[str, object]:
+        if name == "search":
+            return await handler(name, arguments)
+        page = next((f for f in ("Berlin.md", "France.md", "Paris.md") if arguments["url"] == doc(f)), "")
+        answer = by_page.get(page, "not in the page")
+        return {**ok_result(f"answer: {answer}"), "answer": answer, "quote": "France is a country"}
+
+    episode = await play(HOTPOT, reads)
+    assert episode.answer == expected and len(calls(episode)) == 5
 
 
 async def test_corpus_oracle_reads_one_page_of_a_one_page_question():
