@@ -18,7 +18,9 @@ Two OCR ops model two ways of looking (subagents/image_text.py): `find_text` say
 says; `read` is the only reader, and sees the image at `reader_side` (384 px) on its long side, so small text
 needs a crop or zoom first. On the first 40 shared US plate photos `read` finds 14 plates in the full photo and
 30 after a crop to 3x the plate box; on 40 train photos a zoom on the detector's box around the plate, grown by
-one box height on every side, reads 32.
+one box height on every side, reads 32. A read whose text holds a plate-shaped part (conductor/plates.py: "PRCURITIBA
+AZJ6991" -> AZJ6991) names it (`plate`, "plate-shaped: AZJ6991" in the observation), so the policy answers what it
+saw and sees when a read holds no plate and another region is worth a try.
 
 Decoding is guarded (subagents/pixels.py: a format allowlist checked from the header, byte and pixel caps), and
 so is every output (a pixel cap); local paths only under the server's `[files] roots`, URLs only via the
@@ -46,6 +48,7 @@ from typing import Annotated, Literal
 from PIL import Image, ImageOps
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from conductor.plates import plate_shaped
 from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, local_file, shown_path
 from subagents.handles import MAX_LISTED, content_key, load_derivation, looks_like_handle
 from subagents.image_text import TextBox, find_text, read_text
@@ -102,6 +105,8 @@ class Response(ToolResponse):
     height: int = 0
     thumbnail_url: str = ""
     text: str = ""
+    plate: str = ""
+    """read: the plate-shaped part of the text (`conductor.plates.plate_shaped`), "" when it holds none."""
     boxes: list[TextBox] = Field(default_factory=list)
 
     def summary(self) -> str:
@@ -109,7 +114,8 @@ class Response(ToolResponse):
         if self.op == "read":
             if not self.text:
                 return f"{head} read: no text found (crop or zoom on the text, then read)"
-            return f'{head} read: "{" / ".join(self.text.splitlines())}"'
+            plate = f" plate-shaped: {self.plate}" if self.plate else ""
+            return f'{head} read: "{" / ".join(self.text.splitlines())}"{plate}'
         if self.op == "find_text":
             items = "; ".join(b.line() for b in self.boxes)
             return (
@@ -178,6 +184,7 @@ async def _run(request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Respon
     if request.op == "read":
         lines = await asyncio.to_thread(read_text, image, request.box, side=cfg.reader_side)
         response.text = "\n".join(lines)
+        response.plate = plate_shaped(response.text) or ""
         response.tokens_read = rt.count_tokens(response.text)
     elif request.op == "find_text":
         boxes = await asyncio.to_thread(find_text, image, request.box)

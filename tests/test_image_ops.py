@@ -23,6 +23,7 @@ import pytest
 from PIL import Image, ImageDraw, ImageFont
 from pydantic import ValidationError
 
+from conductor.plates import plate_shaped
 from subagents import image_ops, image_text, ocr, pixels
 from subagents.common import Runtime, ToolFailure, approx_tokens
 from subagents.image_ops import Config, ImageStore, Request, Response, TextBox
@@ -495,6 +496,8 @@ def test_ocr_summaries_are_compact_and_only_read_quotes_text() -> None:
     confidences only: the policy names a region, it never copies a box."""
     read = Response(op="read", image_id="img_ab12cd", width=384, height=120, text="7ABC123\nCALIFORNIA")
     assert read.observation() == 'img_ab12cd 384x120 read: "7ABC123 / CALIFORNIA"'
+    plate = read.model_copy(update={"plate": "7ABC123"})
+    assert plate.observation() == 'img_ab12cd 384x120 read: "7ABC123 / CALIFORNIA" plate-shaped: 7ABC123'
     empty = Response(op="read", image_id="img_ab12cd", width=384, height=120)
     assert "no text found" in empty.observation() and "zoom" in empty.observation()
     box = TextBox(id="r1", box=[912, 360, 1036, 412], score=0.98, label="plate-like")
@@ -726,7 +729,9 @@ async def test_read_misses_small_text_until_it_is_zoomed() -> None:
     zoomed = await call(rt, CFG, op="zoom", image=source.image_id, box=[0.7, 0.75, 0.85, 0.85])
     after = await call(rt, CFG, op="read", image=zoomed.image_id)
     assert SMALL_TEXT in after.text.replace(" ", ""), after.text
-    assert after.observation() == f'{zoomed.image_id} 720x300 read: "{after.text}"'
+    assert after.plate == (plate_shaped(after.text) or "")  # named by the one rule, whatever the text
+    shown = f" plate-shaped: {after.plate}" if after.plate else ""
+    assert after.observation() == f'{zoomed.image_id} 720x300 read: "{after.text}"{shown}'
     boxed = await call(rt, CFG, op="read", image=source.image_id, box=[1150, 780, 1300, 830])
     assert SMALL_TEXT in boxed.text.replace(" ", ""), boxed.text
 

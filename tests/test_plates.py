@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from conductor.plates import plate_shaped
 from main_agent.parse import ANSWER_OPEN, CALL_OPEN
 from main_agent.types import Record, ToolCall, ToolResult, Turn
 from subagents.handles import Attachment
@@ -86,7 +87,7 @@ def step(task: Task, turns: list[Turn]) -> tuple[str, dict[str, object]] | str:
 )
 def test_plate_shaped_picks_the_plate_of_a_read_by_a_visible_rule(read_text: str, plate: str | None) -> None:
     """The plate-shaped part of a read: a city, state, date, phone or dealer line is never the answer."""
-    assert plates.plate_shaped(read_text) == plate
+    assert plate_shaped(read_text) == plate
 
 
 def test_the_expert_answers_the_plate_shaped_text_never_the_label() -> None:

@@ -450,6 +450,10 @@ async def test_oracle_reads_real_plates_through_the_real_tool_server(shared_data
             "r8",
         )
         assert episode.tool_errors == 0 and episode.num_parse_errors == 0 and episode.stop_reason == "answer"
+        reads = [r for t in episode.turns for r in t.results if (r.payload or {}).get("op") == "read"]
+        shown = [str(r.payload["plate"]) for r in reads if r.payload["plate"]]  # type: ignore[index]
+        assert all(f"plate-shaped: {plate}" in str([r.observation for r in reads]) for plate in shown)
+        assert episode.answer == (shown[-1] if shown else NO_ANSWER)  # what a read named, never the label
     right = sum(task_data.success(t, e.answer) for t, e in zip(ready, played, strict=True))
     print(f"oracle on 2 real plates: {right} right; calls:", [len(e.turns) for e in played])
 

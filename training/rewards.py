@@ -10,7 +10,6 @@ Nothing here catches exceptions: a reward that cannot be computed is a bug, neve
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -18,13 +17,7 @@ from dataclasses import dataclass
 from conductor.answers import exact_match as exact_match
 from conductor.answers import normalize_answer as normalize_answer
 from conductor.answers import token_f1 as token_f1
-
-_NOT_PLATE = re.compile(r"[^A-Z0-9]")
-
-
-def normalize_plate(s: str) -> str:
-    """Uppercase and keep only A-Z and 0-9. No look-alike mapping (O/0, I/1): the reader must get them right."""
-    return _NOT_PLATE.sub("", s.upper())
+from conductor.plates import normalize_plate as normalize_plate
 
 
 def plate_match(pred: str, gold: str) -> float:

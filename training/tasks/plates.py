@@ -9,9 +9,9 @@ Reward and success: `plate_match` (letters and digits only, case-insensitive); `
 credit (`plate_similarity`: 1 - normalised edit distance), what a run with `reward_kind = "graded"` trains on.
 
 Expert: find_text on the attached photo (where text is, never what it says) -> zoom on a returned region by its
-id (image_ops adds the margin) -> read -> answer the read's plate-shaped text (`plate_shaped`: letters and digits
-in a plate's length, not a state, city, date or dealer line), a rule the policy can see, never the label it
-cannot. When a read holds no plate-shaped text it retries, up to MAX_ATTEMPTS zoomed reads: the next region, or
+id (image_ops adds the margin) -> read -> answer the read's plate-shaped text (conductor/plates.py `plate_shaped`:
+letters and digits in a plate's length, not a state, city, date or dealer line), which the read's observation
+names ("plate-shaped: AZJ6991"), never the label the policy cannot see. When a read holds no plate-shaped text it retries, up to MAX_ATTEMPTS zoomed reads: the next region, or
 when none is left an autocontrast of the first zoom; then it answers NO_ANSWER. The regions are tried in
 find_text's order (r1, the largest, first), as the policy sees them: the expert uses no metadata, so every
 demonstration is one the policy can follow (docs/plates.md weighs this against zooming the plate's region
@@ -23,13 +23,13 @@ calls it answers what it has, and plate_audit moves on to the next photo.
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from conductor.plates import plate_shaped
 from main_agent.types import ToolCall, ToolResult, Turn
 from subagents.handles import Attachment, file_key
-from training.rewards import normalize_plate, plate_match, plate_similarity
+from training.rewards import plate_match, plate_similarity
 from training.tasks.task import (
     NO_ANSWER,
     Task,
@@ -43,14 +43,6 @@ from training.tasks.task import (
 
 NAME = "plate_reading"
 QUESTION = "What is the licence plate number?"
-# Plate-shaped text, the rule the expert answers by (`plate_shaped`): 5-8 letters and digits with at least one digit.
-# Chosen on the US train photos' reads, reported on the EU photos' (docs/plates.md): every US and EU plate in the
-# shared data is 5-8 characters long; a read line of letters alone is a state, a city or a dealer (the few vanity
-# plates without a digit are given up), one of 9+ characters a phone number, a web address or a frame run together.
-PLATE_LENGTH = (5, 8)
-# Letters a plate opens with before its first digit, at most: where a line runs a city into the plate
-# ("PRCURITIBAAZJ6991"), the plate is the digit's run with at most this many letters before it.
-PLATE_LEAD = 3
 
 
 def reward(answer: str, reference: str) -> float:
@@ -89,59 +81,6 @@ def load(data_dir: Path, split: str, *, limit: int | None = None) -> list[Task]:
 def prepared(tasks: Sequence[Task], work_dir: Path, *, data_dir: Path | None = None) -> Iterator[list[Task]]:
     """Photos are read where they lie: nothing to prepare."""
     yield list(tasks)
-
-
-# ---------------------------------------------------------------- plate-shaped text
-
-
-def plate_shaped(text: str) -> str | None:
-    """The plate-shaped part of a read, normalised (A-Z, 0-9), or None when it holds none: the expert's answer.
-
-    In order of trust: a whole line that is plate-shaped (`is_plate_shaped`: "YG9-X2G", "K17 9658"); else the
-    longest run of a line's words that is ("TEXAS CRK-4732" -> CRK4732); else, inside a word run together past
-    the plate's length ("PRCURITIBAAZJ6991"), its first digit with at most PLATE_LEAD letters before it and what
-    follows, up to the longest plate (AZJ6991). Within a tier, letters and digits beat digits alone (a sticker's
-    number, a year), then the read's order."""
-    lines = text.splitlines()
-    for tier in (_whole_line, _word_run, _run_together):
-        found = [plate for line in lines if (plate := tier(line))]
-        if found:
-            return min(found, key=str.isdigit)  # the first with a letter, else the first
-    return None
-
-
-def is_plate_shaped(text: str) -> bool:
-    """PLATE_LENGTH letters and digits with at least one digit (after `normalize_plate`), and not a date."""
-    plate = normalize_plate(text)
-    fits = PLATE_LENGTH[0] <= len(plate) <= PLATE_LENGTH[1] and any(c.isdigit() for c in plate)
-    return fits and not _DATE.search(text)
-
-
-_DATE = re.compile(r"\b\d{1,2}[/.]\d{1,2}[/.]\d{2,4}\b")  # 12/05/2019, 5.12.19: a sticker's date
-
-
-def _whole_line(line: str) -> str | None:
-    return normalize_plate(line) if is_plate_shaped(line) else None
-
-
-def _word_run(line: str) -> str | None:
-    words = line.split()
-    runs = [" ".join(words[i:j]) for i in range(len(words)) for j in range(i + 1, len(words) + 1)]
-    best = max(filter(is_plate_shaped, runs), key=lambda run: len(normalize_plate(run)), default=None)
-    return normalize_plate(best) if best else None
-
-
-_RUN_TOGETHER = re.compile(rf"[A-Z]{{0,{PLATE_LEAD}}}\d[A-Z\d]*")
-
-
-def _run_together(line: str) -> str | None:
-    for word in line.split():
-        run = normalize_plate(word)
-        found = _RUN_TOGETHER.search(run) if len(run) > PLATE_LENGTH[1] and not _DATE.search(word) else None
-        plate = found.group()[: PLATE_LENGTH[1]] if found else ""
-        if is_plate_shaped(plate) and not plate.isdigit():  # digits alone run past a plate: a phone number
-            return plate
-    return None
 
 
 # ---------------------------------------------------------------- the expert

@@ -7,7 +7,7 @@ and split. Pure; no files.
 
 A photo's country is its folder in the shared data (us, eu: the task id `plate-<country>-<name>`). "retried":
 more than one zoomed read (a second region or an autocontrast). "shown": some read holds the label (letters and
-digits, anywhere in it): the reader's ceiling. "rule right": `plates.plate_shaped` of the reads (the first read
+digits, anywhere in it): the reader's ceiling. "rule right": `conductor.plates.plate_shaped` of the reads (the first read
 that has some) is the label, over the photos where a read showed it: the rule alone, whoever played.
 """
 
@@ -16,11 +16,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from conductor.plates import is_plate_shaped, normalize_plate, plate_shaped
 from main_agent.types import Episode
 from training import tasks as task_data
-from training.rewards import normalize_plate
 from training.tasks import Task
-from training.tasks.plates import is_plate_shaped, plate_shaped
 
 COLUMNS = ("n", "success", "answered", "plate_shaped", "retried", "kept_retried", "calls", "tool_errors",
            "shown", "rule_right")  # fmt: skip
