@@ -213,3 +213,33 @@ async def test_the_expert_row_plays_the_scripted_expert_and_writes_its_episodes(
     assert episode.turns[2].calls[0].arguments["query"] == f"{corpus_task().question} Tinted Windows"
     # the expert answers its first useful read (corpus_qa `_first_useful`): here the bridge, so EM and F1 are 0
     assert (em, f1, episode.answer) == (0.0, 0.0, "Tinted Windows")
+
+
+def test_answer_rules_read_only_what_the_policy_saw_and_the_ceiling_bounds_them():
+    """answer_rule: each rule picks from the reads' answers in order ("not in the page" skipped where the rule
+    says so); the ceiling is the best any read gave, so no rule scores above it."""
+    from benchmarks.studies.research import answer_rule
+
+    first_missed = episode(
+        search("A.md"),
+        read("A.md", "not in the page"),
+        search("B.md"),
+        turn_of(("B.md", "Boston"), ("C.md", "Ohio")),
+    )
+    first_right = episode(search("A.md"), read("A.md", "Tulsa"), search("B.md"), turn_of(("B.md", "Ohio")))
+    assert answer_rule.reads(first_missed) == (["not in the page"], ["Boston", "Ohio"])
+    picks = {name: rule(*answer_rule.reads(first_missed)) for name, rule in answer_rule.RULES.items()}
+    assert picks == {
+        "first read": "not in the page",
+        "first useful": "Boston",
+        "last useful": "Ohio",
+        "second reads first": "Boston",
+    }
+    scores = answer_rule.score([("Boston", first_missed), ("Tulsa", first_right)])
+    assert scores["first useful"] == {"em": 1.0, "f1": 1.0} and scores["first read"]["em"] == 0.5
+    assert all(s["f1"] <= scores[answer_rule.CEILING]["f1"] for s in scores.values())
+
+
+def turn_of(*reads: tuple[str, str]) -> Turn:
+    """One turn of several page_qa reads, (page, answer) each."""
+    return turn(*[read(name, answer).results[0] for name, answer in reads])
