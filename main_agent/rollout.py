@@ -285,6 +285,7 @@ async def play_turn(
         policy_s=t1 - t0,
         tools_s=t2 - t1,
         exact=sample.exact if replay is None else replay.exact,
+        trained=sample.trained if replay is None else replay.trained,
         records=records,
     )
     if replay is not None and text != replay.observation_text:

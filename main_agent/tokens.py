@@ -4,7 +4,8 @@ An episode's sequence is the concatenation of the ids the policy saw and produce
 
     prompt_ids | completion_0 | observation_0 | completion_1 | observation_1 | ...
 
-`loss_mask` is 1 exactly on completion ids (what the policy sampled); `old_logprobs` holds the sampler's
+`loss_mask` is 1 exactly on completion ids (what the policy sampled), except a turn marked untrained (a
+demonstration's deliberate mistake, `Turn.trained`: the context its recovery needs, never a target); `old_logprobs` holds the sampler's
 log-probs there; `advantages` holds each turn's advantage on that turn's completion ids. Elsewhere all three
 are 0. Nothing is re-tokenised. A folded episode (main_agent.types) gives one such sequence per segment, each
 starting with its own prompt; its turns keep their own advantages, so the segments share the episode's credit.
@@ -63,7 +64,7 @@ def _lay_out(prompt: Sequence[int], turns: Sequence[Turn], turn_advantages: Sequ
     for turn, advantage in zip(turns, turn_advantages, strict=True):
         n_c, n_o = len(turn.completion_ids), len(turn.observation_ids)
         ids += turn.completion_ids + turn.observation_ids
-        mask += [1] * n_c + [0] * n_o
+        mask += [int(turn.trained)] * n_c + [0] * n_o
         logprobs += list(turn.completion_logprobs) + [0.0] * n_o
         advantages += [advantage] * n_c + [0.0] * n_o
     return TrainSequence(ids, mask, logprobs, advantages)

@@ -156,3 +156,22 @@ def test_an_audit_moves_on_after_repeated_refusals_on_one_photo() -> None:
     recorded = Turn([], [], [], reply, "", [], [], [], 0, 0.0, 0.0, records=[Record(1, NO_ANSWER, reply)])
     after = plate_audit.oracle_reply(audit, [*turns, recorded], trust_reference=False)
     assert after.startswith(CALL_OPEN) and '"find_text"' in after
+
+
+def test_the_mistake_offered_is_a_zoom_before_find_text_at_each_photos_first_turn() -> None:
+    """plates offer one mistake, a zoom on r1 of the photo before find_text, at the photo's first turn only; an
+    audit offers it again at the first turn of every photo, naming that photo."""
+    first, second = car("plate-us-a"), car("plate-us-b", reference="8XYZ999")
+    zoom = '"op": "zoom", "image": "%s", "region": "r1"'
+    assert zoom % PHOTO.handle in str(plates.mistake_reply(first, []))
+    assert plates.mistake_reply(first, [found("r2")]) is None
+    audit = batch.bundle(
+        plate_audit.NAME, [first, second], 2, question=plate_audit.QUESTION, item_lines=plate_audit.item_lines
+    )[0]
+    assert zoom % PHOTO.handle in str(plate_audit.mistake_reply(audit, []))
+    reply = f'<record item="1">{NO_ANSWER}</record>'
+    recorded = Turn([], [], [], reply, "", [], [], [], 0, 0.0, 0.0, records=[Record(1, NO_ANSWER, reply)])
+    assert plate_audit.mistake_reply(audit, [found("r2"), recorded]) is not None
+    assert plate_audit.mistake_reply(audit, [found("r2")]) is None
+    done = Turn([], [], [], "", "", [], [], [], 0, 0.0, 0.0, records=[Record(2, NO_ANSWER, reply)])
+    assert plate_audit.mistake_reply(audit, [recorded, done]) is None

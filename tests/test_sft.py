@@ -24,6 +24,7 @@ from training.play import rollout_task, tool_session
 from training.sft import (
     OraclePolicy,
     SFTConfig,
+    draw,
     family_tasks,
     generate_expert_episodes,
     load_sft_config,
@@ -158,10 +159,13 @@ def tools() -> ToolClient:
     return ToolClient("http://tools", transport=fake_tool_server(tools_handler), deadline_s=5.0)
 
 
-async def play(task: Task, *, trust_reference: bool = False) -> Episode:
+async def play(
+    task: Task, *, trust_reference: bool = False, mistakes: float = 0.0, handler=tools_handler
+) -> Episode:
     tokenizer = ByteChatTokenizer()
-    async with tools() as client:
-        policy = OraclePolicy(task, tokenizer, trust_reference=trust_reference)
+    client = ToolClient("http://tools", transport=fake_tool_server(handler), deadline_s=5.0)
+    async with client:
+        policy = OraclePolicy(task, tokenizer, trust_reference=trust_reference, mistakes=mistakes)
         task_view = rollout_task(task, TOOLS)
         return await rollout(task_view, policy, client, tokenizer, CFG, on_turn=policy.observe)
 
@@ -372,6 +376,40 @@ async def test_only_the_experts_tokens_are_in_the_loss():
     keep = torch.tensor(seq.loss_mask[1:], dtype=torch.bool)
     expected = F.cross_entropy(logits[keep], targets[keep])
     assert torch.allclose(masked_nll(model, batch), expected, atol=1e-5)
+
+
+async def test_a_deliberate_mistake_is_refused_recovered_from_and_left_out_of_the_loss():
+    """With `mistakes` = 1 the plate expert first zooms before find_text (the audits' most frequent refused call):
+    the tool refuses it, the expert goes on with find_text and reads the plate. That turn is marked untrained and
+    none of its tokens is in the loss; every later reply is. At 0 the expert makes no mistake."""
+    searched: set[str] = set()
+
+    async def refusing(name: str, arguments: dict[str, object]) -> dict[str, object]:
+        if name == "image_ops" and arguments["op"] == "find_text":
+            searched.add(str(arguments["image"]))
+        if name == "image_ops" and arguments["op"] == "zoom" and arguments["image"] not in searched:
+            error = {"kind": "invalid_args", "message": "no regions yet: call find_text on it first"}
+            return {**ok_result(f"error (invalid_args): {error['message']}"), "ok": False, "error": error}
+        return await tools_handler(name, arguments)
+
+    episode = await play(PLATE, mistakes=1.0, handler=refusing)
+    ops = [c[0][1]["op"] for c in calls(episode)[:-1]]
+    assert ops == ["zoom", "find_text", "zoom", "read"] and episode.tool_errors == 1
+    assert [t.trained for t in episode.turns] == [False, True, True, True, True]
+    assert_clean(episode, PLATE)
+    [seq] = to_sequences(episode, [0.0] * len(episode.turns))
+    masked = [i for i, m in zip(seq.input_ids, seq.loss_mask, strict=True) if m]
+    assert masked == [i for t in episode.turns[1:] for i in t.completion_ids]
+    assert all(t.trained for t in (await play(PLATE, mistakes=0.0)).turns)
+
+
+def test_mistakes_are_drawn_the_same_way_every_time():
+    """The draw that decides a mistake is fixed by seed, task and turn, spread over [0, 1): a rerun of the
+    recipe makes the same demonstrations."""
+    draws = [draw(0, f"plate-us-{i}", 0) for i in range(400)]
+    assert draws == [draw(0, f"plate-us-{i}", 0) for i in range(400)]
+    assert all(0.0 <= d < 1.0 for d in draws) and 0.4 < sum(d < 0.5 for d in draws) / 400 < 0.6
+    assert draw(1, "plate-us-0", 0) != draws[0]
 
 
 async def test_sft_reduces_the_loss_on_expert_episodes():

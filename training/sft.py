@@ -9,7 +9,9 @@
    only chooses among those options. The oracle knows the reference (it demonstrates, it does not compete), but
    by default writes it only when an observation showed it, so no demonstration teaches stating what no tool
    showed; otherwise it answers its own reading, which then fails the success filter. `trust_reference=True`
-   answers the reference regardless (more data, less honest).
+   answers the reference regardless (more data, less honest). With `mistakes` > 0 the plate experts sometimes
+   make a policy's typical mistake first (a zoom before find_text), marked untrained (`Turn.trained`): the
+   demonstration shows the refusal and the recovery, and the loss never teaches the mistake.
 2. `play_experts` plays them, and `generate_expert_episodes` keeps the successful episodes (`tasks.success`; item
    tasks: `worth_imitating`).
 3. `sft` minimises the cross-entropy of the oracle's tokens only (the loss mask of `main_agent.tokens`: 0 on the
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import random
@@ -65,13 +68,22 @@ class OraclePolicy:
     It watches its episode's turns (`observe`, the rollout's per-turn hook) and answers each `sample` with its
     family's `oracle_reply(task, turns)`, which reads the structured results of earlier calls, never their text.
     Log-probs are reported as 0.0: an expert has no sampler, and SFT does not use them.
+
+    With `mistakes` > 0, at a turn where its family offers one (`mistake_reply`: a call a policy gets wrong
+    there, which the tool refuses), it makes that mistake with this probability (drawn from the task id, the
+    turn and `seed`, so a rerun makes the same ones); the turn is marked untrained (`Sample.trained`): the
+    demonstration shows the refusal and the recovery from it, and never teaches the mistake.
     """
 
-    def __init__(self, task: Task, tokenizer, *, trust_reference: bool = False) -> None:
+    def __init__(
+        self, task: Task, tokenizer, *, trust_reference: bool = False, mistakes: float = 0.0, seed: int = 0
+    ) -> None:
         self.family = task_data.family_of(task)
         self.task = task
         self.tokenizer = tokenizer
         self.trust_reference = trust_reference
+        self.mistakes = mistakes
+        self.seed = seed
         self.version = 0
         self.eos_token_id = int(tokenizer.eos_token_id)
         self.turns: list[Turn] = []
@@ -80,12 +92,29 @@ class OraclePolicy:
         self.turns.append(turn)
 
     async def sample(self, prompt_ids: list[int], *, max_new_tokens: int) -> Sample:
-        reply = self.family.oracle_reply(self.task, self.turns, trust_reference=self.trust_reference)
+        mistake = self._mistake()
+        reply = mistake or self.family.oracle_reply(
+            self.task, self.turns, trust_reference=self.trust_reference
+        )
         ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.eos_token_id]
         if len(ids) > max_new_tokens:  # the rollout's budget binds the expert too; a cut reply usually fails
             ids = ids[:max_new_tokens]
             reply = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return Sample(ids, [0.0] * len(ids), reply, "stop" if ids[-1] == self.eos_token_id else "length")
+        finish = "stop" if ids[-1] == self.eos_token_id else "length"
+        return Sample(ids, [0.0] * len(ids), reply, finish, trained=mistake is None)
+
+    def _mistake(self) -> str | None:
+        """The family's mistake for this turn when the draw says so, else None."""
+        offer = task_data.MISTAKES.get(self.task.family)
+        if offer is None or draw(self.seed, self.task.task_id, len(self.turns)) >= self.mistakes:
+            return None
+        return offer(self.task, self.turns)
+
+
+def draw(seed: int, task_id: str, turn: int) -> float:
+    """A uniform number in [0, 1) fixed by its arguments: the same on every machine and run."""
+    digest = hashlib.sha256(f"{seed}:{task_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
 
     async def aclose(self) -> None:
         return None
@@ -99,10 +128,15 @@ async def play_experts(
     rollout: RolloutConfig,
     max_concurrent: int,
     trust_reference: bool = False,
+    mistakes: float = 0.0,
+    seed: int = 0,
 ) -> list[Episode]:
     """The oracle's episode of each task, in task order, whatever its outcome: one expert per task, watching its
-    own turns, at most `max_concurrent` in flight."""
-    experts = {t.task_id: OraclePolicy(t, tokenizer, trust_reference=trust_reference) for t in tasks}
+    own turns, at most `max_concurrent` in flight; `mistakes` and `seed` as in `OraclePolicy`."""
+    experts = {
+        t.task_id: OraclePolicy(t, tokenizer, trust_reference=trust_reference, mistakes=mistakes, seed=seed)
+        for t in tasks
+    }
     groups = await play(
         tasks,
         lambda task: experts[task.task_id],
@@ -121,13 +155,17 @@ async def generate_expert_episodes(
     """The oracle's successful episodes, in task order; the kept and played counts per family are logged."""
     episodes = await play_experts(
         tasks, tools, tokenizer, rollout=cfg.rollout, max_concurrent=cfg.max_concurrent_episodes,
-        trust_reference=cfg.trust_reference,
+        trust_reference=cfg.trust_reference, mistakes=cfg.mistakes, seed=cfg.run.seed,
     )  # fmt: skip
     played = Counter(t.family for t in tasks)
     kept = [(t, e) for t, e in zip(tasks, episodes, strict=True) if worth_imitating(t, e)]
     counts = Counter(t.family for t, _ in kept)
+    recovered = Counter(t.family for t, e in kept if not all(turn.trained for turn in e.turns))
     for family in sorted(played):
-        logger.info("expert episodes %s: %d of %d succeeded", family, counts[family], played[family])
+        logger.info(
+            "expert episodes %s: %d of %d succeeded, %d of them recovering from a deliberate mistake",
+            family, counts[family], played[family], recovered[family],
+        )  # fmt: skip
     return [e for _, e in kept]
 
 
@@ -248,6 +286,10 @@ class SFTConfig:
     """Evaluation tasks per family (the first ones of `eval_split`); 0 skips the evaluation."""
     trust_reference: bool = False
     """The oracle answers the reference even when no observation showed it (see the module docstring)."""
+    mistakes: float = 0.0
+    """Probability that the expert makes its family's typical mistake where one is offered (`mistake_reply`:
+    plates zoom on a region before find_text), untrained, so that the demonstration shows the recovery a
+    refused call needs (`OraclePolicy`). 0: none."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The budgets the demonstrations and both evaluations play under (`[rollout]`): the training defaults, so
     every demonstration fits the turns and tokens RL will allow."""

@@ -15,7 +15,8 @@ of one recorded item.
         ...
 
 Families whose reward is all-or-nothing per answer also have `graded_reward(answer, reference)`, partial credit
-in [0, 1] (listed in `GRADED`); the QA families' reward is graded already (token F1).
+in [0, 1] (listed in `GRADED`); the QA families' reward is graded already (token F1). The plate families' experts
+can also make a policy's typical mistake, for demonstrations of the recovery (`MISTAKES`).
 
 Adding a family is one module and one entry here.
 """
@@ -33,6 +34,7 @@ __all__ = [
     "FAMILIES",
     "GRADED",
     "ITEM_FAMILIES",
+    "MISTAKES",
     "SPLITS",
     "Task",
     "TaskMeta",
@@ -60,6 +62,11 @@ FAMILIES = {
 
 GRADED = {plates.NAME: plates.graded_reward, plate_audit.NAME: plate_audit.graded_reward}
 """The graded score of the families whose own reward is exact; `reward_for(..., kind="graded")` uses it."""
+
+MISTAKES = {plates.NAME: plates.mistake_reply, plate_audit.NAME: plate_audit.mistake_reply}
+"""The families whose expert can make a policy's typical mistake where it fits (`mistake_reply(task, turns) ->
+str | None`): refused by the tool, never trained on, it lets a demonstration show the recovery
+(`SFTConfig.mistakes`)."""
 
 ITEM_FAMILIES = frozenset({plate_audit.NAME, multihop_batch.NAME})
 """The item families: their `load` takes `items=N` (items per task), and they score each item (`item_reward`)."""

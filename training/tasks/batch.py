@@ -138,6 +138,14 @@ def oracle_reply(task: Task, turns: list[Turn], item_family: ModuleType, *, trus
     return reply
 
 
+def mistake_reply(task: Task, turns: list[Turn], item_family: ModuleType) -> str | None:
+    """The item family's mistake for the current item, judged on that item's turns alone; None after the last."""
+    item, since = _current_item(turns)
+    if item > len(task.items):
+        return None
+    return item_family.mistake_reply(task.items[item - 1], turns[since:])
+
+
 def _current_item(turns: list[Turn]) -> tuple[int, int]:
     """The item being worked on (one past the last recorded) and the index of the turn where it began (the one
     after that record's turn)."""

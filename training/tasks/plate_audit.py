@@ -59,3 +59,8 @@ def prepared(tasks: Sequence[Task], work_dir: Path, *, data_dir: Path | None = N
 
 def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool) -> str:
     return batch.oracle_reply(task, turns, plates, trust_reference=trust_reference)
+
+
+def mistake_reply(task: Task, turns: list[Turn]) -> str | None:
+    """The plate expert's mistake at the first turn of each photo (`plates.mistake_reply`)."""
+    return batch.mistake_reply(task, turns, plates)

@@ -102,6 +102,15 @@ def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool) -> str
     return step or answer_text(task.reference if trust_reference else _answer(done))
 
 
+def mistake_reply(task: Task, turns: list[Turn]) -> str | None:
+    """A policy's typical mistake, where it fits: a zoom on region r1 of the photo before find_text named any
+    region (the audits' most frequent refused call: 28 of 34 in bench_credit's 32-photo audit). image_ops refuses
+    it ("no regions yet: call find_text on it first") and the expert goes on with find_text. None at any later
+    turn."""
+    images = context_lines(task, "Image")
+    return call_text("image_ops", op="zoom", image=images[0], region="r1") if images and not turns else None
+
+
 def image_calls(turns: list[Turn]) -> list[tuple[ToolCall, ToolResult]]:
     """Every image_ops call so far with its result, in order."""
     return [
