@@ -29,6 +29,7 @@ from training.sft import (
     generate_expert_episodes,
     load_sft_config,
     masked_nll,
+    play_experts,
     recorded_demonstrations,
     sft,
 )
@@ -444,6 +445,10 @@ def test_sft_refuses_to_train_on_nothing():
 
 # ---------------------------------------------------------------- the real thing
 
+CFG_REAL = RolloutConfig(
+    max_turns=10, max_new_tokens=320, max_context_tokens=4096
+)  # budgets for the real tokenizer
+
 
 @pytest.mark.slow
 async def test_oracle_reads_real_plates_through_the_real_tool_server(shared_data, tmp_path):
@@ -494,6 +499,35 @@ async def test_oracle_reads_real_plates_through_the_real_tool_server(shared_data
         assert episode.answer == (shown[-1] if shown else NO_ANSWER)  # what a read named, never the label
     right = sum(task_data.success(t, e.answer) for t, e in zip(ready, played, strict=True))
     print(f"oracle on 2 real plates: {right} right; calls:", [len(e.turns) for e in played])
+
+
+@pytest.mark.slow
+async def test_real_image_ops_refuses_the_deliberate_mistake_and_the_expert_recovers(shared_data, tmp_path):
+    """The real tool server refuses a zoom before find_text and names find_text; the expert's next call is
+    find_text on the same photo, and the episode goes on to an answer with that refusal its only error."""
+    from transformers import AutoTokenizer
+
+    from conductor.models import ModelNotFound, resolve_model
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            resolve_model("smollm2-135m-instruct"), local_files_only=True
+        )
+    except ModelNotFound as exc:
+        pytest.skip(str(exc))
+    photos = task_data.load_family("plate_reading", "train", data_dir=shared_data, limit=1)
+    session = tool_session(photos, work_dir=tmp_path, access=ToolAccess(), data_dir=shared_data)
+    async with session as (client, ready):
+        [episode] = await play_experts(
+            ready, client, tokenizer, rollout=CFG_REAL, max_concurrent=1, mistakes=1.0
+        )
+    first, second = episode.turns[0], episode.turns[1]
+    assert not first.trained and not first.results[0].ok and "find_text" in first.observation_text
+    assert second.trained and second.calls[0].arguments == {
+        "op": "find_text",
+        "image": ready[0].attachments[0].handle,
+    }
+    assert episode.tool_errors == 1 and episode.stop_reason == "answer"
 
 
 @pytest.mark.slow
