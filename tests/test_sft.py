@@ -445,6 +445,19 @@ def test_sft_refuses_to_train_on_nothing():
 
 # ---------------------------------------------------------------- the real thing
 
+
+def real_tokenizer():
+    """The built-in model's tokenizer; the test is skipped where the model is not installed."""
+    from transformers import AutoTokenizer
+
+    from conductor.models import ModelNotFound, resolve_model
+
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"), local_files_only=True)
+    except ModelNotFound as exc:
+        pytest.skip(str(exc))
+
+
 CFG_REAL = RolloutConfig(
     max_turns=10, max_new_tokens=320, max_context_tokens=4096
 )  # budgets for the real tokenizer
@@ -455,16 +468,7 @@ async def test_oracle_reads_real_plates_through_the_real_tool_server(shared_data
     """Two real plate photos, attached and named by handle, the in-process tool server with real OCR: every
     oracle call runs without error, zooms name a found region, and each episode ends with an answer (right or
     not: the print says how many were right)."""
-    from transformers import AutoTokenizer
-
-    from conductor.models import ModelNotFound, resolve_model
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            resolve_model("smollm2-135m-instruct"), local_files_only=True
-        )
-    except ModelNotFound as exc:
-        pytest.skip(str(exc))
+    tokenizer = real_tokenizer()
     photos = task_data.load_family("plate_reading", "train", data_dir=shared_data, limit=2)
     session = tool_session(photos, work_dir=tmp_path, access=ToolAccess(), data_dir=shared_data)
     async with session as (client, ready):
@@ -505,16 +509,7 @@ async def test_oracle_reads_real_plates_through_the_real_tool_server(shared_data
 async def test_real_image_ops_refuses_the_deliberate_mistake_and_the_expert_recovers(shared_data, tmp_path):
     """The real tool server refuses a zoom before find_text and names find_text; the expert's next call is
     find_text on the same photo, and the episode goes on to an answer with that refusal its only error."""
-    from transformers import AutoTokenizer
-
-    from conductor.models import ModelNotFound, resolve_model
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            resolve_model("smollm2-135m-instruct"), local_files_only=True
-        )
-    except ModelNotFound as exc:
-        pytest.skip(str(exc))
+    tokenizer = real_tokenizer()
     photos = task_data.load_family("plate_reading", "train", data_dir=shared_data, limit=1)
     session = tool_session(photos, work_dir=tmp_path, access=ToolAccess(), data_dir=shared_data)
     async with session as (client, ready):
@@ -535,16 +530,7 @@ async def test_oracle_audits_real_plates_item_by_item(shared_data, tmp_path):
     """plate_audit with 3 real photos through the real tool server: the expert reads photo after photo,
     records each reading in the ledger (photos named by handle) in a turn of its own, whose acknowledgement names
     the next photo's handle or says all are recorded, and ends with the ledger as its answer."""
-    from transformers import AutoTokenizer
-
-    from conductor.models import ModelNotFound, resolve_model
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            resolve_model("smollm2-135m-instruct"), local_files_only=True
-        )
-    except ModelNotFound as exc:
-        pytest.skip(str(exc))
+    tokenizer = real_tokenizer()
     audits = task_data.load_family("plate_audit", "train", data_dir=shared_data, items=3, limit=1)
     session = tool_session(audits, work_dir=tmp_path, access=ToolAccess(), data_dir=shared_data)
     async with session as (client, ready):
