@@ -36,9 +36,8 @@ class Sample:
     text: str
     finish_reason: Literal["stop", "length"]
     exact: bool = True  # False when ids were re-tokenised from text (an endpoint that returns no ids)
-    trained: bool = (
-        True  # False: a demonstration's deliberate mistake, kept in the context and out of the loss
-    )
+    # False: a demonstration's deliberate mistake, kept in the context and out of the loss
+    trained: bool = True
 
 
 class Policy(Protocol):

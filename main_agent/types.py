@@ -108,9 +108,8 @@ class Turn:
     policy_s: float  # seconds spent generating this turn
     tools_s: float  # seconds spent waiting for this turn's tool calls
     exact: bool = True  # False: the sampler returned re-tokenised ids or lacked log-probs; never trained on
-    trained: bool = (
-        True  # False: a demonstration's deliberate mistake (training/sft.py): context, never a target
-    )
+    # False: a demonstration's deliberate mistake (training/sft.py): in the context, never a target
+    trained: bool = True
     records: list[Record] = field(default_factory=list)  # items this turn recorded, in the order written
     prompt_ids: list[int] = field(
         default_factory=list

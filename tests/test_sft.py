@@ -156,16 +156,15 @@ async def tools_handler(name: str, arguments: dict[str, object]) -> dict[str, ob
     return image_result(op, image, text="7ABC 123\nCALIFORNIA" if shows else "CALIFORNIA")
 
 
-def tools() -> ToolClient:
-    return ToolClient("http://tools", transport=fake_tool_server(tools_handler), deadline_s=5.0)
+def tools(handler=tools_handler) -> ToolClient:
+    return ToolClient("http://tools", transport=fake_tool_server(handler), deadline_s=5.0)
 
 
 async def play(
     task: Task, *, trust_reference: bool = False, mistakes: float = 0.0, handler=tools_handler
 ) -> Episode:
     tokenizer = ByteChatTokenizer()
-    client = ToolClient("http://tools", transport=fake_tool_server(handler), deadline_s=5.0)
-    async with client:
+    async with tools(handler) as client:
         policy = OraclePolicy(task, tokenizer, trust_reference=trust_reference, mistakes=mistakes)
         task_view = rollout_task(task, TOOLS)
         return await rollout(task_view, policy, client, tokenizer, CFG, on_turn=policy.observe)

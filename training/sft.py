@@ -110,14 +110,14 @@ class OraclePolicy:
             return None
         return offer(self.task, self.turns)
 
+    async def aclose(self) -> None:
+        return None
+
 
 def draw(seed: int, task_id: str, turn: int) -> float:
     """A uniform number in [0, 1) fixed by its arguments: the same on every machine and run."""
     digest = hashlib.sha256(f"{seed}:{task_id}:{turn}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
-
-    async def aclose(self) -> None:
-        return None
 
 
 async def play_experts(

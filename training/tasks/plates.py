@@ -11,13 +11,13 @@ credit (`plate_similarity`: 1 - normalised edit distance), what a run with `rewa
 Expert: find_text on the attached photo (where text is, never what it says) -> zoom on a returned region by its
 id (image_ops adds the margin) -> read -> answer the read's plate-shaped text (conductor/plates.py `plate_shaped`:
 letters and digits in a plate's length, not a state, city, date or dealer line), which the read's observation
-names ("plate-shaped: AZJ6991"), never the label the policy cannot see. When a read holds no plate-shaped text it retries, up to MAX_ATTEMPTS zoomed reads: the next region, or
-when none is left an autocontrast of the first zoom; then it answers NO_ANSWER. The regions are tried in
-find_text's order (r1, the largest, first), as the policy sees them: the expert uses no metadata, so every
-demonstration is one the policy can follow (docs/plates.md weighs this against zooming the plate's region
-first). A refused call
-(an evicted or mistyped image) is made good from the photo's handle, always valid; after MAX_REFUSALS refused
-calls it answers what it has, and plate_audit moves on to the next photo.
+names ("plate-shaped: AZJ6991"), never the label the policy cannot see. When a read holds no plate-shaped text it
+retries, up to MAX_ATTEMPTS zoomed reads: the next region, or when none is left an autocontrast of the first zoom;
+then it answers NO_ANSWER. The regions are tried in find_text's order (r1, the largest, first), as the policy sees
+them: the expert uses no metadata, so every demonstration is one the policy can follow (docs/plates.md weighs this
+against zooming the plate's region first). A refused call (an evicted or mistyped image) is made good from the
+photo's handle, always valid; after MAX_REFUSALS refused calls it answers what it has, and plate_audit moves on to
+the next photo.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ and split. Pure; no files.
 
 A photo's country is its folder in the shared data (us, eu: the task id `plate-<country>-<name>`). "retried":
 more than one zoomed read (a second region or an autocontrast). "shown": some read holds the label (letters and
-digits, anywhere in it): the reader's ceiling. "rule right": `conductor.plates.plate_shaped` of the reads (the first read
-that has some) is the label, over the photos where a read showed it: the rule alone, whoever played.
+digits, anywhere in it): the reader's ceiling. "rule right": `conductor.plates.plate_shaped` of the reads (the
+first read that has some) is the label, over the photos where a read showed it: the rule alone, whoever played.
 """
 
 from __future__ import annotations
