@@ -32,6 +32,7 @@ from training.sft import (
     play_experts,
     recorded_demonstrations,
     sft,
+    worth_imitating,
 )
 from training.tasks import Task, TaskMeta, multihop, plates, video
 from training.tasks.task import NO_ANSWER
@@ -401,6 +402,28 @@ async def test_a_deliberate_mistake_is_refused_recovered_from_and_left_out_of_th
     masked = [i for i, m in zip(seq.input_ids, seq.loss_mask, strict=True) if m]
     assert masked == [i for t in episode.turns[1:] for i in t.completion_ids]
     assert all(t.trained for t in (await play(PLATE, mistakes=0.0)).turns)
+
+
+async def test_an_audit_keeps_a_demonstration_whose_only_refusal_was_the_deliberate_mistake():
+    """An item task's demonstration is kept when its one refused call is the expert's deliberate mistake (an
+    untrained turn) and dropped when a trained call was refused: with `mistakes` > 0 every long audit holds a
+    refusal, and the rule that dropped them all kept none of the recoveries."""
+    searched: set[str] = set()
+
+    async def refusing(name: str, arguments: dict[str, object]) -> dict[str, object]:
+        if name == "image_ops" and arguments["op"] == "find_text":
+            searched.add(str(arguments["image"]))
+        if name == "image_ops" and arguments["op"] == "zoom" and arguments["image"] not in searched:
+            error = {"kind": "invalid_args", "message": "no regions yet: call find_text on it first"}
+            return {**ok_result(f"error (invalid_args): {error['message']}"), "ok": False, "error": error}
+        return await tools_handler(name, arguments)
+
+    episode = await play(PLATE, mistakes=1.0, handler=refusing)
+    audit = dataclasses.replace(PLATE, family="plate_audit", items=(PLATE,))
+    recorded = dataclasses.replace(episode, ledger=[PLATE.reference])
+    assert episode.tool_errors == 1 and worth_imitating(audit, recorded)
+    turns = [dataclasses.replace(t, trained=True) for t in recorded.turns]
+    assert not worth_imitating(audit, dataclasses.replace(recorded, turns=turns))
 
 
 def test_mistakes_are_drawn_the_same_way_every_time():

@@ -170,13 +170,15 @@ async def generate_expert_episodes(
 
 
 def worth_imitating(task: Task, episode: Episode) -> bool:
-    """A right answer; for an item task, a full ledger with at least half its items right and every call
-    served: the item expert records what the reader showed, and a misread plate is the reader's error, not a
-    lesson in what to do (the all-right rule would keep few long audits: the reader gets ~4 plates in 5)."""
+    """A right answer; for an item task, a full ledger with at least half its items right and every trained
+    call served (a deliberate mistake's refusal is the lesson, `SFTConfig.mistakes`): the item expert records
+    what the reader showed, and a misread plate is the reader's error, not a lesson in what to do (the all-right
+    rule would keep few long audits: the reader gets ~4 plates in 5)."""
     if not task.items:
         return task_data.success(task, episode.answer)
     entries = list(enumerate(episode.ledger, start=1))
-    if episode.tool_errors or any(text is None for _, text in entries):
+    refused = any(not r.ok for turn in episode.turns if turn.trained for r in turn.results)
+    if refused or any(text is None for _, text in entries):
         return False
     right = sum(task_data.item_reward(task, i, str(text)) for i, text in entries)
     return right >= len(entries) / 2
