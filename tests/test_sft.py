@@ -379,10 +379,8 @@ async def test_only_the_experts_tokens_are_in_the_loss():
     assert torch.allclose(masked_nll(model, batch), expected, atol=1e-5)
 
 
-async def test_a_deliberate_mistake_is_refused_recovered_from_and_left_out_of_the_loss():
-    """With `mistakes` = 1 the plate expert first zooms before find_text (the audits' most frequent refused call):
-    the tool refuses it, the expert goes on with find_text and reads the plate. That turn is marked untrained and
-    none of its tokens is in the loss; every later reply is. At 0 the expert makes no mistake."""
+def refusing_zoom_before_find_text():
+    """A fake tool handler that refuses a zoom of an image find_text has not searched yet, as image_ops does."""
     searched: set[str] = set()
 
     async def refusing(name: str, arguments: dict[str, object]) -> dict[str, object]:
@@ -393,7 +391,14 @@ async def test_a_deliberate_mistake_is_refused_recovered_from_and_left_out_of_th
             return {**ok_result(f"error (invalid_args): {error['message']}"), "ok": False, "error": error}
         return await tools_handler(name, arguments)
 
-    episode = await play(PLATE, mistakes=1.0, handler=refusing)
+    return refusing
+
+
+async def test_a_deliberate_mistake_is_refused_recovered_from_and_left_out_of_the_loss():
+    """With `mistakes` = 1 the plate expert first zooms before find_text (the audits' most frequent refused call):
+    the tool refuses it, the expert goes on with find_text and reads the plate. That turn is marked untrained and
+    none of its tokens is in the loss; every later reply is. At 0 the expert makes no mistake."""
+    episode = await play(PLATE, mistakes=1.0, handler=refusing_zoom_before_find_text())
     ops = [c[0][1]["op"] for c in calls(episode)[:-1]]
     assert ops == ["zoom", "find_text", "zoom", "read"] and episode.tool_errors == 1
     assert [t.trained for t in episode.turns] == [False, True, True, True, True]
@@ -408,17 +413,7 @@ async def test_an_audit_keeps_a_demonstration_whose_only_refusal_was_the_deliber
     """An item task's demonstration is kept when its one refused call is the expert's deliberate mistake (an
     untrained turn) and dropped when a trained call was refused: with `mistakes` > 0 every long audit holds a
     refusal, and the rule that dropped them all kept none of the recoveries."""
-    searched: set[str] = set()
-
-    async def refusing(name: str, arguments: dict[str, object]) -> dict[str, object]:
-        if name == "image_ops" and arguments["op"] == "find_text":
-            searched.add(str(arguments["image"]))
-        if name == "image_ops" and arguments["op"] == "zoom" and arguments["image"] not in searched:
-            error = {"kind": "invalid_args", "message": "no regions yet: call find_text on it first"}
-            return {**ok_result(f"error (invalid_args): {error['message']}"), "ok": False, "error": error}
-        return await tools_handler(name, arguments)
-
-    episode = await play(PLATE, mistakes=1.0, handler=refusing)
+    episode = await play(PLATE, mistakes=1.0, handler=refusing_zoom_before_find_text())
     audit = dataclasses.replace(PLATE, family="plate_audit", items=(PLATE,))
     recorded = dataclasses.replace(episode, ledger=[PLATE.reference])
     assert episode.tool_errors == 1 and worth_imitating(audit, recorded)
