@@ -18,8 +18,8 @@ from typing import Literal
 
 from conductor.models import resolve_model
 from main_agent.openai_policy import OpenAIPolicy
-from main_agent.policy import Policy, PolicyError, ReloadablePolicy, SamplingConfig
-from main_agent.transformers_policy import TransformersPolicy, load_model, tokenizer_dir
+from main_agent.policy import Policy, ReloadablePolicy, SamplingConfig
+from main_agent.transformers_policy import TransformersPolicy, load_model, merged_checkpoint, tokenizer_dir
 
 
 def load_policy(
@@ -37,7 +37,8 @@ def load_policy(
 
     In process (`transformers`) the weights go to `device` ("auto": cuda when visible); `lora_rank` > 0 adds
     fresh LoRA adapters to a dense model (training); `max_batch` episodes share one generate. A vLLM engine
-    (`vllm`) reads the checkpoint folder itself (dense only) with `max_model_len` (at most the model's context); a server (`server`) serves its
+    (`vllm`) reads the checkpoint folder itself with `max_model_len` (at most the model's context): dense weights
+    only, so an adapter is sampled from its merged copy (`merged_checkpoint`); a server (`server`) serves its
     own copy, so only the tokenizer is loaded here. `seed` seeds the engines' and servers' sampling.
     """
     from transformers import AutoTokenizer
@@ -50,9 +51,7 @@ def load_policy(
     else:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(path), local_files_only=True)
     if backend == "vllm" and (path / "adapter_config.json").is_file():
-        raise PolicyError(
-            f"{path} is a LoRA adapter: a vLLM engine needs a dense checkpoint (or transformers)"
-        )
+        path = merged_checkpoint(path)  # an engine reads dense weights only
     if backend == "vllm":
         max_model_len = min(max_model_len, model_context(path))
     policy = build_policy(
@@ -72,7 +71,8 @@ def model_context(path: Path) -> int:
 
 def chosen_backend(sampling: SamplingConfig, *, adapter: bool = False) -> str:
     """The backend that samples: `sampling.backend`, with "auto" resolved (vllm when installed, unless the
-    checkpoint is a LoRA adapter, which a vLLM engine cannot load; transformers otherwise)."""
+    checkpoint is a LoRA adapter, which an engine reads only as a merged dense copy: ~540 MB written and an engine
+    started for what transformers samples at once; transformers otherwise)."""
     if sampling.backend != "auto":
         return sampling.backend
     installed = importlib.util.find_spec("vllm") is not None

@@ -1,17 +1,27 @@
 """The trainable in-process policy (`[sampling] backend = "transformers"`) and the loading of its weights.
 
-`load_model(path)` reads a dense checkpoint or a LoRA adapter (optionally adding fresh adapters to train);
+`load_model(path)` reads a dense checkpoint or a LoRA adapter (optionally adding fresh adapters to train), and
+`merged_checkpoint(path)` writes an adapter merged into its base for samplers that read dense weights only;
 `TransformersPolicy` samples it, micro-batching concurrent episodes' turns into one decode (`generate`, or
 main_agent/decode.py's loop on a CPU).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from pathlib import Path
 
 from conductor.batching import GenerationError, MicroBatcher, left_pad
-from conductor.models import ModelNotFound, default_device, past_key_values_accepted, resolve_model
+from conductor.models import (
+    ModelNotFound,
+    conductor_home,
+    default_device,
+    is_prepared,
+    past_key_values_accepted,
+    resolve_model,
+)
 from main_agent.decode import static_decode
 from main_agent.policy import PolicyError, Sample, SamplingConfig
 from main_agent.tokens import common_prefix
@@ -38,6 +48,27 @@ def load_model(path: Path, *, lora_rank: int = 0, device: str = "auto"):
         model = get_peft_model(model, lora)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(path), local_files_only=True)
     return model.to(default_device() if device == "auto" else device), tokenizer
+
+
+def merged_checkpoint(path: Path) -> Path:
+    """A dense checkpoint of the LoRA adapter in `path`, its adapters merged into its base, for a sampler that
+    reads only dense weights (a vLLM engine). Written once under $CONDUCTOR_HOME/merged/<digest of the adapter's
+    files and its base's path> (~540 MB float32, a few seconds on a CPU) and reused; written to a temporary
+    folder and renamed, so a run cut short leaves no half checkpoint."""
+    digest = hashlib.sha256(str(adapter_base(path)).encode())
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        digest.update((path / name).read_bytes())
+    target = conductor_home() / "merged" / digest.hexdigest()[:16]
+    if is_prepared(target):
+        return target
+    model, tokenizer = load_model(path, device="cpu")
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.merge_and_unload().save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
 
 
 def tokenizer_dir(path: Path) -> Path:

@@ -181,6 +181,34 @@ def test_a_saved_adapter_names_its_built_in_base_and_loads_without_a_tokenizer(s
     assert all(torch.equal(p, saved[n]) for n, p in loaded.named_parameters() if "lora_B" in n)
 
 
+def test_a_vllm_engine_samples_an_adapter_from_its_merged_copy(tiny_policy, tmp_path, monkeypatch):
+    """load_policy with the vllm backend hands the engine a dense checkpoint of a LoRA adapter: its adapters
+    merged into the base, giving the adapter's logits, written once under $CONDUCTOR_HOME/merged and reused."""
+    import torch
+
+    from main_agent import backends
+    from main_agent.transformers_policy import load_model
+
+    monkeypatch.setenv("CONDUCTOR_HOME", str(tmp_path / "home"))
+    model, _ = load_model(tiny_policy, lora_rank=2, device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    model.save_pretrained(tmp_path / "adapter")
+    seen: list = []
+    monkeypatch.setattr(backends, "build_policy", lambda backend, tok, s, **a: seen.append(a["folder"]))
+    for _ in range(2):
+        backends.load_policy(str(tmp_path / "adapter"), SamplingConfig(backend="vllm"))
+    assert seen[0] == seen[1] and seen[0].parent == tmp_path / "home" / "merged"
+    assert not (seen[0] / "adapter_config.json").exists() and (seen[0] / "tokenizer_config.json").is_file()
+    dense, _ = load_model(seen[0], device="cpu")
+    ids = torch.tensor([[1, 5, 9, 42, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(dense(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(dense(ids).logits, load_model(tiny_policy, device="cpu")[0](ids).logits)
+
+
 def test_the_shipped_default_policy_resolves_to_its_adapter():
     """`conductor-default` names the adapter shipped in the package, whose base is the built-in model."""
     import json
