@@ -3,8 +3,8 @@
     python -m benchmarks.studies.learning.bench --sampler vllm  # the study (vLLM env)
                                                                 # -> results/bench_learning.json, .png
     python -m benchmarks.studies.learning.bench --recipe research --cells lora-lr5e-5 --sampler vllm
-        # the same stages on the research assistant's recipe (RECIPES): the default policy's SFT adapter on
-        # corpus_qa -> results/bench_learning_research.json, runs/learning-research-vllm/
+        # the same stages on the research assistant's recipe (RECIPES): the chained SFT adapter committed in
+        # research_warm_start/ on corpus_qa -> results/bench_learning_research.json, runs/learning-research-vllm/
     python -m benchmarks.studies.learning.bench --sampler vllm --recorded  # the table and plot so far
     python -m benchmarks.studies.learning.bench --steps 1 --seeds 1 --sweep-steps 1 --eval-n 2 --tag smoke \
         --cells full-lr1e-5 lora16-lr2e-4 --policy /abs/path/to/runs/sft-plates/model
@@ -119,13 +119,15 @@ RECIPES = {
         ("full-lr1e-5", "full-lr3e-5", "lora16-lr2e-4", "full-lr1e-5-g8"),  # exact reward: measured, not a choice
         "runs/sft-plates/model", 49,
     ),
-    # The research assistant's recipe (examples/default_policy.toml): RL of the default's LoRA SFT adapter on
-    # corpus_qa train, token F1 as the reward (the family's own: graded by nature), evaluated greedy on the first
-    # 72 corpus_qa dev questions under the default's rollout budgets (as benchmarks.studies.research.bench).
+    # The research assistant's recipe (examples/default_policy.toml): RL of the chained SFT adapter (v10,
+    # committed beside the study so its records resume anywhere: research_warm_start/README.md) on corpus_qa
+    # train, token F1 as the reward (the family's own: graded by nature), evaluated greedy on the first 72
+    # corpus_qa dev questions under the default's rollout budgets (as benchmarks.studies.research.bench).
     "research": Recipe(
         ROOT / "examples" / "default_policy.toml", "corpus_qa", ("save_every=5", "keep_last=1"),
         {"lora-lr5e-5": ("lr=5e-5",), "lora-lr2e-4": ("lr=2e-4",)}, ("lora-lr5e-5", "lora-lr2e-4"),
-        "runs/default-sft/model", 72, ("rollout.max_turns=8", "rollout.max_new_tokens=192"),
+        "benchmarks/studies/learning/research_warm_start", 72,
+        ("rollout.max_turns=8", "rollout.max_new_tokens=192"),
     ),
 }  # fmt: skip
 """The recipes the study runs (`--recipe`); plates is the recorded study."""
