@@ -122,6 +122,34 @@ async def test_reload_weights_makes_vllm_sample_the_new_weights(tiny_policy: Pat
     assert before == expected_before and after == expected_after and after != before
 
 
+async def test_an_adapter_is_sampled_by_vllm_from_its_merged_copy(
+    tiny_policy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`load_policy` with the vllm backend on a LoRA adapter (the shipped default is one) starts an engine on the
+    adapter merged into its base, which decodes greedily exactly as transformers does with the adapter."""
+    from main_agent.backends import load_policy
+
+    monkeypatch.setenv("CONDUCTOR_HOME", str(tmp_path / "home"))
+    model, tokenizer = load_model(tiny_policy, lora_rank=2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    model.save_pretrained(tmp_path / "adapter")
+    prompt = chat_prompt(tokenizer, "Where was Ada Lovelace born?")
+    greedy = SamplingConfig(temperature=0.0)
+    local = TransformersPolicy(model, tokenizer, cfg=greedy)
+    expected = (await local.sample(prompt, max_new_tokens=12)).ids
+    await local.aclose()
+    policy, _ = load_policy(
+        str(tmp_path / "adapter"), dataclasses.replace(greedy, backend="vllm"), max_model_len=1024
+    )
+    try:
+        assert (await policy.sample(prompt, max_new_tokens=12)).ids == expected
+    finally:
+        policy.engine.shutdown()  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
 def test_two_steps_sample_through_an_in_process_engine(
     overlap: bool, tiny_policy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
