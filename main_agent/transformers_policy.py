@@ -54,7 +54,7 @@ def merged_checkpoint(path: Path) -> Path:
     """A dense checkpoint of the LoRA adapter in `path`, its adapters merged into its base, for a sampler that
     reads only dense weights (a vLLM engine). Written once under $CONDUCTOR_HOME/merged/<digest of the adapter's
     files and its base's path> (~540 MB float32, a few seconds on a CPU) and reused; written to a temporary
-    folder and renamed, so a run cut short leaves no half checkpoint."""
+    folder and renamed (`save_dense`), so a run cut short leaves no half checkpoint."""
     digest = hashlib.sha256(str(adapter_base(path)).encode())
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         digest.update((path / name).read_bytes())
@@ -62,13 +62,20 @@ def merged_checkpoint(path: Path) -> Path:
     if is_prepared(target):
         return target
     model, tokenizer = load_model(path, device="cpu")
-    tmp = target.with_name(target.name + ".tmp")
+    return save_dense(model.merge_and_unload(), tokenizer, target)
+
+
+def save_dense(model, tokenizer, folder: Path) -> Path:
+    """Write a dense `model` (and `tokenizer`, when given) as an HF checkpoint in `folder`, replacing what was
+    there: written to `folder`.tmp and renamed, so a reader never sees half a checkpoint."""
+    tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.merge_and_unload().save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return target
+    model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
 
 
 def tokenizer_dir(path: Path) -> Path:

@@ -42,6 +42,7 @@ from torch import nn
 
 from main_agent.backends import build_policy, build_reloadable, chosen_backend
 from main_agent.policy import Policy, ReloadablePolicy, SamplingConfig
+from main_agent.transformers_policy import save_dense
 from training.config import TrainConfig, with_device_sizes
 
 logger = logging.getLogger(__name__)
@@ -211,15 +212,7 @@ def sampler_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def export_weights(model: nn.Module, tokenizer, root: Path, version: int) -> Path:
     """Write `model` as an HF checkpoint to `root/v<version>/` (merged if LoRA) and delete older versions."""
-    folder = root / f"v{version}"
-    tmp = root / f"v{version}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    dense = merged(model)
-    dense.save_pretrained(tmp, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+    folder = save_dense(merged(model), tokenizer, root / f"v{version}")
     for old in root.glob("v*"):
         if old != folder and old.suffix != ".tmp":
             shutil.rmtree(old, ignore_errors=True)
