@@ -82,11 +82,11 @@ def doc(file: str) -> str:
     return handle_for("page", f"corpus/train/{file}")
 
 
-async def play(task: Task, tools=handler) -> Episode:
+async def play(task: Task, tools=handler, *, chain: bool = True) -> Episode:
     tokenizer = ByteChatTokenizer()
     client = ToolClient("http://tools", transport=fake_tool_server(tools), deadline_s=5.0)
     async with client:
-        policy = OraclePolicy(task, tokenizer)
+        policy = OraclePolicy(task, tokenizer, chain=chain)
         return await rollout(
             rollout_task(task, TOOLS), policy, client, tokenizer, CFG, on_turn=policy.observe
         )
@@ -150,6 +150,20 @@ async def test_corpus_oracle_reads_one_page_of_a_one_page_question():
         [],
     ]
     assert episode.answer == "France"
+
+
+async def test_an_unchained_corpus_oracle_reads_the_top_hit_of_a_two_page_question_and_answers():
+    """`chain=False` (the shipped adapter's recipe): a two-page question is one search, one read of the top hit
+    and the answer; a decomposed one still goes hop by hop."""
+    episode = await play(HOTPOT, chain=False)
+    q = HOTPOT.question
+    assert calls(episode) == [
+        [("search", {"query": q})],
+        [("page_qa", {"url": doc("Berlin.md"), "question": q})],
+        [],
+    ]
+    assert episode.answer == "France"
+    assert len(calls(await play(MUSIQUE, chain=False))) == 5
 
 
 async def test_corpus_oracle_goes_hop_by_hop_with_a_search_each():

@@ -52,7 +52,7 @@ from training.evaluate import EvalConfig, EvalReport, evaluate_policy
 from training.loss import all_finite, token_logprobs
 from training.metrics import load_episodes, save_rollouts
 from training.play import play, tool_session
-from training.tasks import Task
+from training.tasks import Task, corpus_qa
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +72,24 @@ class OraclePolicy:
     With `mistakes` > 0, at a turn where its family offers one (`mistake_reply`: a call a policy gets wrong
     there, which the tool refuses), it makes that mistake with this probability (drawn from the task id, the
     turn and `seed`, so a rerun makes the same ones); the turn is marked untrained (`Sample.trained`): the
-    demonstration shows the refusal and the recovery from it, and never teaches the mistake.
+    demonstration shows the refusal and the recovery from it, and never teaches the mistake. `chain` picks
+    corpus_qa's plan for two-page questions (`SFTConfig.chain`).
     """
 
     def __init__(
-        self, task: Task, tokenizer, *, trust_reference: bool = False, mistakes: float = 0.0, seed: int = 0
+        self,
+        task: Task,
+        tokenizer,
+        *,
+        trust_reference: bool = False,
+        mistakes: float = 0.0,
+        seed: int = 0,
+        chain: bool = True,
     ) -> None:
         self.family = task_data.family_of(task)
+        self.reply = self.family.oracle_reply
+        if task.family == corpus_qa.NAME:  # the one expert with a choice of plan (`SFTConfig.chain`)
+            self.reply = functools.partial(corpus_qa.oracle_reply, chain=chain)
         self.task = task
         self.tokenizer = tokenizer
         self.trust_reference = trust_reference
@@ -93,9 +104,7 @@ class OraclePolicy:
 
     async def sample(self, prompt_ids: list[int], *, max_new_tokens: int) -> Sample:
         mistake = self._mistake()
-        reply = mistake or self.family.oracle_reply(
-            self.task, self.turns, trust_reference=self.trust_reference
-        )
+        reply = mistake or self.reply(self.task, self.turns, trust_reference=self.trust_reference)
         ids = self.tokenizer.encode(reply, add_special_tokens=False) + [self.eos_token_id]
         if len(ids) > max_new_tokens:  # the rollout's budget binds the expert too; a cut reply usually fails
             ids = ids[:max_new_tokens]
@@ -130,11 +139,14 @@ async def play_experts(
     trust_reference: bool = False,
     mistakes: float = 0.0,
     seed: int = 0,
+    chain: bool = True,
 ) -> list[Episode]:
     """The oracle's episode of each task, in task order, whatever its outcome: one expert per task, watching its
-    own turns, at most `max_concurrent` in flight; `mistakes` and `seed` as in `OraclePolicy`."""
+    own turns, at most `max_concurrent` in flight; `mistakes`, `seed` and `chain` as in `OraclePolicy`."""
     experts = {
-        t.task_id: OraclePolicy(t, tokenizer, trust_reference=trust_reference, mistakes=mistakes, seed=seed)
+        t.task_id: OraclePolicy(
+            t, tokenizer, trust_reference=trust_reference, mistakes=mistakes, seed=seed, chain=chain
+        )
         for t in tasks
     }
     groups = await play(
@@ -155,7 +167,7 @@ async def generate_expert_episodes(
     """The oracle's successful episodes, in task order; the kept and played counts per family are logged."""
     episodes = await play_experts(
         tasks, tools, tokenizer, rollout=cfg.rollout, max_concurrent=cfg.max_concurrent_episodes,
-        trust_reference=cfg.trust_reference, mistakes=cfg.mistakes, seed=cfg.run.seed,
+        trust_reference=cfg.trust_reference, mistakes=cfg.mistakes, seed=cfg.run.seed, chain=cfg.chain,
     )  # fmt: skip
     played = Counter(t.family for t in tasks)
     kept = [(t, e) for t, e in zip(tasks, episodes, strict=True) if worth_imitating(t, e)]
@@ -292,6 +304,11 @@ class SFTConfig:
     """Probability that the expert makes its family's typical mistake where one is offered (`mistake_reply`:
     plates zoom on a region before find_text), untrained, so that the demonstration shows the recovery a
     refused call needs (`OraclePolicy`). 0: none."""
+    chain: bool = True
+    """corpus_qa's expert on a question with two supporting pages: search again with what the first read
+    answered and read two more (docs/research-assistant.md#chained-demonstrations); false: search, read the top
+    hit and answer from it, the recipe of the shipped adapter, whose research_corpus F1 no chained retrain has
+    matched (its model card)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The budgets the demonstrations and both evaluations play under (`[rollout]`): the training defaults, so
     every demonstration fits the turns and tokens RL will allow."""

@@ -17,7 +17,8 @@ metadata knew it was the supporting page taught a 135M policy to read the second
 every argument is the question, a handle search showed or a span a read returned. A chained question's answer is
 the first useful read's answer, as written (`_first_useful`: a rule the policy can see, chosen on train); the
 others copy a read's answer where one is right, else the reference where a read showed it (inside a quote), else
-what the last read answered. A demonstration whose answer is wrong fails and is not imitated.
+what the last read answered. A demonstration whose answer is wrong fails and is not imitated. `conductor sft
+--set chain=false` plays two-page questions as one step too (`oracle_reply`).
 
 Why the second search adds the first read's answer to the question: on the first 60 HotpotQA train questions the
 top hit of the question was a supporting page for 43; for those, the other supporting page was the best unread hit
@@ -138,10 +139,11 @@ def steps(task: Task) -> list[tuple[str, tuple[int, ...]]]:
     return [(task.question, tuple(support))]
 
 
-def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool) -> str:
+def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool, chain: bool = True) -> str:
     """The next call of the question's plan (chained, hop by hop or one step: the module docstring), else the
-    answer."""
-    if not task.meta.hops and len(task.meta.supporting_titles) >= 2:
+    answer. `chain=False` plays a two-page question as one step too: search, read the top hit, answer from it
+    (the shipped adapter's recipe, whose research side the chained ones have not matched)."""
+    if chain and not task.meta.hops and len(task.meta.supporting_titles) >= 2:
         return _chained(task, turns, trust_reference)
     plan, step = steps(task), len(turns) // 2
     answers = {k + 1: _read_answer(turns[2 * k + 1]) for k in range(min(step, len(plan)))}
