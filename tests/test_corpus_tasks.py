@@ -153,8 +153,8 @@ async def test_corpus_oracle_reads_one_page_of_a_one_page_question():
 
 
 async def test_an_unchained_corpus_oracle_reads_the_top_hit_of_a_two_page_question_and_answers():
-    """`chain=False` (the shipped adapter's recipe): a two-page question is one search, one read of the top hit
-    and the answer; a decomposed one still goes hop by hop."""
+    """`chain=False` (the shipped adapter's plan): a two-page question is one search, one read of the top hit
+    and that read's answer as written, never the gold a quote showed; a decomposed one still goes hop by hop."""
     episode = await play(HOTPOT, chain=False)
     q = HOTPOT.question
     assert calls(episode) == [
@@ -164,6 +164,13 @@ async def test_an_unchained_corpus_oracle_reads_the_top_hit_of_a_two_page_questi
     ]
     assert episode.answer == "France"
     assert len(calls(await play(MUSIQUE, chain=False))) == 5
+
+    async def quoting(name: str, arguments: dict[str, object]) -> dict[str, object]:
+        if name == "search":
+            return await handler(name, arguments)
+        return {**ok_result("answer: Germany"), "answer": "Germany", "quote": "Paris is in France"}
+
+    assert (await play(HOTPOT, quoting, chain=False)).answer == "Germany"
 
 
 async def test_corpus_oracle_goes_hop_by_hop_with_a_search_each():

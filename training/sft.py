@@ -307,8 +307,8 @@ class SFTConfig:
     chain: bool = True
     """corpus_qa's expert on a question with two supporting pages: search again with what the first read
     answered and read two more (docs/research-assistant.md#chained-demonstrations); false: search, read the top
-    hit and answer from it, the recipe of the shipped adapter, whose research_corpus F1 no chained retrain has
-    matched (its model card)."""
+    hit and answer what it answered, the shipped adapter's plan, whose research_corpus F1 no chained retrain
+    has matched (its model card)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The budgets the demonstrations and both evaluations play under (`[rollout]`): the training defaults, so
     every demonstration fits the turns and tokens RL will allow."""

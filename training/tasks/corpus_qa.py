@@ -18,7 +18,8 @@ every argument is the question, a handle search showed or a span a read returned
 the first useful read's answer, as written (`_first_useful`: a rule the policy can see, chosen on train); the
 others copy a read's answer where one is right, else the reference where a read showed it (inside a quote), else
 what the last read answered. A demonstration whose answer is wrong fails and is not imitated. `conductor sft
---set chain=false` plays two-page questions as one step too (`oracle_reply`).
+--set chain=false` stops a two-page question after its first read and answers what that read answered
+(`_one_read`).
 
 Why the second search adds the first read's answer to the question: on the first 60 HotpotQA train questions the
 top hit of the question was a supporting page for 43; for those, the other supporting page was the best unread hit
@@ -141,10 +142,9 @@ def steps(task: Task) -> list[tuple[str, tuple[int, ...]]]:
 
 def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool, chain: bool = True) -> str:
     """The next call of the question's plan (chained, hop by hop or one step: the module docstring), else the
-    answer. `chain=False` plays a two-page question as one step too: search, read the top hit, answer from it
-    (the shipped adapter's recipe, whose research side the chained ones have not matched)."""
-    if chain and not task.meta.hops and len(task.meta.supporting_titles) >= 2:
-        return _chained(task, turns, trust_reference)
+    answer. `chain=False` stops a two-page question's chain after its first read (`_one_read`)."""
+    if not task.meta.hops and len(task.meta.supporting_titles) >= 2:
+        return _chained(task, turns, trust_reference) if chain else _one_read(task, turns, trust_reference)
     plan, step = steps(task), len(turns) // 2
     answers = {k + 1: _read_answer(turns[2 * k + 1]) for k in range(min(step, len(plan)))}
     if step < len(plan):
@@ -175,6 +175,16 @@ def _chained(task: Task, turns: list[Turn], trust_reference: bool) -> str:
         pages = hits[:1] if n == 1 else hits[:CHAIN_READS]
         if pages:
             return "\n".join(call_text("page_qa", url=page, question=question) for page in pages)
+    return answer_text(task.reference if trust_reference else _first_useful(turns))
+
+
+def _one_read(task: Task, turns: list[Turn], trust_reference: bool) -> str:
+    """search(q) -> page_qa(top hit, q) -> answer what that read answered, as written: the shipped adapter's
+    plan (its research side no chained retrain has matched), answered by the rule the policy can see. Its
+    recipe answered the gold wherever a quote showed it; a retrain on those (15 of its 27 kept) answered
+    README's question with a span of the quote ("SmolLM2") where the read said "Hugging Face"."""
+    if len(turns) < 2:
+        return _chained(task, turns, trust_reference)
     return answer_text(task.reference if trust_reference else _first_useful(turns))
 
 
