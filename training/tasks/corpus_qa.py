@@ -180,9 +180,9 @@ def _chained(task: Task, turns: list[Turn], trust_reference: bool) -> str:
 
 def _one_read(task: Task, turns: list[Turn], trust_reference: bool) -> str:
     """search(q) -> page_qa(top hit, q) -> answer what that read answered, as written: the shipped adapter's
-    plan (its research side no chained retrain has matched), answered by the rule the policy can see. Its
-    recipe answered the gold wherever a quote showed it; a retrain on those (15 of its 27 kept) answered
-    README's question with a span of the quote ("SmolLM2") where the read said "Hugging Face"."""
+    plan (its research side no chained retrain has matched), answered by the rule the policy can see, where
+    its recipe answered the gold wherever a quote showed it (15 of 27 kept demonstrations in v12,
+    docs/plates.md)."""
     if len(turns) < 2:
         return _chained(task, turns, trust_reference)
     return answer_text(task.reference if trust_reference else _first_useful(turns))
