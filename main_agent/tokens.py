@@ -7,8 +7,9 @@ An episode's sequence is the concatenation of the ids the policy saw and produce
 `loss_mask` is 1 exactly on completion ids (what the policy sampled), except a turn marked untrained (a
 demonstration's deliberate mistake, `Turn.trained`: the context its recovery needs, never a target);
 `old_logprobs` holds the sampler's log-probs there; `advantages` holds each turn's advantage on that turn's
-completion ids. Elsewhere all three are 0. Nothing is re-tokenised. A folded episode (main_agent.types) gives one such sequence per segment, each
-starting with its own prompt; its turns keep their own advantages, so the segments share the episode's credit.
+completion ids. Elsewhere all three are 0. Nothing is re-tokenised. A folded episode (main_agent.types) gives
+one such sequence per segment, each starting with its own prompt; its turns keep their own advantages, so the
+segments share the episode's credit.
 """
 
 from __future__ import annotations
