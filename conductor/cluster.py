@@ -162,9 +162,9 @@ def cluster(cfg: RayConfig) -> Iterator[ClusterInfo]:
                 "local Ray cluster oversubscribed: %.1f CPUs reserved on %d cores", cpus, os.cpu_count()
             )
         kwargs.update(num_cpus=math.ceil(cpus), include_dashboard=False)
-    else:
-        kwargs["address"] = cfg.address
-    ray.init(**kwargs)
+    # Ray's own spelling: "local" starts a cluster whatever RAY_ADDRESS or the last `ray start` names (no
+    # address would join that one, and num_cpus would then fail).
+    ray.init(address=cfg.address, **kwargs)
     try:
         joined = info(ray, local=local)
         logger.info("Ray cluster %s: %.0f CPUs, %.0f GPUs", joined.address, joined.cpus, joined.gpus)

@@ -189,10 +189,15 @@ def test_serve_with_replicas_serves_the_real_tools_from_ray_serve(smollm2_path, 
     log = (tmp_path / "stderr").open("w")  # a file, not a pipe: nothing reads stderr while this waits
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
-        ready = (
-            proc.stdout.readline()
-        )  # printed once Serve runs the app and /health answers (or EOF: it died)
-        assert "2 replicas on Ray Serve" in ready, (ready, proc.poll())
+        # The ready line is printed once Serve runs the app and /health answers (EOF: it died). Ray's driver
+        # prints the raylet's error messages to stdout as well, whatever log_to_driver says, so lines before
+        # it are Ray's own.
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if "replicas on Ray Serve" in line:
+                break
+        assert seen and "2 replicas on Ray Serve" in seen[-1], (seen, proc.poll())
         answer = httpx.get(f"http://127.0.0.1:{port}/v1/tools", timeout=60)
         assert answer.status_code == 200 and len(answer.json()) == 4
         assert answer.headers["x-conductor-replica"]

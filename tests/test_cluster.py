@@ -43,3 +43,13 @@ def test_a_local_cluster_starts_under_a_long_tmpdir(monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("RAY_TMPDIR", raising=False)
     with cluster(RayConfig()) as joined:
         assert joined.local and joined.cpus >= 1
+
+
+@pytest.mark.slow
+def test_a_local_cluster_starts_whatever_ray_address_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`address = "local"` starts a cluster of its own even where RAY_ADDRESS names another one (here one that
+    is not there): Ray alone would try to join it."""
+    pytest.importorskip("ray", reason="Ray is the optional extra `distributed`")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    with cluster(RayConfig()) as joined:
+        assert joined.local and joined.cpus >= 1
