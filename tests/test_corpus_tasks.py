@@ -18,10 +18,10 @@ from tests.fakes import TOOLS, ByteChatTokenizer, fake_tool_server, ok_result
 from tool_server.client import ToolClient
 from tool_server.embedded import ToolAccess
 from training import tasks as task_data
+from training.experts import OraclePolicy
 from training.play import play as play_tasks
 from training.play import rollout_task, search_corpus, tool_session
 from training.rewards import normalize_answer
-from training.sft import OraclePolicy
 from training.tasks import Task, TaskMeta, corpus_qa, research_corpus
 from training.tasks.task import NO_ANSWER
 

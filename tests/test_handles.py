@@ -388,8 +388,8 @@ async def test_no_prompt_or_observation_of_any_family_holds_a_machine_path(
 
     from tool_server.embedded import ToolAccess
     from training import tasks as task_data
+    from training.experts import OraclePolicy
     from training.play import play, tool_session
-    from training.sft import OraclePolicy
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path, local_files_only=True)
     tasks = [

@@ -253,8 +253,8 @@ async def test_replays_on_the_real_tool_server_observe_byte_identical_results(sh
     from conductor.models import ModelNotFound, resolve_model
     from tool_server.embedded import ToolAccess
     from training import tasks as task_data
+    from training.experts import OraclePolicy
     from training.play import play, rollout_task, tool_session
-    from training.sft import OraclePolicy
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(

@@ -18,21 +18,18 @@ from tests.fakes import TOOLS, ByteChatTokenizer, fake_tool_server, ok_result
 from tool_server.client import ToolClient
 from tool_server.embedded import ToolAccess
 from training import tasks as task_data
+from training.experts import OraclePolicy, draw, play_experts, worth_imitating
 from training.metrics import save_rollouts
 from training.play import play as play_tasks
 from training.play import rollout_task, tool_session
 from training.sft import (
-    OraclePolicy,
     SFTConfig,
-    draw,
     family_tasks,
     generate_expert_episodes,
     load_sft_config,
     masked_nll,
-    play_experts,
     recorded_demonstrations,
     sft,
-    worth_imitating,
 )
 from training.tasks import Task, TaskMeta, multihop, plates, video
 from training.tasks.task import NO_ANSWER

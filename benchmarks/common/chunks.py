@@ -29,9 +29,9 @@ from main_agent.types import Episode
 from tool_server.client import ToolClient
 from training import tasks as task_data
 from training.evaluate import EvalConfig, evaluate
+from training.experts import play_experts
 from training.metrics import load_episodes, mean, save_rollouts
 from training.play import tool_session
-from training.sft import play_experts
 from training.tasks import Task
 
 EXPERT = "expert"

@@ -103,7 +103,7 @@ def hash_split(name: str) -> str:
 
 
 # ---------------------------------------------------------------- what every expert shares
-# An expert (training/sft.py's OraclePolicy) writes replies in the policy's own format from the task and the
+# An expert (training/experts.py's OraclePolicy) writes replies in the policy's own format from the task and the
 # turns played so far. Every argument it writes comes from what the policy has seen (the question, the context
 # lines, the structured results of earlier calls); the task's metadata only chooses among those options.
 

@@ -41,10 +41,10 @@ from training import tasks as task_data
 from training.checkpoint import find_latest
 from training.config import load_train_config
 from training.evaluate import EvalConfig, in_flight, summarise
+from training.experts import play_experts
 from training.metrics import read_metrics
 from training.play import tool_session
 from training.plot import save_figure
-from training.sft import play_experts
 
 CREDITS = ("outcome", "turn")
 
