@@ -158,9 +158,9 @@ def test_an_audit_moves_on_after_repeated_refusals_on_one_photo() -> None:
     assert after.startswith(CALL_OPEN) and '"find_text"' in after
 
 
-def test_the_mistake_offered_is_a_zoom_before_find_text_at_each_photos_first_turn() -> None:
-    """plates offer one mistake, a zoom on r1 of the photo before find_text, at the photo's first turn only; an
-    audit offers it again at the first turn of every photo, naming that photo."""
+def test_the_first_mistake_offered_is_a_zoom_before_find_text_at_each_photos_first_turn() -> None:
+    """plates offer a zoom on r1 of the photo before find_text at the photo's first turn; an audit offers it
+    again at the first turn of every photo, naming that photo."""
     first, second = car("plate-us-a"), car("plate-us-b", reference="8XYZ999")
     zoom = '"op": "zoom", "image": "%s", "region": "r1"'
     assert zoom % PHOTO.handle in str(plates.mistake_reply(first, []))
@@ -175,3 +175,28 @@ def test_the_mistake_offered_is_a_zoom_before_find_text_at_each_photos_first_tur
     assert plate_audit.mistake_reply(audit, [found("r2")]) is None
     done = Turn([], [], [], "", "", [], [], [], 0, 0.0, 0.0, records=[Record(2, NO_ANSWER, reply)])
     assert plate_audit.mistake_reply(audit, [recorded, done]) is None
+
+
+def test_the_second_mistake_offered_is_a_zoom_on_r2_right_after_find_text() -> None:
+    """Right after find_text named two regions or more, the mistake offered is a zoom on r2 (not the first
+    region); with one region, or once a zoom was made, none is offered."""
+    task = car()
+    assert '"region": "r2"' in str(plates.mistake_reply(task, [found("r1", "r2", "r3")]))
+    assert plates.mistake_reply(task, [found("r1")]) is None
+    assert plates.mistake_reply(task, [found("r1", "r2"), zoomed("r1")]) is None
+    assert plates.mistake_reply(task, [found("r1", "r2"), zoomed("r1"), read("img_zr1", "TEXAS")]) is None
+
+
+def test_after_a_zoom_on_r2_first_the_retry_goes_on_to_r3_then_back_to_r1() -> None:
+    """A read without a plate is followed by the region after the last one zoomed, not always r1: after r2 (the
+    deliberate mistake) the expert tries r3, then goes round to r1, the order a policy that zoomed r1 first
+    follows too (r1, r2, r3)."""
+    task = car()
+    turns = [found("r1", "r2", "r3"), zoomed("r2"), read("img_zr2", "TEXAS")]
+    assert step(task, turns) == ("call", {"op": "zoom", "image": PHOTO.handle, "region": "r3"})
+    turns += [zoomed("r3"), read("img_zr3", "DEALER")]
+    assert step(task, turns) == ("call", {"op": "zoom", "image": PHOTO.handle, "region": "r1"})
+    turns += [zoomed("r1"), read("img_zr1", "7ABC 123")]
+    assert step(task, turns) == "7ABC123"
+    assert plates.next_region(["r1", "r2"], ["r2"]) == "r1"
+    assert plates.next_region(["r1", "r2"], ["r1", "r2"]) is None

@@ -392,17 +392,19 @@ def refusing_zoom_before_find_text():
 
 
 async def test_a_deliberate_mistake_is_refused_recovered_from_and_left_out_of_the_loss():
-    """With `mistakes` = 1 the plate expert first zooms before find_text (the audits' most frequent refused call):
-    the tool refuses it, the expert goes on with find_text and reads the plate. That turn is marked untrained and
-    none of its tokens is in the loss; every later reply is. At 0 the expert makes no mistake."""
+    """With `mistakes` = 1 the plate expert makes both of its mistakes: a zoom before find_text (the audits' most
+    frequent refused call), which the tool refuses, then find_text, then a zoom on r2 rather than r1, whose read
+    shows the plate here. Both mistakes' turns are marked untrained and none of their tokens is in the loss;
+    every other reply is. At 0 the expert makes no mistake."""
     episode = await play(PLATE, mistakes=1.0, handler=refusing_zoom_before_find_text())
-    ops = [c[0][1]["op"] for c in calls(episode)[:-1]]
-    assert ops == ["zoom", "find_text", "zoom", "read"] and episode.tool_errors == 1
-    assert [t.trained for t in episode.turns] == [False, True, True, True, True]
+    made = [c[0][1] for c in calls(episode)[:-1]]
+    assert [a["op"] for a in made] == ["zoom", "find_text", "zoom", "read"] and episode.tool_errors == 1
+    assert made[2]["region"] == "r2"
+    assert [t.trained for t in episode.turns] == [False, True, False, True, True]
     assert_clean(episode, PLATE)
     [seq] = to_sequences(episode, [0.0] * len(episode.turns))
     masked = [i for i, m in zip(seq.input_ids, seq.loss_mask, strict=True) if m]
-    assert masked == [i for t in episode.turns[1:] for i in t.completion_ids]
+    assert masked == [i for t in episode.turns if t.trained for i in t.completion_ids]
     assert all(t.trained for t in (await play(PLATE, mistakes=0.0)).turns)
 
 

@@ -103,12 +103,24 @@ def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool) -> str
 
 
 def mistake_reply(task: Task, turns: list[Turn]) -> str | None:
-    """A policy's typical mistake, where it fits: a zoom on region r1 of the photo before find_text named any
-    region (the audits' most frequent refused call: 28 of 34 in bench_credit's 32-photo audit). image_ops refuses
-    it ("no regions yet: call find_text on it first") and the expert goes on with find_text. None at any later
-    turn."""
+    """A policy's mistake where one fits, else None:
+
+    - at the photo's first turn, a zoom on region r1 of the photo before find_text named any region (the audits'
+      most frequent refused call: 28 of 34 in bench_credit's 32-photo audit). image_ops refuses it ("no regions
+      yet: call find_text on it first") and the expert goes on with find_text;
+    - right after find_text named two regions or more, a zoom on r2, not the first region. Its read usually
+      shows no plate, and the expert retries on the region after it (r3, then back to r1): the retry that natural
+      demonstrations show on ~1 photo in 20, demonstrated on every photo that draws it.
+    """
     images = context_lines(task, "Image")
-    return call_text("image_ops", op="zoom", image=images[0], region="r1") if images and not turns else None
+    if not images:
+        return None
+    if not turns:
+        return call_text("image_ops", op="zoom", image=images[0], region="r1")
+    served = usable(image_calls(turns))
+    if served and payload_field(served[-1], "op") == "find_text" and len(regions(served)) >= 2:
+        return call_text("image_ops", op="zoom", image=images[0], region=regions(served)[1])
+    return None
 
 
 def image_calls(turns: list[Turn]) -> list[tuple[ToolCall, ToolResult]]:
@@ -124,12 +136,18 @@ def image_calls(turns: list[Turn]) -> list[tuple[ToolCall, ToolResult]]:
 def usable(done: list[tuple[ToolCall, ToolResult]]) -> list[ToolResult]:
     """The served results, less those a later call was refused on (an evicted or mistyped image: the expert
     makes it again from the photo, whose handle is always valid)."""
-    served: list[ToolResult] = []
+    return [result for _, result in usable_calls(done)]
+
+
+def usable_calls(done: list[tuple[ToolCall, ToolResult]]) -> list[tuple[ToolCall, ToolResult]]:
+    """`usable`, each result with the call that made it."""
+    served: list[tuple[ToolCall, ToolResult]] = []
     for call, result in done:
         if not result.ok:
-            served = [r for r in served if payload_field(r, "image_id") != call.arguments.get("image")]
+            image = call.arguments.get("image")
+            served = [(c, r) for c, r in served if payload_field(r, "image_id") != image]
         else:
-            served.append(result)
+            served.append((call, result))
     return served
 
 
@@ -146,22 +164,35 @@ def _next_step(photo: str, done: list[tuple[ToolCall, ToolResult]]) -> str | Non
         return call_text("image_ops", op="read", image=str(payload_field(last, "image_id")))
     if op == "read" and plate_shaped(str(payload_field(last, "text") or "")):
         return None
-    return _retry(photo, served)
+    return _retry(photo, usable_calls(done))
 
 
-def _retry(photo: str, served: list[ToolResult]) -> str | None:
-    """After find_text or a read without plate-shaped text: zoom on the next region (`regions`), or when none
-    is left, autocontrast the first zoom; None after MAX_ATTEMPTS."""
+def _retry(photo: str, served_calls: list[tuple[ToolCall, ToolResult]]) -> str | None:
+    """After find_text or a read without plate-shaped text: zoom on the next region (`next_region`), or when
+    none is left, autocontrast the first zoom; None after MAX_ATTEMPTS."""
+    served = [result for _, result in served_calls]
     zooms = [r for r in served if payload_field(r, "op") == "zoom"]
     tries = len(zooms) + sum(payload_field(r, "op") == "autocontrast" for r in served)
     if tries >= MAX_ATTEMPTS:
         return None
-    order = regions(served)
-    if len(zooms) < len(order):
-        return call_text("image_ops", op="zoom", image=photo, region=order[len(zooms)])
+    zoomed = [str(c.arguments.get("region")) for c, r in served_calls if payload_field(r, "op") == "zoom"]
+    region = next_region(regions(served), zoomed)
+    if region is not None:
+        return call_text("image_ops", op="zoom", image=photo, region=region)
     if zooms and tries == len(zooms):
         return call_text("image_ops", op="autocontrast", image=str(payload_field(zooms[0], "image_id")))
     return None
+
+
+def next_region(order: list[str], zoomed: list[str]) -> str | None:
+    """The first region of find_text's `order` after the last one zoomed that is not zoomed yet, going round
+    to the start: r1, r2, r3 in turn; after r2 first (a deliberate mistake), r3, then r1. None when every
+    region is zoomed."""
+    left = [r for r in order if r not in zoomed]
+    if not left:
+        return None
+    after = order.index(zoomed[-1]) + 1 if zoomed and zoomed[-1] in order else 0
+    return next((r for r in order[after:] if r in left), left[0])
 
 
 def regions(served: list[ToolResult]) -> list[str]:
