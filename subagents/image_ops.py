@@ -20,7 +20,8 @@ needs a crop or zoom first. On the first 40 shared US plate photos `read` finds 
 30 after a crop to 3x the plate box; on 40 train photos a zoom on the detector's box around the plate, grown by
 one box height on every side, reads 32. A read whose text holds a plate-shaped part (conductor/plates.py: "PRCURITIBA
 AZJ6991" -> AZJ6991) names it (`plate`, "plate-shaped: AZJ6991" in the observation), so the policy answers what it
-saw and sees when a read holds no plate and another region is worth a try.
+saw; a read whose text holds none says "plate-shaped: none", the cue that another region is worth a try (a policy
+conditions on a word it sees more easily than on a word that is missing).
 
 Decoding is guarded (subagents/pixels.py: a format allowlist checked from the header, byte and pixel caps), and
 so is every output (a pixel cap); local paths only under the server's `[files] roots`, URLs only via the
@@ -114,7 +115,7 @@ class Response(ToolResponse):
         if self.op == "read":
             if not self.text:
                 return f"{head} read: no text found (crop or zoom on the text, then read)"
-            plate = f" plate-shaped: {self.plate}" if self.plate else ""
+            plate = f" plate-shaped: {self.plate or 'none'}"
             return f'{head} read: "{" / ".join(self.text.splitlines())}"{plate}'
         if self.op == "find_text":
             items = "; ".join(b.line() for b in self.boxes)

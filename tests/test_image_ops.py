@@ -492,10 +492,11 @@ def test_region_labels_come_from_shape_and_confidence(box: list[int], score: flo
 
 
 def test_ocr_summaries_are_compact_and_only_read_quotes_text() -> None:
-    """read quotes what it read (a hint when nothing); find_text lists region ids, labels, sizes and
-    confidences only: the policy names a region, it never copies a box."""
+    """read quotes what it read and names its plate-shaped part, or says it holds none (a hint when it read
+    nothing); find_text lists region ids, labels, sizes and confidences only: the policy names a region, it never
+    copies a box."""
     read = Response(op="read", image_id="img_ab12cd", width=384, height=120, text="7ABC123\nCALIFORNIA")
-    assert read.observation() == 'img_ab12cd 384x120 read: "7ABC123 / CALIFORNIA"'
+    assert read.observation() == 'img_ab12cd 384x120 read: "7ABC123 / CALIFORNIA" plate-shaped: none'
     plate = read.model_copy(update={"plate": "7ABC123"})
     assert plate.observation() == 'img_ab12cd 384x120 read: "7ABC123 / CALIFORNIA" plate-shaped: 7ABC123'
     empty = Response(op="read", image_id="img_ab12cd", width=384, height=120)
@@ -730,7 +731,7 @@ async def test_read_misses_small_text_until_it_is_zoomed() -> None:
     after = await call(rt, CFG, op="read", image=zoomed.image_id)
     assert SMALL_TEXT in after.text.replace(" ", ""), after.text
     assert after.plate == (plate_shaped(after.text) or "")  # named by the one rule, whatever the text
-    shown = f" plate-shaped: {after.plate}" if after.plate else ""
+    shown = f" plate-shaped: {after.plate or 'none'}"
     assert after.observation() == f'{zoomed.image_id} 720x300 read: "{after.text}"{shown}'
     boxed = await call(rt, CFG, op="read", image=source.image_id, box=[1150, 780, 1300, 830])
     assert SMALL_TEXT in boxed.text.replace(" ", ""), boxed.text
