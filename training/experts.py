@@ -37,9 +37,9 @@ class OraclePolicy:
     Log-probs are reported as 0.0: an expert has no sampler, and SFT does not use them.
 
     With `mistakes` > 0, at a turn where its family offers one (`mistake_reply`: a call a policy gets wrong
-    there, which the tool refuses), it makes that mistake with this probability (drawn from the task id, the
+    there, refused or leading nowhere), it makes that mistake with this probability (drawn from the task id, the
     turn and `seed`, so a rerun makes the same ones); the turn is marked untrained (`Sample.trained`): the
-    demonstration shows the refusal and the recovery from it, and never teaches the mistake. `chain` picks
+    demonstration shows the recovery from it, and never teaches the mistake. `chain` picks
     corpus_qa's plan for two-page questions (`SFTConfig.chain`).
     """
 

@@ -118,8 +118,9 @@ def mistake_reply(task: Task, turns: list[Turn]) -> str | None:
     if not turns:
         return call_text("image_ops", op="zoom", image=images[0], region="r1")
     served = usable(image_calls(turns))
-    if served and payload_field(served[-1], "op") == "find_text" and len(regions(served)) >= 2:
-        return call_text("image_ops", op="zoom", image=images[0], region=regions(served)[1])
+    found = regions(served)
+    if served and payload_field(served[-1], "op") == "find_text" and len(found) >= 2:
+        return call_text("image_ops", op="zoom", image=images[0], region=found[1])
     return None
 
 
@@ -156,15 +157,16 @@ def _next_step(photo: str, done: list[tuple[ToolCall, ToolResult]]) -> str | Non
     MAX_REFUSALS refused calls."""
     if sum(not r.ok for _, r in done) >= MAX_REFUSALS:
         return None
-    served = usable(done)
-    if not any(payload_field(r, "op") == "find_text" for r in served):
+    served_calls = usable_calls(done)
+    if not any(payload_field(r, "op") == "find_text" for _, r in served_calls):
         return call_text("image_ops", op="find_text", image=photo)
-    last, op = served[-1], payload_field(served[-1], "op")
+    last = served_calls[-1][1]
+    op = payload_field(last, "op")
     if op in ("zoom", "autocontrast"):
         return call_text("image_ops", op="read", image=str(payload_field(last, "image_id")))
     if op == "read" and plate_shaped(str(payload_field(last, "text") or "")):
         return None
-    return _retry(photo, usable_calls(done))
+    return _retry(photo, served_calls)
 
 
 def _retry(photo: str, served_calls: list[tuple[ToolCall, ToolResult]]) -> str | None:
