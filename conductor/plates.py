@@ -50,7 +50,9 @@ def is_plate_shaped(text: str) -> bool:
     return fits and not _DATE.search(text)
 
 
-_DATE = re.compile(r"\b\d{1,2}[/.]\d{1,2}[/.]\d{2,4}\b")  # 12/05/2019, 5.12.19: a sticker's date
+# A date or a time of day: a sticker's date (12/05/2019, 5.12.19), a camera's time stamp (2014-05-13, 07:25:13).
+# A plate's one separator never makes these: "1T4:3213" has one colon, a time two; "RK-755AJ" no 4-digit year.
+_DATE = re.compile(r"\b\d{1,2}[/.]\d{1,2}[/.]\d{2,4}\b|\b\d{4}-\d{1,2}-\d{1,2}|\d{1,2}:\d{2}:\d{2}\b")
 
 
 def _whole_line(line: str) -> str | None:

@@ -21,7 +21,8 @@ needs a crop or zoom first. On the first 40 shared US plate photos `read` finds 
 one box height on every side, reads 32. A read whose text holds a plate-shaped part (conductor/plates.py: "PRCURITIBA
 AZJ6991" -> AZJ6991) names it (`plate`, "plate-shaped: AZJ6991" in the observation), so the policy answers what it
 saw; a read whose text holds none says "plate-shaped: none", the cue that another region is worth a try (a policy
-conditions on a word it sees more easily than on a word that is missing).
+conditions on a word it sees more easily than on a word that is missing), and names the regions of the image it
+came from that nothing has looked at yet ("; not zoomed yet: r2, r3"), so the retry copies a handle it sees.
 
 Decoding is guarded (subagents/pixels.py: a format allowlist checked from the header, byte and pixel caps), and
 so is every output (a pixel cap); local paths only under the server's `[files] roots`, URLs only via the
@@ -108,15 +109,19 @@ class Response(ToolResponse):
     text: str = ""
     plate: str = ""
     """read: the plate-shaped part of the text (`conductor.plates.plate_shaped`), "" when it holds none."""
+    unzoomed: list[str] = Field(default_factory=list)
+    """read without a plate: the regions of the image it looks at (the one a zoom or crop was made from) that
+    no zoom, crop or read has looked at yet, in find_text's order: where to try next."""
     boxes: list[TextBox] = Field(default_factory=list)
 
     def summary(self) -> str:
         head = f"{self.image_id} {self.width}x{self.height}"
         if self.op == "read":
+            left = f"; not zoomed yet: {', '.join(self.unzoomed)}" if self.unzoomed and not self.plate else ""
             if not self.text:
-                return f"{head} read: no text found (crop or zoom on the text, then read)"
+                return f"{head} read: no text found (crop or zoom on the text, then read){left}"
             plate = f" plate-shaped: {self.plate or 'none'}"
-            return f'{head} read: "{" / ".join(self.text.splitlines())}"{plate}'
+            return f'{head} read: "{" / ".join(self.text.splitlines())}"{plate}{left}'
         if self.op == "find_text":
             items = "; ".join(b.line() for b in self.boxes)
             return (
@@ -174,18 +179,22 @@ async def _run(request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Respon
         image_id = rt.state.put(rt.session, image, load_derivation(content_key(data)))
     else:
         image = await stored(request.image, cfg, rt)
-        if request.region is not None:  # the tool does the box arithmetic, never the policy
-            box = region_box(rt.state.region(rt.session, request.image, request.region), image.size)
+        region = request.region
+        if region is not None:  # the tool does the box arithmetic, never the policy
+            box = region_box(rt.state.region(rt.session, request.image, region), image.size)
             request = request.model_copy(update={"box": box, "region": None})
         if request.op not in ("find_text", "read"):
             image = await asyncio.to_thread(transform, image, request, cfg)
             image_id = rt.state.put(rt.session, image, derivation(request))
+        if region is not None:
+            rt.state.looked_at(rt.session, request.image, region, image_id)
     response = Response(op=request.op, image_id=image_id, width=image.width, height=image.height)
     response.thumbnail_url = f"/v1/images/{image_id}"
     if request.op == "read":
         lines = await asyncio.to_thread(read_text, image, request.box, side=cfg.reader_side)
         response.text = "\n".join(lines)
         response.plate = plate_shaped(response.text) or ""
+        response.unzoomed = [] if response.plate else rt.state.unzoomed(rt.session, image_id)
         response.tokens_read = rt.count_tokens(response.text)
     elif request.op == "find_text":
         boxes = await asyncio.to_thread(find_text, image, request.box)
@@ -310,6 +319,12 @@ class ImageStore:
         self._images: OrderedDict[tuple[str, str], Image.Image] = OrderedDict()
         self._sessions: OrderedDict[str, int] = OrderedDict()  # session -> images held; least recent first
         self._regions: dict[tuple[str, str], list[list[int]]] = {}  # (session, id) -> find_text's boxes
+        self._looked: dict[
+            tuple[str, str], list[str]
+        ] = {}  # (session, id) -> its regions looked at, in order
+        self._made_from: dict[
+            tuple[str, str], str
+        ] = {}  # (session, id of a region's zoom or crop) -> source id
         self._pixels = 0
 
     def put(self, session: str, image: Image.Image, derivation: str) -> str:
@@ -361,9 +376,12 @@ class ImageStore:
             return (session, image_id) in self._images
 
     def set_regions(self, session: str, image_id: str, boxes: list[list[int]]) -> None:
-        """What find_text found on the session's image, r1 first; kept while the image is."""
+        """What find_text found on the session's image, r1 first; kept while the image is. New regions
+        (find_text within a box) forget which regions were looked at."""
         with self._lock:
             if (session, image_id) in self._images:
+                if self._regions.get((session, image_id)) != boxes:
+                    self._looked.pop((session, image_id), None)
                 self._regions[(session, image_id)] = boxes
 
     def region(self, session: str, image_id: str, region: str) -> list[int]:
@@ -377,6 +395,25 @@ class ImageStore:
             valid = f"r1 to r{len(boxes)}" if len(boxes) > 1 else "r1"
             raise ToolFailure("invalid_args", f"{image_id} has no region {region}: find_text gave {valid}")
         return boxes[index]
+
+    def looked_at(self, session: str, image_id: str, region: str, made: str) -> None:
+        """A zoom, crop or read looked at `region` of the session's image; `made` is the image it made (the
+        image itself for a read)."""
+        with self._lock:
+            if (session, image_id) in self._regions:
+                looked = self._looked.setdefault((session, image_id), [])
+                looked.extend([region] if region not in looked else [])
+            if made != image_id and (session, made) in self._images:
+                self._made_from[(session, made)] = image_id
+
+    def unzoomed(self, session: str, image_id: str) -> list[str]:
+        """The regions no zoom, crop or read has looked at yet, in find_text's order, of the image `image_id` was
+        made from by a region's zoom or crop (else of `image_id` itself); [] where find_text never ran."""
+        with self._lock:
+            source = self._made_from.get((session, image_id), image_id)
+            count = len(self._regions.get((session, source), []))
+            looked = self._looked.get((session, source), [])
+        return [f"r{i}" for i in range(1, count + 1) if f"r{i}" not in looked]
 
     def thumbnail_png(self, image_id: str, *, session: str | None = None) -> bytes | None:
         """A PNG at most `thumbnail_side` px on its longest side; None if unknown. With `session`, only that
@@ -397,6 +434,8 @@ class ImageStore:
     def _evict(self, key: tuple[str, str]) -> None:
         image = self._images.pop(key)
         self._regions.pop(key, None)
+        self._looked.pop(key, None)
+        self._made_from.pop(key, None)
         self._pixels -= image.width * image.height
         session = key[0]
         self._sessions[session] -= 1

@@ -509,6 +509,25 @@ def test_ocr_summaries_are_compact_and_only_read_quotes_text() -> None:
 # ---------------------------------------------------------------- the store
 
 
+def test_the_store_tracks_which_regions_were_looked_at_per_source_image() -> None:
+    """A region's zoom or crop remembers its source; the source's regions looked at (by a zoom, crop or read)
+    drop out of `unzoomed`, in find_text's order; new regions forget them; eviction forgets everything."""
+    store = ImageStore(Config(max_images_per_session=3))
+    photo = store.put("s1", marked(), "photo")
+    assert store.unzoomed("s1", photo) == []  # find_text never ran
+    store.set_regions("s1", photo, [[0, 0, 9, 9], [10, 10, 19, 19], [20, 20, 29, 29]])
+    zoom = store.put("s1", marked(), "zoom r2")
+    store.looked_at("s1", photo, "r2", zoom)
+    assert store.unzoomed("s1", zoom) == ["r1", "r3"] == store.unzoomed("s1", photo)
+    store.looked_at("s1", photo, "r3", photo)  # a read on the region itself
+    assert store.unzoomed("s1", zoom) == ["r1"]
+    assert store.unzoomed("s2", zoom) == []  # another session's images are not this one's
+    store.set_regions("s1", photo, [[0, 0, 9, 9], [10, 10, 19, 19]])  # find_text within a box
+    assert store.unzoomed("s1", zoom) == ["r1", "r2"]
+    store.put("s1", marked(), "a"), store.put("s1", marked(), "b")  # evicts the photo, then nothing else
+    assert store.unzoomed("s1", zoom) == []
+
+
 async def test_ids_are_private_to_their_session() -> None:
     """An id is usable only in a session that made it: another session's id (until that session makes the
     same image itself) and an unknown id are invalid_args naming the session's images; the thumbnail route with
@@ -717,6 +736,29 @@ async def test_find_text_locates_small_text_at_full_resolution_without_reading_i
     assert found.tokens_read == 0 and "text" not in TextBox.model_fields
     inside = await call(rt, CFG, op="find_text", image=source.image_id, box=[1100, 700, 1400, 900])
     assert len(inside.boxes) == 1 and overlaps(inside.boxes[0].box, small_box)
+
+
+@pytest.mark.slow
+async def test_a_read_without_a_plate_names_the_regions_not_zoomed_yet() -> None:
+    """A read that holds no plate names the regions of the image its zoom came from that nothing looked at
+    yet, in find_text's order, so a retry copies a handle it sees; a read that holds one names none."""
+    rt = runtime()
+    source = await loaded(rt, CFG, text_photo())
+    found = await call(rt, CFG, op="find_text", image=source.image_id)
+    ids = [b.id for b in found.boxes]
+    assert len(ids) >= 2, found.boxes
+    first = await call(rt, CFG, op="zoom", image=source.image_id, region="r1")
+    words = await call(rt, CFG, op="read", image=first.image_id)
+    assert "HELLO" in words.text and not words.plate, words.text
+    assert words.unzoomed == ids[1:]
+    assert words.observation().endswith(f"plate-shaped: none; not zoomed yet: {', '.join(ids[1:])}")
+    plate_region = next(b.id for b in found.boxes if b.label == "plate-like" and b.id != "r1")
+    zoom = await call(rt, CFG, op="zoom", image=source.image_id, region=plate_region)
+    plate = await call(rt, CFG, op="read", image=zoom.image_id)
+    assert plate.plate == SMALL_TEXT and plate.unzoomed == []
+    assert "not zoomed yet" not in plate.observation()
+    again = await call(rt, CFG, op="read", image=first.image_id)
+    assert again.unzoomed == [i for i in ids if i not in ("r1", plate_region)]
 
 
 @pytest.mark.slow

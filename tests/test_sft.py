@@ -541,6 +541,33 @@ async def test_real_image_ops_refuses_the_deliberate_mistake_and_the_expert_reco
     assert episode.tool_errors == 1 and episode.stop_reason == "answer"
 
 
+# A US train photo whose largest text region (r1) is the camera's time stamp, the plate r2.
+STAMPED = "plate-us-a03ced3f-5a97-4e75-8106-fabfd2b8b76e"
+
+
+@pytest.mark.slow
+async def test_real_reads_of_a_time_stamp_name_no_plate_and_the_expert_retries_the_region_named(
+    shared_data, tmp_path
+):
+    """Through the real tool server: the read of a time stamp ("2014-06-17 ...") holds no plate and names the
+    regions not zoomed yet; the expert zooms on the first of them, reads the plate and answers it."""
+    tokenizer = real_tokenizer()
+    photos = [
+        t
+        for t in task_data.load_family("plate_reading", "train", data_dir=shared_data)
+        if t.task_id == STAMPED
+    ]
+    session = tool_session(photos, work_dir=tmp_path, access=ToolAccess(), data_dir=shared_data)
+    async with session as (client, ready):
+        [episode] = await play_experts(ready, client, tokenizer, rollout=CFG_REAL, max_concurrent=1)
+    done = [(c, r) for t in episode.turns for c, r in zip(t.calls, t.results, strict=True)]
+    assert [c.arguments["op"] for c, _ in done] == ["find_text", "zoom", "read", "zoom", "read"]
+    stamp = done[2][1]
+    assert "2014-" in stamp.observation and "plate-shaped: none; not zoomed yet: r2" in stamp.observation
+    assert done[3][0].arguments["region"] == "r2"
+    assert episode.answer == ready[0].reference and episode.tool_errors == 0
+
+
 @pytest.mark.slow
 async def test_oracle_audits_real_plates_item_by_item(shared_data, tmp_path):
     """plate_audit with 3 real photos through the real tool server: the expert reads photo after photo,

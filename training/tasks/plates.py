@@ -12,7 +12,8 @@ Expert: find_text on the attached photo (where text is, never what it says) -> z
 id (image_ops adds the margin) -> read -> answer the read's plate-shaped text (conductor/plates.py `plate_shaped`:
 letters and digits in a plate's length, not a state, city, date or dealer line), which the read's observation
 names ("plate-shaped: AZJ6991"), never the label the policy cannot see. When a read holds no plate-shaped text it
-retries, up to MAX_ATTEMPTS zoomed reads: the next region, or when none is left an autocontrast of the first zoom;
+retries, up to MAX_ATTEMPTS zoomed reads: the first region not zoomed yet (which the read names), or when none is
+left an autocontrast of the first zoom;
 then it answers NO_ANSWER. The regions are tried in find_text's order (r1, the largest, first), as the policy sees
 them: the expert uses no metadata, so every demonstration is one the policy can follow (docs/plates.md weighs this
 against zooming the plate's region first). A refused call (an evicted or mistyped image) is made good from the
@@ -109,8 +110,9 @@ def mistake_reply(task: Task, turns: list[Turn]) -> str | None:
       most frequent refused call: 28 of 34 in bench_credit's 32-photo audit). image_ops refuses it ("no regions
       yet: call find_text on it first") and the expert goes on with find_text;
     - right after find_text named two regions or more, a zoom on r2, not the first region. Its read usually
-      shows no plate, and the expert retries on the region after it (r3, then back to r1): the retry that natural
-      demonstrations show on ~1 photo in 20, demonstrated on every photo that draws it.
+      shows no plate and names the regions not zoomed yet; the expert retries on the first of them (r1, then
+      r3): the retry that natural demonstrations show on ~1 photo in 20, demonstrated on every photo that
+      draws it.
     """
     images = context_lines(task, "Image")
     if not images:
@@ -187,14 +189,10 @@ def _retry(photo: str, served_calls: list[tuple[ToolCall, ToolResult]]) -> str |
 
 
 def next_region(order: list[str], zoomed: list[str]) -> str | None:
-    """The first region of find_text's `order` after the last one zoomed that is not zoomed yet, going round
-    to the start: r1, r2, r3 in turn; after r2 first (a deliberate mistake), r3, then r1. None when every
-    region is zoomed."""
-    left = [r for r in order if r not in zoomed]
-    if not left:
-        return None
-    after = order.index(zoomed[-1]) + 1 if zoomed and zoomed[-1] in order else 0
-    return next((r for r in order[after:] if r in left), left[0])
+    """The first region of find_text's `order` not zoomed yet, the first one a read without a plate names
+    ("not zoomed yet: r1, r3"): r1, r2, r3 in turn; after r2 first (a deliberate mistake), r1, then r3. None
+    when every region is zoomed."""
+    return next((r for r in order if r not in zoomed), None)
 
 
 def regions(served: list[ToolResult]) -> list[str]:
