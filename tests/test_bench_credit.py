@@ -14,9 +14,16 @@ import torch
 from benchmarks.studies.credit import scores as cs
 from benchmarks.studies.credit.bench import MODES, recorded_lines, report
 from benchmarks.studies.credit.pool import pool
-from benchmarks.studies.credit.stages import Records, Session, run_stages, truth_plan, truth_states
+from benchmarks.studies.credit.stages import (
+    Records,
+    Session,
+    ToolsChanged,
+    run_stages,
+    truth_plan,
+    truth_states,
+)
 from main_agent.types import Episode
-from tests.fakes import ScriptedPolicy, call_text, fake_tool_server
+from tests.fakes import ScriptedPolicy, call_text, fake_tool_server, ok_result
 from tool_server.client import ToolClient
 from training.advantages import CreditConfig
 from training.config import TrainConfig
@@ -207,6 +214,28 @@ async def test_the_study_grades_with_the_reward_training_uses(tmp_path: Path) ->
     assert branch and branch <= {1.0, 0.75}
     row = report(1, plates, tmp_path, cfg, truth_turns=0, draws=20)
     assert row is not None and row["turns_nonzero"] > 0
+
+
+async def test_records_made_on_other_tools_are_refused_before_anything_is_added(tmp_path: Path) -> None:
+    """A study resumed on tools whose observations changed since its records stops at once (ToolsChanged,
+    naming the task and the diverged observation), adds no line to any stage and samples nothing."""
+    policy = ScriptedPolicy(decided_by_the_first_call(random.Random(5)))
+    cfg = TrainConfig(task="video_qa", group_size=2, credit=CreditConfig(branch_k=1, branch_turns=1))
+
+    async def changed(name: str, arguments: dict[str, object]) -> dict[str, object]:
+        return ok_result(f"{name} now says {json.dumps(arguments, sort_keys=True)}")
+
+    async with ToolClient("http://tools", transport=fake_tool_server()) as tools:
+        session = Session(cfg, policy, policy.tokenizer, tools, await tools.tools())
+        await run_stages(TASKS, session, tmp_path, replays=2, truth_turns=0)
+    before = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    sampled = len(policy.samples)
+    async with ToolClient("http://tools", transport=fake_tool_server(changed)) as tools:
+        session = Session(cfg, policy, policy.tokenizer, tools, await tools.tools())
+        with pytest.raises(ToolsChanged, match="stub-0.*now says"):
+            await run_stages(TASKS, session, tmp_path, replays=4, truth_turns=0)
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before
+    assert len(policy.samples) == sampled
 
 
 async def test_raising_the_replays_adds_only_the_missing_continuations_with_new_draws(tmp_path: Path) -> None:

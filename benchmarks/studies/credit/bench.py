@@ -43,8 +43,9 @@ appended a group (episodes, branch) or a state (truth) at a time, each line with
 stage's previous line (their sum is the stage's time, over sessions). They are committed, as bench_horizon's are,
 so a study cut short resumes where it stopped on a clean checkout: the same flags find the same folder (the digest
 covers every setting but `--replays`), and settings.json's SHA-256 of the policy's weights refuses records of
-another warm start (an adapter's hash covers its base's weights). The tools replay recorded episodes exactly on
-another machine; the SFT command remakes a warm start bit for bit only on the same kind of machine
+another warm start (an adapter's hash covers its base's weights); a resumed folder first replays one recorded
+episode whole and stops (`ToolsChanged`) if a tool observes anything else now than when it was recorded. The tools
+replay recorded episodes exactly on another machine; the SFT command remakes a warm start bit for bit only on the same kind of machine
 (docs/credit.md), which is why the default warm start is committed rather than remade. What a resumed stage
 samples anew is drawn from the same distribution, not the same draws: the sampler's seed is offset by the lines
 recorded so far. Raising `--replays` on a recorded study gives every recorded state the continuations it lacks and

@@ -212,7 +212,10 @@ async def run_stages(
     """The stages of one N into `folder`, each resumed from its records; torch reseeded per stage (and per
     process: `Session.draws`)."""
     seed_step(s.cfg, 4 * s.draws)
+    resumed = bool(Records(folder / "episodes.jsonl").read())
     groups = await play_stage(tasks, s, Records(folder / "episodes.jsonl"))
+    if resumed:
+        await check_replay(groups, tasks, s, folder)
     scored = truth_plan(groups, tasks, turns=truth_turns, seed=s.cfg.run.seed)
     played = Records(folder / "episodes.jsonl").read()
     rate = sum(sampled_tokens(e, 0) for g in groups for e in g) / max(
@@ -230,6 +233,31 @@ async def run_stages(
         await branch_stage(groups, tasks, s, Records(folder / f"{mode}.jsonl"), scored=around)
     seed_step(s.cfg, 4 * s.draws + 3)
     await truth_stage(groups, tasks, scored, s, Records(folder / "truth.jsonl"), replays=replays)
+
+
+class ToolsChanged(RuntimeError):
+    """Recorded episodes no longer replay: the tools observe something else than they did when recorded."""
+
+
+async def check_replay(
+    groups: Sequence[list[Episode]], tasks: Sequence[Task], s: Session, folder: Path
+) -> None:
+    """Records resume only on the tools that made them. One recorded episode that answered is replayed whole
+    (no token sampled); if a call observes anything else now (a tool's observation changed since), stop before a
+    single line is added, rather than fail state after state as replays diverge."""
+    answered = [(g, e) for g, group in enumerate(groups) for e in group if e.stop_reason == "answer"]
+    if not answered:
+        return
+    g, episode = answered[0]
+    again = await continue_from(
+        episode, len(episode.turns), tasks[g], s.schemas, policy=s.policy, tools=s.tools, tokenizer=s.tokenizer,
+        cfg=s.cfg.rollout,
+    )  # fmt: skip
+    if again.stop_reason == "infra_failed":
+        raise ToolsChanged(
+            f"{folder}: a recorded episode of {tasks[g].task_id} does not replay on these tools "
+            f"({again.infra_error}); its records were sampled on other tools: sample anew under another --tag"
+        )
 
 
 def forecast(
