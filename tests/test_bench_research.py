@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from benchmarks.common.chunks import EXPERT, claim
 from benchmarks.studies.research.records import CATEGORIES, record, supporting_pages
 from benchmarks.studies.research.summary import detectable, paired, power, questions_needed, summarise
 from main_agent.types import Episode, ToolCall, ToolResult, Turn
@@ -243,3 +244,22 @@ def test_answer_rules_read_only_what_the_policy_saw_and_the_ceiling_bounds_them(
 def turn_of(*reads: tuple[str, str]) -> Turn:
     """One turn of several page_qa reads, (page, answer) each."""
     return turn(*[read(name, answer).results[0] for name, answer in reads])
+
+
+def test_a_policy_folder_refuses_episodes_of_other_weights_or_settings(tmp_path) -> None:
+    """The benchmarks' episode folders are named by policy name, so a name whose weights changed (a new
+    conductor-default shipped) must not count the old weights' episodes: claim exits naming other weights; other
+    --set values exit too; the same weights and settings pass; the expert has no weights and passes."""
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    (policy / "model.safetensors").write_bytes(b"one")
+    folder = tmp_path / "work" / "policy"
+    claim(folder, str(policy), ["rollout.max_turns=8"])
+    claim(folder, str(policy), ["rollout.max_turns=8"])
+    with pytest.raises(SystemExit, match="same --set"):
+        claim(folder, str(policy), ["rollout.max_turns=6"])
+    (policy / "model.safetensors").write_bytes(b"two")
+    with pytest.raises(SystemExit, match="other weights"):
+        claim(folder, str(policy), ["rollout.max_turns=8"])
+    claim(tmp_path / "work" / "expert", EXPERT, [])
+    claim(tmp_path / "work" / "expert", EXPERT, [])

@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from benchmarks.common.stages import weights_sha
 from conductor.models import DEFAULT_MODEL, resolve_model
 from main_agent.types import Episode
 from tool_server.client import ToolClient
@@ -51,10 +52,18 @@ def recorded(folder: Path) -> dict[str, Episode]:
 
 
 def claim(folder: Path, policy: str, sets: Sequence[str]) -> None:
-    """Record the settings a policy's folder is played with; exit when it was played with others."""
+    """Record the settings and the weights (`weights_sha`) a policy's folder is played with; exit when it was
+    played with others. A name keeps its folder when its weights change (conductor-default after a new adapter
+    ships): the weights' hash is what keeps one policy's episodes from being counted as another's."""
     folder.mkdir(parents=True, exist_ok=True)
-    settings, path = {"policy": policy, "sets": list(sets)}, folder / "settings.json"
+    settings = {"policy": policy, "weights_sha256": weights_sha(policy), "sets": list(sets)}
+    path = folder / "settings.json"
     if path.is_file() and (then := json.loads(path.read_text(encoding="utf-8"))) != settings:
+        if then.get("weights_sha256") != settings["weights_sha256"]:
+            was = str(then.get("weights_sha256") or "not recorded")[:12]
+            sys.exit(
+                f"{folder} was played by other weights of {policy} ({was}): move it away, or --work elsewhere"
+            )
         sys.exit(f"{folder} was played with {then}, not {settings}: move it away or pass the same --set")
     path.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
 

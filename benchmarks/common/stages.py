@@ -61,9 +61,18 @@ def warm_start_sha(policy: str, *, made_by: str) -> str:
     adapter's hash covers its base model's weights first (the same adapter on another base is another policy).
     `policy` is a folder under the project root or a name the project loads (conductor-default). Exits saying
     how the warm start is made (`made_by`) when it has no weights."""
+    sha = weights_sha(policy)
+    if sha is None:
+        sys.exit(f"no weights (*.safetensors) in {policy}: make the warm start first (see {made_by})")
+    return sha
+
+
+def weights_sha(policy: str) -> str | None:
+    """SHA-256 over the policy's weight files (`weight_files`, a base's before its adapter's); None when it has
+    none (the scripted expert, or a policy not made yet)."""
     files = weight_files(policy)
     if not files:
-        sys.exit(f"no weights (*.safetensors) in {policy}: make the warm start first (see {made_by})")
+        return None
     digest = hashlib.sha256()
     for path in files:
         with path.open("rb") as f:
