@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from conductor.models import BUILTIN_MODELS, DEFAULT_MODEL, DEFAULT_POLICY, ModelNotFound
+from conductor.models import BUILTIN_MODELS, DEFAULT_MODEL, DEFAULT_POLICY, DEFAULT_TURNS, ModelNotFound
 from main_agent.backends import load_policy
 from main_agent.parse import ANSWER_OPEN, CALL_CLOSE, CALL_OPEN
 from main_agent.policy import SamplingConfig
@@ -77,8 +77,8 @@ class AskOptions:
     Temperature 0 decodes greedily: the assistant answers the same way each time."""
     tools_url: str | None = None
     """A running tool server; None starts one in-process."""
-    max_turns: int = 6
-    """Policy turns before giving up."""
+    max_turns: int = DEFAULT_TURNS
+    """Policy turns; the last one is asked for the answer."""
     require_call: bool | None = None
     """Open the first turn with a tool call (see FIRST_TURN_PREFIX), for policies never trained on the format;
     None: only for the untrained built-in model. A trained policy writes the whole call itself (a forced prefix

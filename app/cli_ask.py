@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 
 from app.cli_common import READER_MODEL_HELP, READER_URL_HELP, STARTED, quiet_logging, setup_logging
-from conductor.models import DEFAULT_POLICY
+from conductor.models import DEFAULT_POLICY, DEFAULT_TURNS
 
 # `ask`'s options, one line each in its signature
 Urls = Annotated[
@@ -70,7 +70,7 @@ def ask(
     reader_url: ReaderUrl = None,
     reader_model: ReaderModel = None,
     tools_url: ToolsUrl = None,
-    max_turns: MaxTurns = 6,
+    max_turns: MaxTurns = DEFAULT_TURNS,
     tool: Tools = None,
     require_call: RequireCall = None,
     trace: TracePath = None,

@@ -32,6 +32,10 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_POLICY = "conductor-default"
 """The trained orchestrator `conductor ask` uses: a LoRA adapter over DEFAULT_MODEL shipped in the package
 (conductor/policies/default/, with its model card), made by examples/default_policy.toml."""
+DEFAULT_TURNS = 8
+"""Policy turns `conductor ask` gives an episode: the budget the default policy was trained and judged under
+(examples/default_policy_sft.toml's rollout.max_turns). A photo's retry takes 6 (find_text, two zoom -> read
+pairs, the answer), a third region 8; with fewer, the last turn is asked for the answer before the retry's read."""
 POLICIES = Path(__file__).resolve().parent / "policies"
 SHIPPED_POLICIES = {DEFAULT_POLICY: POLICIES / "default"}
 
