@@ -242,21 +242,30 @@ class ToolsChanged(RuntimeError):
 async def check_replay(
     groups: Sequence[list[Episode]], tasks: Sequence[Task], s: Session, folder: Path
 ) -> None:
-    """Records resume only on the tools that made them. One recorded episode that answered is replayed whole
-    (no token sampled); if a call observes anything else now (a tool's observation changed since), stop before a
-    single line is added, rather than fail state after state as replays diverge."""
-    answered = [(g, e) for g, group in enumerate(groups) for e in group if e.stop_reason == "answer"]
-    if not answered:
-        return
-    g, episode = answered[0]
-    again = await continue_from(
-        episode, len(episode.turns), tasks[g], s.schemas, policy=s.policy, tools=s.tools, tokenizer=s.tokenizer,
-        cfg=s.cfg.rollout,
-    )  # fmt: skip
-    if again.stop_reason == "infra_failed":
+    """Records resume only on the tools that made them. Every recorded episode that ended by itself (an answer,
+    or its turns spent) is replayed whole, no token sampled; if any call observes something else now (a tool's
+    observation changed since), stop before a single line is added, rather than fail state after state as
+    replays diverge. One episode is not enough: a change shows only on the calls it touches (a read without a
+    plate, say)."""
+    ended = [
+        (g, e) for g, group in enumerate(groups) for e in group if e.stop_reason in ("answer", "max_turns")
+    ]
+    at_once = asyncio.Semaphore(max(1, s.cfg.max_concurrent_episodes))
+
+    async def again(g: int, episode: Episode) -> Episode:
+        async with at_once:
+            return await continue_from(
+                episode, len(episode.turns), tasks[g], s.schemas, policy=s.policy, tools=s.tools,
+                tokenizer=s.tokenizer, cfg=s.cfg.rollout,
+            )  # fmt: skip
+
+    replayed = await asyncio.gather(*(again(g, e) for g, e in ended))
+    failed = [(g, e) for (g, _), e in zip(ended, replayed, strict=True) if e.stop_reason == "infra_failed"]
+    if failed:
+        g, e = failed[0]
         raise ToolsChanged(
-            f"{folder}: a recorded episode of {tasks[g].task_id} does not replay on these tools "
-            f"({again.infra_error}); its records were sampled on other tools: sample anew under another --tag"
+            f"{folder}: {len(failed)} of {len(ended)} recorded episodes do not replay on these tools, the first of "
+            f"{tasks[g].task_id} ({e.infra_error}); they were sampled on other tools: sample anew under another --tag"
         )
 
 
