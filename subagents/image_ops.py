@@ -319,12 +319,10 @@ class ImageStore:
         self._images: OrderedDict[tuple[str, str], Image.Image] = OrderedDict()
         self._sessions: OrderedDict[str, int] = OrderedDict()  # session -> images held; least recent first
         self._regions: dict[tuple[str, str], list[list[int]]] = {}  # (session, id) -> find_text's boxes
-        self._looked: dict[
-            tuple[str, str], list[str]
-        ] = {}  # (session, id) -> its regions looked at, in order
-        self._made_from: dict[
-            tuple[str, str], str
-        ] = {}  # (session, id of a region's zoom or crop) -> source id
+        # (session, id) -> its regions a zoom, crop or read looked at, in order
+        self._looked: dict[tuple[str, str], list[str]] = {}
+        # (session, id of a region's zoom or crop) -> the id of the image it was made from
+        self._made_from: dict[tuple[str, str], str] = {}
         self._pixels = 0
 
     def put(self, session: str, image: Image.Image, derivation: str) -> str:

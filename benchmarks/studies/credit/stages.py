@@ -212,7 +212,7 @@ async def run_stages(
     """The stages of one N into `folder`, each resumed from its records; torch reseeded per stage (and per
     process: `Session.draws`)."""
     seed_step(s.cfg, 4 * s.draws)
-    resumed = bool(Records(folder / "episodes.jsonl").read())
+    resumed = (folder / "episodes.jsonl").exists()  # a stage file is made by its first line
     groups = await play_stage(tasks, s, Records(folder / "episodes.jsonl"))
     if resumed:
         await check_replay(groups, tasks, s, folder)
