@@ -37,13 +37,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import hashlib
-import io
 import json
 import math
 import re
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -53,9 +49,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from conductor.plates import plate_shaped
 from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, local_file, shown_path
 from subagents.handles import MAX_LISTED, content_key, load_derivation, looks_like_handle
+from subagents.image_store import ImageStore, derived_id
 from subagents.image_text import TextBox, find_text, read_text
 from subagents.llm import LLM
-from subagents.pixels import check_pixels, decode, pixel_box, region_box, scaled
+from subagents.pixels import check_pixels, decode, pixel_box, region_box
 
 NAME = "image_ops"
 # Not cached: a call writes into the caller's per-session image store (a load creates an image id, a zoom a new
@@ -139,11 +136,21 @@ class Config:
     max_output_pixels: int = 16_000_000
     """Largest image zoom or rotate may produce (48 MB as RGB): a 4x zoom of a 1000x1000 crop."""
     max_images_per_session: int = 32
-    """Images kept per session; the least recently used goes first. An episode uses a handful."""
+    """Images whose pixels a session keeps; the least recently used go first (and are made again from their
+    recipe when named: subagents/image_store.py). An episode on one photo uses a handful."""
     max_sessions: int = 64
-    """Sessions kept; the least recently used session is dropped whole. Eight groups of eight episodes."""
+    """Sessions whose pixels are kept; the least recently used session's go whole. Eight groups of eight."""
     max_total_pixels: int = 200_000_000
-    """Pixels kept over all sessions (600 MB as RGB); least recently used images are evicted past it."""
+    """Pixels kept over all sessions (600 MB as RGB); least recently used images are evicted past it. 64 audit
+    episodes reach it (a zoom of a plate is ~9 MP): an evicted image is made again, never refused."""
+    max_recipes: int = 512
+    """Images a session can name (each kept as its ~300-byte recipe): a 32-photo audit makes ~100."""
+    max_known_sessions: int = 256
+    """Sessions whose images can be made again, as many as the handle table keeps (its photos' sources): at
+    most 256 x 512 recipes, ~40 MB, in the worst case."""
+    max_recipe_chars: int = 4096
+    """Longest load source kept as a recipe: a path or URL is; a data URI (up to ~27 MB) is not, so an image
+    uploaded inline whose pixels were evicted is unknown until it is loaded again."""
     reader_side: int = 384
     """Longest side `read` sees, like a small vision model's input size: small text needs a zoom first."""
     find_text_top: int = 8
@@ -154,7 +161,15 @@ class Config:
 
 def start(cfg: Config, roots: tuple[str, ...]) -> ImageStore:
     """The server's image store: every session's images, bounded as `cfg` says."""
-    return ImageStore(cfg)
+    return image_store(cfg)
+
+
+def image_store(cfg: Config) -> ImageStore:
+    return ImageStore(
+        max_images_per_session=cfg.max_images_per_session, max_sessions=cfg.max_sessions,
+        max_total_pixels=cfg.max_total_pixels, max_recipes=cfg.max_recipes,
+        max_known_sessions=cfg.max_known_sessions, thumbnail_side=cfg.thumbnail_side,
+    )  # fmt: skip
 
 
 def check_model(cfg: Config, llm: LLM) -> None:
@@ -176,7 +191,8 @@ async def _run(request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Respon
         image = await asyncio.to_thread(
             decode, data, max_bytes=cfg.max_bytes, max_pixels=cfg.max_input_pixels
         )
-        image_id = rt.state.put(rt.session, image, load_derivation(content_key(data)))
+        recipe = request.model_dump_json() if len(request.image) <= cfg.max_recipe_chars else None
+        image_id = rt.state.put(rt.session, image, load_derivation(content_key(data)), recipe)
     else:
         image = await stored(request.image, cfg, rt)
         region = request.region
@@ -185,7 +201,7 @@ async def _run(request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Respon
             request = request.model_copy(update={"box": box, "region": None})
         if request.op not in ("find_text", "read"):
             image = await asyncio.to_thread(transform, image, request, cfg)
-            image_id = rt.state.put(rt.session, image, derivation(request))
+            image_id = rt.state.put(rt.session, image, derivation(request), request.model_dump_json())
         if region is not None:
             rt.state.looked_at(rt.session, request.image, region, image_id)
     response = Response(op=request.op, image_id=image_id, width=image.width, height=image.height)
@@ -207,11 +223,35 @@ async def _run(request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Respon
 
 
 async def stored(image_id: str, cfg: Config, rt: Runtime[ImageStore]) -> Image.Image:
-    """The session's image `image_id`; an image attached to the session under that id is loaded on first use
-    (its bytes must still be the ones attached). invalid_args naming the session's images, those in the store
-    and those attached, otherwise."""
-    if rt.state.has(rt.session, image_id):
-        return rt.state.get(rt.session, image_id)
+    """The session's image `image_id`: its pixels if the store holds them, else made again from its recipe, from
+    the nearest image up its chain still held or attached (iteratively: a chain may be hundreds of flips long).
+    invalid_args naming the session's images for an id it does not know."""
+    chain: list[Request] = []  # the recipes from image_id up to that image, image_id's first
+    current = image_id
+    for _ in range(cfg.max_recipes + 1):  # a chain is at most a session's recipes long
+        image = rt.state.pixels(rt.session, current)
+        recipe = rt.state.recipe(rt.session, current) if image is None else None
+        if image is not None or recipe is None:
+            break
+        request = Request.model_validate_json(recipe)
+        if request.op == "load":
+            image = await reloaded(current, request, cfg, rt)
+            break
+        chain.append(request)
+        current = request.image
+    else:
+        raise ToolFailure("internal", f"the recipe of {image_id} is a chain longer than {cfg.max_recipes}")
+    if image is None:
+        image = await attached(current, cfg, rt)
+    for request in reversed(chain):
+        image = await asyncio.to_thread(transform, image, request, cfg)
+        rt.state.put(rt.session, image, derivation(request), request.model_dump_json())
+    return image
+
+
+async def attached(image_id: str, cfg: Config, rt: Runtime[ImageStore]) -> Image.Image:
+    """An image attached to the session under `image_id`, loaded (its bytes must still be the ones attached);
+    invalid_args naming the session's images, those in the store and those attached, otherwise."""
     ref = rt.handles.get(rt.session, image_id)
     if ref is None or ref.kind != "image":
         held = list(dict.fromkeys([*rt.state.held(rt.session), *rt.handles.listed(rt.session, "image")]))
@@ -226,6 +266,19 @@ async def stored(image_id: str, cfg: Config, rt: Runtime[ImageStore]) -> Image.I
     return image
 
 
+async def reloaded(image_id: str, request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Image.Image:
+    """The image a `load` of a path or URL made, loaded again from there; not_found if its bytes changed."""
+    data = await source_bytes(request.image, cfg, rt)
+    made = load_derivation(content_key(data))
+    if derived_id(made) != image_id:
+        raise ToolFailure(
+            "not_found", f"image {image_id} changed at its source since it was loaded: load it again"
+        )
+    image = await asyncio.to_thread(decode, data, max_bytes=cfg.max_bytes, max_pixels=cfg.max_input_pixels)
+    rt.state.put(rt.session, image, made, request.model_dump_json())
+    return image
+
+
 def derivation(request: Request) -> str:
     """How a pixel op's image is made, the text its id is hashed from: the parent id and the whole request as
     canonical JSON (sorted keys, compact, defaults filled in, a region replaced by its box), so every field
@@ -234,11 +287,6 @@ def derivation(request: Request) -> str:
     fields = request.model_dump(mode="json", exclude={"region"})  # resolved to its box by now
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return f"{request.image}\n{canonical}"
-
-
-def derived_id(derivation: str) -> str:
-    """`img_` and the first 6 hex digits of the derivation's SHA-1: short, as the policy reads ids."""
-    return "img_" + hashlib.sha1(derivation.encode()).hexdigest()[:6]
 
 
 async def source_bytes(source: str, cfg: Config, rt: Runtime[ImageStore]) -> bytes:
@@ -299,143 +347,3 @@ def transform(image: Image.Image, request: Request, cfg: Config) -> Image.Image:
     if request.op == "autocontrast":
         return ImageOps.autocontrast(image, cutoff=1)  # ignore the 1% extremes: specks and glare
     raise AssertionError(f"transform() got op {request.op!r}")
-
-
-class ImageStore:
-    """Images by (session, id), the id derived from how the image was made (`derived_id`): the same call in
-    two sessions gives the same id in each, each session holding its own entry, and (files unchanged) the same
-    pixels. Putting an id the session already holds replaces that entry. Two different derivations sharing 6 hex
-    digits inside one session would make the later image replace the earlier: for a full session of 32 images
-    the odds are 32*31/2 / 16**6, about 3e-5 (1 in 34,000), and sessions never collide with each other.
-
-    Bounded per session, in sessions and in total pixels, evicting the least recently used (`get` and a
-    repeated `put` count as use). One lock guards the maps; stored images are never modified, so callers may
-    read them after the lock is released."""
-
-    def __init__(self, cfg: Config | None = None) -> None:
-        self.cfg = cfg or Config()
-        self._lock = threading.Lock()
-        # (session, id) -> image, least recently used first
-        self._images: OrderedDict[tuple[str, str], Image.Image] = OrderedDict()
-        self._sessions: OrderedDict[str, int] = OrderedDict()  # session -> images held; least recent first
-        self._regions: dict[tuple[str, str], list[list[int]]] = {}  # (session, id) -> find_text's boxes
-        # (session, id) -> its regions a zoom, crop or read looked at, in order
-        self._looked: dict[tuple[str, str], list[str]] = {}
-        # (session, id of a region's zoom or crop) -> the id of the image it was made from
-        self._made_from: dict[tuple[str, str], str] = {}
-        self._pixels = 0
-
-    def put(self, session: str, image: Image.Image, derivation: str) -> str:
-        """Store `image` for `session` under the id `derivation` gives (replacing the session's entry of that
-        id, if any) and return the id, evicting as the bounds require."""
-        check_pixels(image.size, self.cfg.max_total_pixels, what="the image to store")
-        image_id = derived_id(derivation)
-        key = (session, image_id)
-        with self._lock:
-            old = self._images.pop(key, None)
-            if old is not None:  # a refresh: the session keeps its place in the count until re-added below
-                self._pixels -= old.width * old.height
-                self._sessions[session] -= 1
-            if session not in self._sessions and len(self._sessions) >= self.cfg.max_sessions:
-                oldest = next(iter(self._sessions))
-                for stale in [k for k in self._images if k[0] == oldest]:
-                    self._evict(stale)
-            if self._sessions.get(session, 0) >= self.cfg.max_images_per_session:
-                self._evict(next(k for k in self._images if k[0] == session))
-            while self._pixels + image.width * image.height > self.cfg.max_total_pixels:
-                self._evict(next(iter(self._images)))
-            self._images[key] = image
-            self._sessions[session] = self._sessions.get(session, 0) + 1
-            self._sessions.move_to_end(session)
-            self._pixels += image.width * image.height
-        return image_id
-
-    def get(self, session: str, image_id: str) -> Image.Image:
-        """The image `image_id` of `session`; invalid_args naming the session's images for unknown, evicted or
-        foreign ids."""
-        key = (session, image_id)
-        with self._lock:
-            image = self._images.get(key)
-            if image is None:
-                held = [i for s, i in reversed(self._images) if s == session][:MAX_LISTED]
-                shown = f"images here: {', '.join(held)}" if held else "use the image id the task gave"
-                raise ToolFailure("invalid_args", f"no image {image_id[:40]!r} in this episode; {shown}")
-            self._images.move_to_end(key)
-            self._sessions.move_to_end(session)
-            return image
-
-    def held(self, session: str) -> list[str]:
-        """The ids of the session's images, most recently used first."""
-        with self._lock:
-            return [i for s, i in reversed(self._images) if s == session]
-
-    def has(self, session: str, image_id: str) -> bool:
-        with self._lock:
-            return (session, image_id) in self._images
-
-    def set_regions(self, session: str, image_id: str, boxes: list[list[int]]) -> None:
-        """What find_text found on the session's image, r1 first; kept while the image is. New regions
-        (find_text within a box) forget which regions were looked at."""
-        with self._lock:
-            if (session, image_id) in self._images:
-                if self._regions.get((session, image_id)) != boxes:
-                    self._looked.pop((session, image_id), None)
-                self._regions[(session, image_id)] = boxes
-
-    def region(self, session: str, image_id: str, region: str) -> list[int]:
-        """The box of `region` (r1, r2, ...) find_text found on the image; invalid_args naming the valid ones."""
-        with self._lock:
-            boxes = self._regions.get((session, image_id))
-        if not boxes:
-            raise ToolFailure("invalid_args", f"{image_id} has no regions yet: call find_text on it first")
-        index = int(region[1:]) - 1
-        if index >= len(boxes):
-            valid = f"r1 to r{len(boxes)}" if len(boxes) > 1 else "r1"
-            raise ToolFailure("invalid_args", f"{image_id} has no region {region}: find_text gave {valid}")
-        return boxes[index]
-
-    def looked_at(self, session: str, image_id: str, region: str, made: str) -> None:
-        """A zoom, crop or read looked at `region` of the session's image; `made` is the image it made (the
-        image itself for a read)."""
-        with self._lock:
-            if (session, image_id) in self._regions:
-                looked = self._looked.setdefault((session, image_id), [])
-                looked.extend([region] if region not in looked else [])
-            if made != image_id and (session, made) in self._images:
-                self._made_from[(session, made)] = image_id
-
-    def unzoomed(self, session: str, image_id: str) -> list[str]:
-        """The regions no zoom, crop or read has looked at yet, in find_text's order, of the image `image_id` was
-        made from by a region's zoom or crop (else of `image_id` itself); [] where find_text never ran."""
-        with self._lock:
-            source = self._made_from.get((session, image_id), image_id)
-            count = len(self._regions.get((session, source), []))
-            looked = self._looked.get((session, source), [])
-        return [f"r{i}" for i in range(1, count + 1) if f"r{i}" not in looked]
-
-    def thumbnail_png(self, image_id: str, *, session: str | None = None) -> bytes | None:
-        """A PNG at most `thumbnail_side` px on its longest side; None if unknown. With `session`, only that
-        session's image; without, any session's image of that id (the same derivation, so the same pixels)."""
-        with self._lock:
-            if session is not None:
-                image = self._images.get((session, image_id))
-            else:  # the most recently used holder
-                image = next((img for (_, i), img in reversed(self._images.items()) if i == image_id), None)
-        if image is None:
-            return None
-        side = self.cfg.thumbnail_side
-        image = scaled(image, side, Image.Resampling.BILINEAR) if max(image.size) > side else image
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
-        return buffer.getvalue()
-
-    def _evict(self, key: tuple[str, str]) -> None:
-        image = self._images.pop(key)
-        self._regions.pop(key, None)
-        self._looked.pop(key, None)
-        self._made_from.pop(key, None)
-        self._pixels -= image.width * image.height
-        session = key[0]
-        self._sessions[session] -= 1
-        if self._sessions[session] == 0:
-            del self._sessions[session]

@@ -264,6 +264,30 @@ async def test_raising_the_replays_adds_only_the_missing_continuations_with_new_
     assert row is not None and row["truth"]["replays_per_state"] == 5
 
 
+async def test_a_resume_draws_again_the_continuations_that_failed_as_infrastructure(tmp_path: Path) -> None:
+    """A state whose continuations failed as infrastructure (recorded, not scored) gets them drawn again on the
+    next run, in a line of its own; every other state samples nothing; the report counts the state's scored
+    continuations only."""
+    policy = ScriptedPolicy(decided_by_the_first_call(random.Random(5)))
+    cfg = TrainConfig(task="video_qa", group_size=2, credit=CreditConfig(branch_k=1, branch_turns=1))
+    async with ToolClient("http://tools", transport=fake_tool_server()) as tools:
+        schemas = await tools.tools()
+        await run_stages(
+            TASKS, Session(cfg, policy, policy.tokenizer, tools, schemas), tmp_path, replays=3, truth_turns=0
+        )
+        lines = Records(tmp_path / "truth.jsonl").read()
+        lines[0] = {**lines[0], "rewards": lines[0]["rewards"][:1], "infra_failed": 2}  # 2 of 3 failed
+        (tmp_path / "truth.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        more = Session(cfg, policy, policy.tokenizer, tools, schemas, draws=recorded_lines([tmp_path]))
+        await run_stages(TASKS, more, tmp_path, replays=3, truth_turns=0)
+    after = Records(tmp_path / "truth.jsonl").read()
+    assert len(after) == len(lines) + 1
+    assert after[-1]["state"] == lines[0]["state"] and len(after[-1]["rewards"]) == 2
+    assert after[-1]["infra_failed"] == 0
+    row = report(1, TASKS, tmp_path, cfg, truth_turns=0, draws=20)
+    assert row is not None and row["truth"]["replays_per_state"] == 3
+
+
 async def test_pooled_studies_are_scored_as_one_set_of_episodes(tmp_path: Path) -> None:
     """Two studies of the same N pool into one row: counts add up, the pairs are both studies' episodes in
     order, every score is the metric of those pooled pairs, and a study pooled alone keeps its own scores."""

@@ -19,7 +19,7 @@ from main_agent.rollout import RolloutConfig, RolloutTask, rollout
 from subagents import image_ops
 from subagents.common import Runtime, ToolFailure
 from subagents.handles import Attachment, Handles, Ref, content_key, file_key, handle_for
-from subagents.image_ops import Config, ImageStore, Request
+from subagents.image_ops import Config, ImageStore, Request, image_store
 from tests.fakes import TOOLS, ByteChatTokenizer, ScriptedPolicy, call_text, echo_tool, fake_tool_server
 from tests.tool_server_fakes import FakeFactory, make_config
 from tool_server.app import create_app
@@ -128,7 +128,7 @@ async def run(rt: Runtime[ImageStore], **args: object) -> image_ops.Response:
 async def test_a_region_is_zoomed_with_the_margin_clamped_to_the_image() -> None:
     """zoom/crop/read by region use find_text's box grown by its height on every side, inside the image: the
     same image (id and pixels) as zooming on that box by hand."""
-    store = ImageStore()
+    store = image_store(Config())
     photo = store.put("s", Image.new("RGB", (1000, 600), "white"), "load\nphoto")
     store.set_regions("s", photo, [[405, 302, 468, 328], [990, 590, 1000, 600]])
     rt = store_runtime(store)
@@ -144,7 +144,7 @@ async def test_a_region_is_zoomed_with_the_margin_clamped_to_the_image() -> None
 async def test_a_wrong_region_is_an_observation_naming_the_valid_ones() -> None:
     """A region before find_text, past the last one, with an op that takes none, or with a box too: a clear
     refusal the policy can act on (invalid_args), never a crash."""
-    store = ImageStore()
+    store = image_store(Config())
     photo = store.put("s", Image.new("RGB", (100, 100)), "load\nphoto")
     rt = store_runtime(store)
     before = await run(rt, op="zoom", image=photo, region="r1")
@@ -168,12 +168,12 @@ async def test_an_attached_image_is_loaded_on_first_use_under_its_handle(tmp_pat
     attached = Attachment("image", str(tmp_path / "p.png"), file_key(tmp_path / "p.png"))
     handles = Handles()
     handles.add("s", attached.handle, Ref("image", attached.source))
-    rt = store_runtime(ImageStore(), handles, roots=(str(tmp_path),))
+    rt = store_runtime(image_store(Config()), handles, roots=(str(tmp_path),))
     flipped = await run(rt, op="flip", image=attached.handle)
     assert flipped.ok and (flipped.width, flipped.height) == (64, 32)
-    assert rt.state.has("s", attached.handle)
+    assert rt.state.pixels("s", attached.handle) is not None
     (tmp_path / "p.png").write_bytes(png.getvalue() + b"\0")
-    fresh = store_runtime(ImageStore(), handles, roots=(str(tmp_path),))
+    fresh = store_runtime(image_store(Config()), handles, roots=(str(tmp_path),))
     changed = await run(fresh, op="read", image=attached.handle)
     assert changed.error is not None and "changed since it was attached" in changed.error.message
 
@@ -189,7 +189,7 @@ async def test_a_wrong_image_id_lists_the_attached_images_and_load_takes_a_handl
         (tmp_path / name).write_bytes(png.getvalue())
         attached.append(Attachment("image", str(tmp_path / name), file_key(tmp_path / name)))
         handles.add("s", attached[-1].handle, Ref("image", attached[-1].source))
-    rt = store_runtime(ImageStore(), handles, roots=(str(tmp_path),))
+    rt = store_runtime(image_store(Config()), handles, roots=(str(tmp_path),))
     forged = await run(rt, op="read", image="img_000000")
     loaded = await run(rt, op="load", image=attached[1].handle)
     unknown = await run(rt, op="load", image="img_000000")

@@ -26,7 +26,8 @@ from pydantic import ValidationError
 from conductor.plates import plate_shaped
 from subagents import image_ops, image_text, ocr, pixels
 from subagents.common import Runtime, ToolFailure, approx_tokens
-from subagents.image_ops import Config, ImageStore, Request, Response, TextBox
+from subagents.image_ops import Config, ImageStore, Request, Response, TextBox, image_store
+from subagents.image_store import derived_id
 
 # ---------------------------------------------------------------- doubles and helpers
 
@@ -66,7 +67,7 @@ def runtime(
     return Runtime(
         llm=None,  # type: ignore[arg-type]
         fetcher=fetcher or FakeFetcher(),  # type: ignore[arg-type]
-        state=store or ImageStore(),
+        state=store or image_store(Config()),
         roots=roots,
         session=session,
     )
@@ -511,12 +512,13 @@ def test_ocr_summaries_are_compact_and_only_read_quotes_text() -> None:
 
 def test_the_store_tracks_which_regions_were_looked_at_per_source_image() -> None:
     """A region's zoom or crop remembers its source; the source's regions looked at (by a zoom, crop or read)
-    drop out of `unzoomed`, in find_text's order; new regions forget them; eviction forgets everything."""
-    store = ImageStore(Config(max_images_per_session=3))
+    drop out of `unzoomed`, in find_text's order; new regions forget them; evicting pixels forgets nothing, and
+    an id the session no longer knows (past max_recipes) takes its bookkeeping with it."""
+    store = image_store(Config(max_images_per_session=2, max_recipes=4))
     photo = store.put("s1", marked(), "photo")
     assert store.unzoomed("s1", photo) == []  # find_text never ran
     store.set_regions("s1", photo, [[0, 0, 9, 9], [10, 10, 19, 19], [20, 20, 29, 29]])
-    zoom = store.put("s1", marked(), "zoom r2")
+    zoom = store.put("s1", marked(), "zoom r2", recipe="its request")
     store.looked_at("s1", photo, "r2", zoom)
     assert store.unzoomed("s1", zoom) == ["r1", "r3"] == store.unzoomed("s1", photo)
     store.looked_at("s1", photo, "r3", photo)  # a read on the region itself
@@ -524,7 +526,11 @@ def test_the_store_tracks_which_regions_were_looked_at_per_source_image() -> Non
     assert store.unzoomed("s2", zoom) == []  # another session's images are not this one's
     store.set_regions("s1", photo, [[0, 0, 9, 9], [10, 10, 19, 19]])  # find_text within a box
     assert store.unzoomed("s1", zoom) == ["r1", "r2"]
-    store.put("s1", marked(), "a"), store.put("s1", marked(), "b")  # evicts the photo, then nothing else
+    store.put("s1", marked(), "a", recipe="its request")  # evicts the photo's pixels
+    assert store.pixels("s1", photo) is None and store.unzoomed("s1", zoom) == ["r1", "r2"]
+    for name in ("b", "c"):  # the fifth id: the photo is forgotten
+        store.put("s1", marked(), name, recipe="its request")
+    assert store.held("s1") == [derived_id("c"), derived_id("b"), derived_id("a"), zoom]
     assert store.unzoomed("s1", zoom) == []
 
 
@@ -532,7 +538,7 @@ async def test_ids_are_private_to_their_session() -> None:
     """An id is usable only in a session that made it: another session's id (until that session makes the
     same image itself) and an unknown id are invalid_args naming the session's images; the thumbnail route with
     a session sees only its own."""
-    store = ImageStore()
+    store = image_store(Config())
     mine = await loaded(runtime(store, session="a"), CFG, marked())
     theirs = await call(runtime(store, session="b"), CFG, op="crop", image=mine.image_id, box=[0, 0, 5, 5])
     assert theirs.error is not None and theirs.error.kind == "invalid_args"
@@ -547,7 +553,7 @@ async def test_ids_are_private_to_their_session() -> None:
 
 def test_thumbnails_are_small_pngs() -> None:
     """A large image's thumbnail is a PNG at most thumbnail_side on its longest side; small ones keep size."""
-    store = ImageStore(Config(thumbnail_side=64))
+    store = image_store(Config(thumbnail_side=64))
     big, small = (
         store.put("s", Image.new("RGB", (400, 100)), "big"),
         store.put("s", Image.new("RGB", (30, 20)), "small"),
@@ -560,7 +566,7 @@ def test_thumbnails_are_small_pngs() -> None:
 
 def test_each_session_keeps_its_most_recently_used_images() -> None:
     """Past max_images_per_session the least recently used image of that session goes (a get is a use)."""
-    store = ImageStore(Config(max_images_per_session=3))
+    store = image_store(Config(max_images_per_session=3))
     ids = [store.put("s", Image.new("RGB", (4, 4)), f"load\n{n}.png") for n in range(3)]
     store.get("s", ids[0])
     newest = store.put("s", Image.new("RGB", (4, 4)), "load\n3.png")
@@ -573,7 +579,7 @@ def test_each_session_keeps_its_most_recently_used_images() -> None:
 
 def test_the_least_recently_used_session_is_dropped_whole() -> None:
     """Past max_sessions, every image of the session used longest ago goes; the others stay."""
-    store = ImageStore(Config(max_sessions=2))
+    store = image_store(Config(max_sessions=2))
     a = [store.put("a", Image.new("RGB", (4, 4)), f"load\n{n}.png") for n in range(2)]
     b = store.put("b", Image.new("RGB", (4, 4)), "load\nb.png")
     c = store.put("c", Image.new("RGB", (4, 4)), "load\nc.png")
@@ -584,7 +590,7 @@ def test_the_least_recently_used_session_is_dropped_whole() -> None:
 def test_total_pixels_are_bounded() -> None:
     """Past max_total_pixels the oldest images go until the new one fits; one bigger than the bound is
     too_large."""
-    store = ImageStore(Config(max_total_pixels=10_000))
+    store = image_store(Config(max_total_pixels=10_000))
     ids = [store.put(f"s{i}", Image.new("RGB", (50, 50)), f"load\n{i}.png") for i in range(4)]  # 4 x 2,500
     store.put("s9", Image.new("RGB", (50, 100)), "load\n9.png")  # 5,000 more: the two oldest go
     assert [store.thumbnail_png(i) is None for i in ids] == [True, True, False, False]
@@ -593,10 +599,63 @@ def test_total_pixels_are_bounded() -> None:
     assert refused.value.error.kind == "too_large"
 
 
+async def test_an_image_whose_pixels_were_evicted_is_made_again_as_it_was(tmp_path: Path) -> None:
+    """Other sessions filling the pixel bound never change what an episode observes: a zoom of a crop of a
+    loaded file, all three evicted, is made again from its recipe (the file reloaded, the crop and zoom redone)
+    with the same id and pixels; find_text's regions outlive the pixels, so `region=` still works; and the
+    response JSON of every call matches a store that never evicted."""
+    (tmp_path / "p.png").write_bytes(encoded(marked(60, 40)))
+    tight = Config(max_total_pixels=60 * 40 * 10)  # room for ~10 photos' worth of pixels over all sessions
+
+    async def episode(rt: Runtime[ImageStore], crowd: Runtime[ImageStore] | None) -> list[str]:
+        source = await call(rt, tight, op="load", image="p.png")
+        found = await call(rt, tight, op="find_text", image=source.image_id)
+        crop = await call(rt, tight, op="crop", image=source.image_id, box=[0, 0, 30, 20])
+        zoom = await call(rt, tight, op="zoom", image=crop.image_id, factor=2)
+        if crowd is not None:  # another episode's images push every pixel of this one out
+            for n in range(12):
+                await loaded(crowd, tight, marked(60, 40 + n))
+            assert all(rt.state.pixels(rt.session, r.image_id) is None for r in (source, crop, zoom))
+        read = await call(rt, tight, op="read", image=zoom.image_id)
+        flipped = await call(rt, tight, op="flip", image=zoom.image_id)
+        responses = [source, found, crop, zoom, read, flipped]
+        assert all(r.ok for r in responses), [r.error for r in responses]
+        return [r.model_dump_json(exclude={"latency_ms", "thumbnail_url"}) for r in responses]
+
+    store = image_store(tight)
+    crowded = await episode(runtime(store, roots=(str(tmp_path),)), runtime(store, session="other"))
+    alone = await episode(runtime(image_store(tight), roots=(str(tmp_path),)), None)
+    assert crowded == alone
+    zoom_id = json.loads(crowded[3])["image_id"]
+    assert store.get("s1", zoom_id).tobytes() == marked(60, 40).crop((0, 0, 30, 20)).resize(
+        (60, 40), Image.Resampling.LANCZOS
+    ).tobytes()
+
+
+async def test_an_evicted_image_is_made_again_only_from_what_it_was_made_of(tmp_path: Path) -> None:
+    """A file changed since it was loaded is not_found when its evicted image is named (never other pixels
+    under the old id); an image uploaded as a data URI keeps no recipe (its bytes are too long to keep), so once
+    evicted it is unknown, invalid_args naming the session's images."""
+    (tmp_path / "p.png").write_bytes(encoded(marked(60, 40)))
+    tight = Config(max_images_per_session=1, max_recipe_chars=100)
+    rt = runtime(image_store(tight), roots=(str(tmp_path),))
+    from_file = await call(rt, tight, op="load", image="p.png")
+    inline = await loaded(rt, tight, marked(60, 41))  # the session's one slot: the file's pixels go
+    (tmp_path / "p.png").write_bytes(encoded(marked(60, 42)))
+    changed = await call(rt, tight, op="flip", image=from_file.image_id)
+    assert changed.error is not None and changed.error.kind == "not_found"
+    assert "changed at its source" in changed.error.message
+    await call(rt, tight, op="load", image="p.png")  # the new file takes the slot: the upload's pixels go
+    gone = await call(rt, tight, op="flip", image=inline.image_id)
+    assert gone.error is not None and gone.error.kind == "invalid_args"
+    listed = gone.error.message.split("images here: ")[1].split(", ")
+    assert inline.image_id not in listed and from_file.image_id in listed
+
+
 def test_concurrent_puts_keep_the_bounds_and_the_same_ids_in_every_session() -> None:
     """Worker threads putting the same 50 derivations into 8 sessions of one store at once: every session
     gets the same 50 ids (distinct within the session) and keeps exactly its 5 most recent images."""
-    store = ImageStore(Config(max_images_per_session=5))
+    store = image_store(Config(max_images_per_session=5))
     ids: dict[str, list[str]] = {}
 
     def work(session: str) -> None:
@@ -617,7 +676,7 @@ def test_concurrent_puts_keep_the_bounds_and_the_same_ids_in_every_session() -> 
 def test_a_refreshed_id_replaces_its_entry_and_counts_its_pixels_once() -> None:
     """Putting an id the session already holds replaces its pixels and makes it the most recently used, and
     the total-pixel bound counts it once: refreshing it evicts nothing, and a later put evicts the older image."""
-    store = ImageStore(Config(max_total_pixels=3 * 100))
+    store = image_store(Config(max_total_pixels=3 * 100))
     first = store.put("a", Image.new("RGB", (10, 10), "red"), "load\nx.png")
     other = store.put("b", Image.new("RGB", (10, 10)), "load\ny.png")
     for _ in range(5):
@@ -633,7 +692,7 @@ def test_a_refreshed_id_replaces_its_entry_and_counts_its_pixels_once() -> None:
 
 def test_refreshing_a_sessions_only_image_drops_no_other_session() -> None:
     """A session already counted is not a new one: refreshing its only image at max_sessions keeps the rest."""
-    store = ImageStore(Config(max_sessions=2))
+    store = image_store(Config(max_sessions=2))
     mine = store.put("a", Image.new("RGB", (4, 4)), "load\nx.png")
     theirs = store.put("b", Image.new("RGB", (4, 4)), "load\ny.png")
     store.put("a", Image.new("RGB", (4, 4)), "load\nx.png")
@@ -643,7 +702,7 @@ def test_refreshing_a_sessions_only_image_drops_no_other_session() -> None:
 def test_two_sessions_holding_the_same_id_are_independent() -> None:
     """Sessions that made the same image hold the same id, each its own entry: evicting it from one session
     (its own per-session bound) or dropping that session whole (max_sessions) keeps the other's image."""
-    store = ImageStore(Config(max_images_per_session=1, max_sessions=2))
+    store = image_store(Config(max_images_per_session=1, max_sessions=2))
     shared = store.put("a", marked(), "load\nshared.png")
     assert store.put("b", marked(), "load\nshared.png") == shared
     store.put("a", Image.new("RGB", (4, 4)), "load\nother.png")  # a's one slot: a's copy goes
@@ -663,7 +722,7 @@ def test_two_sessions_holding_the_same_id_are_independent() -> None:
 async def test_ids_are_derived_from_the_call_that_made_the_image() -> None:
     """The same call gives the same id (also with a default spelled out); a different source, op, box,
     factor, angle or direction gives a different id, and repeating a call adds no image."""
-    rt = runtime(ImageStore(Config(max_images_per_session=14)))  # room for the 14 distinct images only
+    rt = runtime(image_store(Config(max_images_per_session=14)))  # room for the 14 distinct images only
     source = await loaded(rt, CFG, marked(60, 40))
     again = await loaded(rt, CFG, marked(60, 40))
     assert again.image_id == source.image_id
@@ -827,7 +886,7 @@ async def test_cropping_around_the_plate_lets_the_reader_find_many_more_plates(s
     if len(photos) < PLATE_PHOTOS:
         pytest.skip(f"expected {PLATE_PHOTOS} US plate photos in {folder}, found {len(photos)}")
     cfg = Config()
-    rt = runtime(ImageStore(cfg), roots=(str(folder),))
+    rt = runtime(image_store(cfg), roots=(str(folder),))
     whole = cropped = 0
     start = time.perf_counter()
     for photo in photos:
@@ -857,7 +916,7 @@ async def test_the_same_calls_in_a_new_session_give_byte_identical_responses(sha
         pytest.skip(f"no US plate photos in {folder}")
     photo = photos[0]
     _, *box, _plate = photo.with_suffix(".txt").read_text(encoding="utf-8").split()
-    store = ImageStore()
+    store = image_store(Config())
 
     async def episode(rt: Runtime[ImageStore]) -> tuple[list[str], list[bytes | None]]:
         source = await call(rt, CFG, op="load", image=photo.name)
@@ -873,7 +932,7 @@ async def test_the_same_calls_in_a_new_session_give_byte_identical_responses(sha
 
     first = await episode(runtime(store, session="episode-1", roots=(str(folder),)))
     replay = await episode(runtime(store, session="episode-2", roots=(str(folder),)))
-    fresh = await episode(runtime(ImageStore(), session="episode-1", roots=(str(folder),)))
+    fresh = await episode(runtime(image_store(Config()), session="episode-1", roots=(str(folder),)))
     assert first == replay == fresh
     assert all(thumb is not None for thumb in first[1])
 

@@ -184,11 +184,13 @@ async def truth_stage(
 
 
 def replayed_so_far(lines: Sequence[dict]) -> dict[State, int]:
-    """The continuations each state has been given over the truth's lines, those that failed included."""
+    """The continuations each state has scored over the truth's lines. Those that failed as infrastructure are
+    not counted (they stay recorded as such): a resume draws them again, once a run, so a state's truth is
+    `replays` rewards, not fewer wherever the tools failed."""
     have: dict[State, int] = {}
     for r in lines:
         state = _state(r)
-        have[state] = have.get(state, 0) + len(r["rewards"]) + r["infra_failed"]
+        have[state] = have.get(state, 0) + len(r["rewards"])
     return have
 
 

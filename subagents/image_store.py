@@ -1,0 +1,236 @@
+"""image_ops' per-session image store: a bounded cache of pixels over a record of how each image was made.
+
+An image's id is derived from how it was made (`derived_id`), and the store keeps, per session, each id's
+**recipe**: the request that made it (a pixel op's parent id and arguments, or a load's source), a few hundred
+bytes. Pixels are the expensive part and are bounded per session, in sessions and in total; past a bound the least
+recently used go. A call that names an image whose pixels went is served by making it again from its recipe
+(image_ops.stored), so the store's load never changes what an episode observes: with 64 audit episodes in flight,
+each zoom ~9 MP, the total bound evicts images of episodes still running, and a refusal there would read as the
+policy's own mistake (in a replay, as a divergence).
+
+What a session knows (recipes, find_text's regions, which regions were looked at, which image a region's zoom was
+made from) is kept while the session is one of the `max_known_sessions` most recently used and the id one of its
+`max_recipes` most recently used; past those it is forgotten with the pixels, and the id is unknown (invalid_args,
+naming the session's images). Ids are private to their session: the same call in two sessions gives the same id,
+each session holding its own entry.
+
+One lock guards the maps; stored images are never modified, so callers may read them after it is released.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from PIL import Image
+
+from subagents.common import ToolFailure
+from subagents.handles import MAX_LISTED
+from subagents.pixels import check_pixels, scaled
+
+
+def derived_id(derivation: str) -> str:
+    """`img_` and the first 6 hex digits of the derivation's SHA-1: short, as the policy reads ids."""
+    return "img_" + hashlib.sha1(derivation.encode()).hexdigest()[:6]
+
+
+@dataclass
+class _Known:
+    """What one session knows of its images, by id; `ids` in use order, least recent first."""
+
+    ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    recipes: dict[str, str] = field(default_factory=dict)  # id -> the request that made it, as JSON
+    regions: dict[str, list[list[int]]] = field(default_factory=dict)  # id -> find_text's boxes, r1 first
+    looked: dict[str, list[str]] = field(default_factory=dict)  # id -> its regions looked at, in order
+    made_from: dict[str, str] = field(default_factory=dict)  # a region's zoom or crop -> its source image
+
+    def forget(self, image_id: str) -> None:
+        for table in (self.ids, self.recipes, self.regions, self.looked, self.made_from):
+            table.pop(image_id, None)
+
+
+class ImageStore:
+    """Images by (session, id). Putting an id the session already holds replaces that entry. Two derivations
+    sharing 6 hex digits inside one session would make the later image replace the earlier: for a session of 32
+    images the odds are 32*31/2 / 16**6, about 3e-5 (1 in 34,000); sessions never collide with each other."""
+
+    def __init__(
+        self,
+        *,
+        max_images_per_session: int,
+        max_sessions: int,
+        max_total_pixels: int,
+        max_recipes: int,
+        max_known_sessions: int,
+        thumbnail_side: int,
+    ) -> None:
+        self.max_images_per_session, self.max_sessions = max_images_per_session, max_sessions
+        self.max_total_pixels, self.thumbnail_side = max_total_pixels, thumbnail_side
+        self.max_recipes, self.max_known_sessions = max_recipes, max_known_sessions
+        self._lock = threading.Lock()
+        # (session, id) -> pixels, least recently used first
+        self._images: OrderedDict[tuple[str, str], Image.Image] = OrderedDict()
+        self._sessions: OrderedDict[str, int] = OrderedDict()  # session -> images held; least recent first
+        self._known: OrderedDict[str, _Known] = OrderedDict()  # session -> what it knows; least recent first
+        self._pixels = 0
+
+    def put(self, session: str, image: Image.Image, derivation: str, recipe: str | None = None) -> str:
+        """Store `image` for `session` under the id `derivation` gives (replacing the session's entry of that
+        id, if any), made by `recipe` (None: it cannot be made again, only reloaded from where it came from), and
+        return the id, evicting pixels as the bounds require."""
+        check_pixels(image.size, self.max_total_pixels, what="the image to store")
+        image_id = derived_id(derivation)
+        key = (session, image_id)
+        with self._lock:
+            self._drop_pixels(key)  # a refresh: re-added below as the most recently used
+            if session not in self._sessions and len(self._sessions) >= self.max_sessions:
+                oldest = next(iter(self._sessions))
+                for stale in [k for k in self._images if k[0] == oldest]:
+                    self._drop_pixels(stale)
+            if self._sessions.get(session, 0) >= self.max_images_per_session:
+                self._drop_pixels(next(k for k in self._images if k[0] == session))
+            while self._pixels + image.width * image.height > self.max_total_pixels:
+                self._drop_pixels(next(iter(self._images)))
+            self._images[key] = image
+            self._sessions[session] = self._sessions.get(session, 0) + 1
+            self._sessions.move_to_end(session)
+            self._pixels += image.width * image.height
+            known = self._session(session)
+            known.ids[image_id] = None
+            known.ids.move_to_end(image_id)
+            if recipe is not None:
+                known.recipes[image_id] = recipe
+            while len(known.ids) > self.max_recipes:
+                self._forget(session, next(iter(known.ids)))
+        return image_id
+
+    def pixels(self, session: str, image_id: str) -> Image.Image | None:
+        """The session's image if its pixels are held (a use), else None."""
+        key = (session, image_id)
+        with self._lock:
+            image = self._images.get(key)
+            if image is not None:
+                self._images.move_to_end(key)
+                self._sessions.move_to_end(session)
+                self._session(session).ids.move_to_end(image_id)
+            return image
+
+    def get(self, session: str, image_id: str) -> Image.Image:
+        """The session's image whose pixels are held; invalid_args naming the session's images otherwise."""
+        image = self.pixels(session, image_id)
+        if image is None:
+            raise ToolFailure("invalid_args", self.unknown_message(session, image_id))
+        return image
+
+    def recipe(self, session: str, image_id: str) -> str | None:
+        """The request that made the session's image, as given to `put`; None if unknown or never given."""
+        with self._lock:
+            known = self._known.get(session)
+            return known.recipes.get(image_id) if known is not None else None
+
+    def held(self, session: str) -> list[str]:
+        """The ids the session can name: pixels held, or a recipe to make them again; most recently used first."""
+        with self._lock:
+            known = self._known.get(session) or _Known()
+            usable = [i for i in known.ids if i in known.recipes or (session, i) in self._images]
+            return usable[::-1]
+
+    def unknown_message(self, session: str, image_id: str) -> str:
+        held = self.held(session)[:MAX_LISTED]
+        shown = f"images here: {', '.join(held)}" if held else "use the image id the task gave"
+        return f"no image {image_id[:40]!r} in this episode; {shown}"
+
+    def set_regions(self, session: str, image_id: str, boxes: list[list[int]]) -> None:
+        """What find_text found on the session's image, r1 first. New regions (find_text within a box) forget
+        which regions were looked at."""
+        with self._lock:
+            known = self._known.get(session)
+            if known is not None and image_id in known.ids:
+                if known.regions.get(image_id) != boxes:
+                    known.looked.pop(image_id, None)
+                known.regions[image_id] = boxes
+
+    def region(self, session: str, image_id: str, region: str) -> list[int]:
+        """The box of `region` (r1, r2, ...) find_text found on the image; invalid_args naming the valid ones."""
+        with self._lock:
+            known = self._known.get(session)
+            boxes = known.regions.get(image_id) if known is not None else None
+        if not boxes:
+            raise ToolFailure("invalid_args", f"{image_id} has no regions yet: call find_text on it first")
+        index = int(region[1:]) - 1
+        if index >= len(boxes):
+            valid = f"r1 to r{len(boxes)}" if len(boxes) > 1 else "r1"
+            raise ToolFailure("invalid_args", f"{image_id} has no region {region}: find_text gave {valid}")
+        return boxes[index]
+
+    def looked_at(self, session: str, image_id: str, region: str, made: str) -> None:
+        """A zoom, crop or read looked at `region` of the session's image; `made` is the image it made (the
+        image itself for a read)."""
+        with self._lock:
+            known = self._known.get(session)
+            if known is None:
+                return
+            if image_id in known.regions:
+                looked = known.looked.setdefault(image_id, [])
+                looked.extend([region] if region not in looked else [])
+            if made != image_id and made in known.ids:
+                known.made_from[made] = image_id
+
+    def unzoomed(self, session: str, image_id: str) -> list[str]:
+        """The regions no zoom, crop or read has looked at yet, in find_text's order, of the image `image_id` was
+        made from by a region's zoom or crop (else of `image_id` itself); [] where find_text never ran."""
+        with self._lock:
+            known = self._known.get(session) or _Known()
+            source = known.made_from.get(image_id, image_id)
+            count = len(known.regions.get(source, []))
+            looked = known.looked.get(source, [])
+        return [f"r{i}" for i in range(1, count + 1) if f"r{i}" not in looked]
+
+    def thumbnail_png(self, image_id: str, *, session: str | None = None) -> bytes | None:
+        """A PNG at most `thumbnail_side` px on its longest side; None unless its pixels are held. With
+        `session`, only that session's image; without, any session's image of that id (the same derivation, so
+        the same pixels)."""
+        with self._lock:
+            if session is not None:
+                image = self._images.get((session, image_id))
+            else:  # the most recently used holder
+                image = next((img for (_, i), img in reversed(self._images.items()) if i == image_id), None)
+        if image is None:
+            return None
+        side = self.thumbnail_side
+        image = scaled(image, side, Image.Resampling.BILINEAR) if max(image.size) > side else image
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    def _session(self, session: str) -> _Known:
+        """The session's record, made the most recently used; the least recently used one past
+        `max_known_sessions` is forgotten with its pixels. Under the lock."""
+        known = self._known.get(session)
+        if known is None:
+            known = self._known[session] = _Known()
+            while len(self._known) > self.max_known_sessions:
+                oldest, _ = self._known.popitem(last=False)
+                for stale in [k for k in self._images if k[0] == oldest]:
+                    self._drop_pixels(stale)
+        self._known.move_to_end(session)
+        return known
+
+    def _forget(self, session: str, image_id: str) -> None:
+        """Drop everything the session knows of `image_id`, pixels included. Under the lock."""
+        self._drop_pixels((session, image_id))
+        self._known[session].forget(image_id)
+
+    def _drop_pixels(self, key: tuple[str, str]) -> None:
+        """Evict the pixels only: the id and its recipe stay. Under the lock."""
+        image = self._images.pop(key, None)
+        if image is None:
+            return
+        self._pixels -= image.width * image.height
+        session = key[0]
+        self._sessions[session] -= 1
+        if self._sessions[session] == 0:
+            del self._sessions[session]
