@@ -627,9 +627,10 @@ async def test_an_image_whose_pixels_were_evicted_is_made_again_as_it_was(tmp_pa
     alone = await episode(runtime(image_store(tight), roots=(str(tmp_path),)), None)
     assert crowded == alone
     zoom_id = json.loads(crowded[3])["image_id"]
-    assert store.get("s1", zoom_id).tobytes() == marked(60, 40).crop((0, 0, 30, 20)).resize(
-        (60, 40), Image.Resampling.LANCZOS
-    ).tobytes()
+    assert (
+        store.get("s1", zoom_id).tobytes()
+        == marked(60, 40).crop((0, 0, 30, 20)).resize((60, 40), Image.Resampling.LANCZOS).tobytes()
+    )
 
 
 async def test_an_evicted_image_is_made_again_only_from_what_it_was_made_of(tmp_path: Path) -> None:
