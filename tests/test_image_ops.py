@@ -1013,3 +1013,38 @@ def test_regions_found_on_a_fitted_image_come_back_in_the_images_own_pixels(
     assert quad == [[220.0, 4.4], [440.0, 4.4], [440.0, 20.0], [220.0, 20.0]]
     assert ocr.fitted(Image.new("RGB", (640, 480)))[1] == 1.0
     assert ocr.fitted(Image.new("RGB", (4000, 3000)))[1] == 1.0  # rapidocr scales photos itself, as before
+
+
+@pytest.mark.slow
+async def test_episodes_crowding_the_store_observe_what_an_episode_alone_does(shared_data: Path) -> None:
+    """Eight episodes on real plate photos in flight at once, in a store whose pixel bound holds a few of them
+    (as 64 audit episodes fill the default 200 MP): each loads its photo, finds text, zooms 3x on r1, and only
+    after every episode has zoomed reads its zoom and zooms r1 again. Every observation is the one the same
+    episode makes alone in a roomy store: no read is refused, and a zoom made again reads the same text."""
+    folder = shared_data / "images" / "plates" / "endtoend" / "us"
+    photos = sorted(folder.glob("*.jpg"))[:8]
+    if len(photos) < 8:
+        pytest.skip(f"expected 8 US plate photos in {folder}, found {len(photos)}")
+    tight = Config(max_total_pixels=6_000_000)  # ~2 photos and their zooms at once
+
+    async def first_half(rt: Runtime[ImageStore], photo: Path) -> list[Response]:
+        source = await call(rt, tight, op="load", image=photo.name)
+        found = await call(rt, tight, op="find_text", image=source.image_id)
+        return [source, found, await call(rt, tight, op="zoom", image=source.image_id, region="r1")]
+
+    async def second_half(rt: Runtime[ImageStore], done: list[Response]) -> list[str]:
+        read = await call(rt, tight, op="read", image=done[2].image_id)
+        again = await call(rt, tight, op="zoom", image=done[0].image_id, region="r1")
+        return [r.observation() for r in [*done, read, again]]
+
+    crowded = image_store(tight)
+    rts = [runtime(crowded, session=f"e{n}", roots=(str(folder),)) for n in range(len(photos))]
+    halves = [await first_half(rt, photo) for rt, photo in zip(rts, photos, strict=True)]
+    assert (
+        sum(crowded.pixels(rt.session, h[2].image_id) is None for rt, h in zip(rts, halves, strict=True)) >= 4
+    )
+    together = [await second_half(rt, h) for rt, h in zip(rts, halves, strict=True)]
+    for photo, seen in zip(photos, together, strict=True):
+        rt = runtime(image_store(Config()), roots=(str(folder),))
+        assert await second_half(rt, await first_half(rt, photo)) == seen, photo.name
+        assert "error" not in " ".join(seen), seen
