@@ -23,7 +23,7 @@ def episode(answer: str | None, *turns: Turn, stop: str = "answer") -> Episode:
 
 def test_a_record_says_what_the_reads_showed_and_how_the_answer_was_shaped():
     """Retried is a second zoomed read; shown is the label inside a read; rule_right is plate_shaped's pick;
-    refused calls count as tool errors."""
+    refused calls count as tool errors; the plain give-up is neither plate-shaped nor a line of the read."""
     turns = [
         call("zoom", {"op": "zoom"}),
         call("read", {"op": "read", "text": "TEXAS"}),
@@ -36,6 +36,9 @@ def test_a_record_says_what_the_reads_showed_and_how_the_answer_was_shaped():
     assert (row["calls"], row["refused"], row["shown"], row["rule_right"]) == (5, 1, True, True)
     whole = record(photo("eu"), episode("TEXAS", call("read", {"op": "read", "text": "TEXAS"})))
     assert (whole["success"], whole["plate_shaped"], whole["shown"]) == (False, False, False)
+    assert not whole["gave_up"] and not row["gave_up"]
+    honest = record(photo("us"), episode(plates.GAVE_UP, call("read", {"op": "read", "text": "TEXAS"})))
+    assert (honest["success"], honest["plate_shaped"], honest["gave_up"]) == (False, False, True)
 
 
 def test_summary_leaves_infra_failures_out_and_groups_by_country_and_split():

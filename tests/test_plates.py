@@ -11,7 +11,8 @@ from main_agent.parse import ANSWER_OPEN, CALL_OPEN
 from main_agent.types import Record, ToolCall, ToolResult, Turn
 from subagents.handles import Attachment
 from training.tasks import batch, plate_audit, plates
-from training.tasks.task import NO_ANSWER, Task, TaskMeta
+from training.tasks.plates import GAVE_UP
+from training.tasks.task import Task, TaskMeta
 
 PHOTO = Attachment("image", "/data/car.jpg", "sha256:car")
 # The gold box is [400, 300, 470, 330]: r2 overlaps it, r4 boxes it loosely, r1 and r3 lie elsewhere.
@@ -101,7 +102,7 @@ def test_the_expert_answers_the_plate_shaped_text_never_the_label() -> None:
 
 def test_a_read_without_a_plate_tries_the_next_region_then_an_autocontrast() -> None:
     """No plate-shaped text: zoom on the next region in find_text's order; regions spent: autocontrast the
-    first zoom; MAX_ATTEMPTS spent: answer NO_ANSWER, not the words it read."""
+    first zoom; MAX_ATTEMPTS spent: answer GAVE_UP, not the words it read."""
     task = car()
     turns = [found("r1", "r2")]
     assert step(task, turns) == ("call", {"op": "zoom", "image": PHOTO.handle, "region": "r1"})
@@ -112,7 +113,7 @@ def test_a_read_without_a_plate_tries_the_next_region_then_an_autocontrast() -> 
     contrast = {"op": "autocontrast", "image_id": "img_zr1a"}
     turns += [turn({"op": "autocontrast", "image": "img_zr1"}, contrast)]
     assert step(task, turns) == ("call", {"op": "read", "image": "img_zr1a"})
-    assert step(task, [*turns, read("img_zr1a", "CALIFORNIA")]) == NO_ANSWER
+    assert step(task, [*turns, read("img_zr1a", "CALIFORNIA")]) == GAVE_UP
     assert step(task, [*turns, read("img_zr1a", "7ABC 123")]) == "7ABC123"
 
 
@@ -124,7 +125,7 @@ def test_regions_are_tried_in_find_texts_order_whatever_the_gold_box() -> None:
     for region in ("r1", "r2", "r3"):
         assert step(task, turns) == ("call", {"op": "zoom", "image": PHOTO.handle, "region": region})
         turns += [zoomed(region), read(f"img_z{region}", "TEXAS")]
-    assert step(task, turns) == NO_ANSWER
+    assert step(task, turns) == GAVE_UP
 
 
 def test_a_refused_read_is_recovered_with_a_valid_handle() -> None:
@@ -143,7 +144,7 @@ def test_repeated_refusals_end_the_photo_with_what_the_expert_has() -> None:
     task = car()
     turns = [found("r2"), zoomed("r2")]
     turns += [refused({"op": "read", "image": "img_zr2"})] * plates.MAX_REFUSALS
-    assert step(task, turns) == NO_ANSWER
+    assert step(task, turns) == GAVE_UP
 
 
 def test_an_audit_moves_on_after_repeated_refusals_on_one_photo() -> None:
@@ -154,8 +155,8 @@ def test_an_audit_moves_on_after_repeated_refusals_on_one_photo() -> None:
     )[0]
     turns = [found("r2"), zoomed("r2"), *[refused({"op": "read", "image": "img_zr2"})] * plates.MAX_REFUSALS]
     reply = plate_audit.oracle_reply(audit, turns, trust_reference=False)
-    assert reply == f'<record item="1">{NO_ANSWER}</record>'
-    recorded = Turn([], [], [], reply, "", [], [], [], 0, 0.0, 0.0, records=[Record(1, NO_ANSWER, reply)])
+    assert reply == f'<record item="1">{GAVE_UP}</record>'
+    recorded = Turn([], [], [], reply, "", [], [], [], 0, 0.0, 0.0, records=[Record(1, GAVE_UP, reply)])
     after = plate_audit.oracle_reply(audit, [*turns, recorded], trust_reference=False)
     assert after.startswith(CALL_OPEN) and '"find_text"' in after
 
@@ -171,11 +172,11 @@ def test_the_first_mistake_offered_is_a_zoom_before_find_text_at_each_photos_fir
         plate_audit.NAME, [first, second], 2, question=plate_audit.QUESTION, item_lines=plate_audit.item_lines
     )[0]
     assert zoom % PHOTO.handle in str(plate_audit.mistake_reply(audit, []))
-    reply = f'<record item="1">{NO_ANSWER}</record>'
-    recorded = Turn([], [], [], reply, "", [], [], [], 0, 0.0, 0.0, records=[Record(1, NO_ANSWER, reply)])
+    reply = f'<record item="1">{GAVE_UP}</record>'
+    recorded = Turn([], [], [], reply, "", [], [], [], 0, 0.0, 0.0, records=[Record(1, GAVE_UP, reply)])
     assert plate_audit.mistake_reply(audit, [found("r2"), recorded]) is not None
     assert plate_audit.mistake_reply(audit, [found("r2")]) is None
-    done = Turn([], [], [], "", "", [], [], [], 0, 0.0, 0.0, records=[Record(2, NO_ANSWER, reply)])
+    done = Turn([], [], [], "", "", [], [], [], 0, 0.0, 0.0, records=[Record(2, GAVE_UP, reply)])
     assert plate_audit.mistake_reply(audit, [recorded, done]) is None
 
 

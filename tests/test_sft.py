@@ -32,7 +32,7 @@ from training.sft import (
     sft,
 )
 from training.tasks import Task, TaskMeta, multihop, plates, video
-from training.tasks.task import NO_ANSWER
+from training.tasks.plates import GAVE_UP
 
 
 def pages(task_id: str, titles: list[str]) -> tuple[Attachment, ...]:
@@ -94,6 +94,7 @@ PLATE = with_attached(
 )
 BLURRY = with_attached(dataclasses.replace(PLATE, task_id="plate-us-blurry"), photo("blurry"))
 LATE = with_attached(dataclasses.replace(PLATE, task_id="plate-us-late"), photo("late"))
+MISREAD = with_attached(dataclasses.replace(PLATE, task_id="plate-us-misread"), photo("misread"))
 CLIP = Attachment("video", "/data/grid/bbaf2n.mp4", "sha256:bbaf2n")
 VIDEO = with_attached(
     Task(
@@ -107,7 +108,9 @@ VIDEO = with_attached(
     ),
     CLIP,
 )
-PHOTO_NAMES = {photo(n).handle: n for n in ("good", "blurry", "late")}  # the fake server's image names
+PHOTO_NAMES = {
+    photo(n).handle: n for n in ("good", "blurry", "late", "misread")
+}  # the fake server's image names
 # A byte tokenizer spends one token per character: budgets large enough for the oracle's longest turn.
 CFG = RolloutConfig(max_turns=10, max_new_tokens=1024, max_context_tokens=32768)
 SFT = SFTConfig(rollout=CFG)
@@ -133,7 +136,8 @@ def image_result(op: str, image_id: str, **fields: object) -> dict[str, object]:
 async def tools_handler(name: str, arguments: dict[str, object]) -> dict[str, object]:
     """Results shaped like the real sub-agents', payload fields included. Attached photo X is img_X here; an
     image's zoom is its id plus "z" and the region's id, an autocontrast its id plus "a"; reads of good's zooms
-    and of late's zoom on the plate's region (r2) show the plate, every other read only "CALIFORNIA"."""
+    and of late's zoom on the plate's region (r2) show the plate, misread's another plate, every other read
+    only "CALIFORNIA"."""
     if name == "page_qa":
         question = str(arguments["question"])
         answer = next((a for k, a in ANSWERS.items() if k in question), "France")
@@ -151,6 +155,8 @@ async def tools_handler(name: str, arguments: dict[str, object]) -> dict[str, ob
     if op == "autocontrast":
         return image_result(op, image + "a")
     shows = image.startswith("img_good") or image == "img_latezr2"  # late: the plate's region only
+    if image.startswith("img_misread"):
+        return image_result(op, image, text="7ABC 128\nCALIFORNIA")
     return image_result(op, image, text="7ABC 123\nCALIFORNIA" if shows else "CALIFORNIA")
 
 
@@ -282,17 +288,19 @@ async def test_video_oracle_summarises_with_the_question_then_answers():
 
 
 async def test_oracle_states_the_reference_only_when_an_observation_showed_it():
-    """Reads that never show a plate-shaped text make the oracle answer it could not read it; such episodes are
-    not kept, unless the oracle is told to trust the reference."""
+    """Reads that never show a plate-shaped text make the oracle say, in plain words, that it could not read the
+    plate, after every region: kept, an honest demonstration though not a right one. A plate-shaped misread is
+    answered as read and not kept. Told to trust the reference, the oracle answers it regardless."""
     blurry = await play(BLURRY)
-    assert blurry.answer == NO_ANSWER
+    assert blurry.answer == GAVE_UP and [c[0][1]["op"] for c in calls(blurry)[:-1]].count("zoom") == 3
+    assert (await play(MISREAD)).answer == "7ABC128"
     tokenizer = ByteChatTokenizer()
     async with tools() as client:
-        kept = await generate_expert_episodes([PLATE, BLURRY], client, tokenizer, SFT)
+        kept = await generate_expert_episodes([PLATE, BLURRY, MISREAD], client, tokenizer, SFT)
         trusted_cfg = dataclasses.replace(SFT, trust_reference=True)
-        trusted = await generate_expert_episodes([PLATE, BLURRY], client, tokenizer, trusted_cfg)
-    assert [e.task_id for e in kept] == ["plate-us-good"]
-    assert [e.task_id for e in trusted] == ["plate-us-good", "plate-us-blurry"]
+        trusted = await generate_expert_episodes([PLATE, BLURRY, MISREAD], client, tokenizer, trusted_cfg)
+    assert [e.task_id for e in kept] == ["plate-us-good", "plate-us-blurry"]
+    assert [e.task_id for e in trusted] == ["plate-us-good", "plate-us-blurry", "plate-us-misread"]
 
 
 async def test_oracle_reply_is_cut_by_the_token_budget_like_any_policy():
@@ -516,7 +524,7 @@ async def test_oracle_reads_real_plates_through_the_real_tool_server(shared_data
         reads = [r for t in episode.turns for r in t.results if (r.payload or {}).get("op") == "read"]
         shown = [str(r.payload["plate"]) for r in reads if r.payload["plate"]]  # type: ignore[index]
         assert all(f"plate-shaped: {plate}" in str([r.observation for r in reads]) for plate in shown)
-        assert episode.answer == (shown[-1] if shown else NO_ANSWER)  # what a read named, never the label
+        assert episode.answer == (shown[-1] if shown else GAVE_UP)  # what a read named, never the label
     right = sum(task_data.success(t, e.answer) for t, e in zip(ready, played, strict=True))
     print(f"oracle on 2 real plates: {right} right; calls:", [len(e.turns) for e in played])
 

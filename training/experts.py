@@ -129,12 +129,14 @@ async def play_experts(
 
 
 def worth_imitating(task: Task, episode: Episode) -> bool:
-    """A right answer; for an item task, a full ledger with at least half its items right and every trained
+    """A right answer, or the family's plain give-up (`GAVE_UP`) once the expert's attempts ran out; for an item
+    task, a full ledger with at least half its items right and every trained
     call served (a deliberate mistake's refusal is the lesson, `SFTConfig.mistakes`): the item expert records
     what the reader showed, and a misread plate is the reader's error, not a lesson in what to do (the all-right
     rule would keep few long audits: the reader gets ~4 plates in 5)."""
     if not task.items:
-        return task_data.success(task, episode.answer)
+        gave_up = episode.answer is not None and episode.answer == task_data.GAVE_UP.get(task.family)
+        return task_data.success(task, episode.answer) or gave_up
     entries = list(enumerate(episode.ledger, start=1))
     refused = any(not r.ok for turn in episode.turns if turn.trained for r in turn.results)
     if refused or any(text is None for _, text in entries):

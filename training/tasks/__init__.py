@@ -32,6 +32,7 @@ from training.tasks.task import SPLITS, Task, TaskMeta, data_root, hash_split, l
 
 __all__ = [
     "FAMILIES",
+    "GAVE_UP",
     "GRADED",
     "ITEM_FAMILIES",
     "MISTAKES",
@@ -67,6 +68,10 @@ MISTAKES = {plates.NAME: plates.mistake_reply, plate_audit.NAME: plate_audit.mis
 """The families whose expert can make a policy's typical mistake where it fits (`mistake_reply(task, turns) ->
 str | None`): refused by the tool, never trained on, it lets a demonstration show the recovery
 (`SFTConfig.mistakes`)."""
+
+GAVE_UP = {plates.NAME: plates.GAVE_UP}
+"""What a family's expert answers, in plain words, when its attempts ran out without a result: a demonstration
+that ends so is worth imitating though never right (training/experts.py `worth_imitating`)."""
 
 ITEM_FAMILIES = frozenset({plate_audit.NAME, multihop_batch.NAME})
 """The item families: their `load` takes `items=N` (items per task), and they score each item (`item_reward`)."""

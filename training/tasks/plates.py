@@ -14,7 +14,7 @@ letters and digits in a plate's length, not a state, city, date or dealer line),
 names ("plate-shaped: AZJ6991"), never the label the policy cannot see. When a read holds no plate-shaped text it
 retries, up to MAX_ATTEMPTS zoomed reads: the first region not zoomed yet (which the read names), or when none is
 left an autocontrast of the first zoom;
-then it answers NO_ANSWER. The regions are tried in find_text's order (r1, the largest, first), as the policy sees
+then it answers GAVE_UP, in plain words. The regions are tried in find_text's order (r1, the largest, first), as the policy sees
 them: the expert uses no metadata, so every demonstration is one the policy can follow (docs/plates.md weighs this
 against zooming the plate's region first). A refused call (an evicted or mistyped image) is made good from the
 photo's handle, always valid; after MAX_REFUSALS refused calls it answers what it has, and plate_audit moves on to
@@ -32,7 +32,6 @@ from main_agent.types import ToolCall, ToolResult, Turn
 from subagents.handles import Attachment, file_key
 from training.rewards import plate_match, plate_similarity
 from training.tasks.task import (
-    NO_ANSWER,
     Task,
     TaskMeta,
     answer_text,
@@ -91,6 +90,10 @@ def prepared(tasks: Sequence[Task], work_dir: Path, *, data_dir: Path | None = N
 MAX_ATTEMPTS = 3
 # Refused calls on one photo before the expert answers what it has: plate_audit then records it and moves on.
 MAX_REFUSALS = 2
+# What the expert answers when no read showed plate-shaped text and its attempts ran out: what a user pointing
+# the assistant at a photo should read then, rather than a line of the read or a bare "none". Demonstrations
+# that end so are kept (training/experts.py `worth_imitating`): honest, though never right.
+GAVE_UP = "could not read the plate"
 
 
 def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool) -> str:
@@ -209,6 +212,6 @@ def read_texts(done: list[tuple[ToolCall, ToolResult]]) -> list[str]:
 
 
 def _answer(done: list[tuple[ToolCall, ToolResult]]) -> str:
-    """The plate-shaped text of the last read that held some, else NO_ANSWER: never the label, which no
+    """The plate-shaped text of the last read that held some, else GAVE_UP: never the label, which no
     observation shows."""
-    return next((p for text in reversed(read_texts(done)) if (p := plate_shaped(text))), NO_ANSWER)
+    return next((p for text in reversed(read_texts(done)) if (p := plate_shaped(text))), GAVE_UP)

@@ -1,7 +1,8 @@
 """The plates benchmark's maths: one plate_reading episode -> its record, records -> a table per policy, country
 and split. Pure; no files.
 
-    record(task, episode) -> dict     answer, success, plate-shaped answer, calls, refused calls, retried, reads
+    record(task, episode) -> dict     answer, success, plate-shaped answer, the plain give-up, calls, refused
+                                      calls, retried, reads
     summarise(records) -> dict        the measures of one group of records
     format_table(rows) -> str         one line per (policy, country, split)
 
@@ -20,9 +21,10 @@ from conductor.plates import is_plate_shaped, normalize_plate, plate_shaped
 from main_agent.types import Episode
 from training import tasks as task_data
 from training.tasks import Task
+from training.tasks.plates import GAVE_UP
 
-COLUMNS = ("n", "success", "answered", "plate_shaped", "retried", "kept_retried", "calls", "tool_errors",
-           "shown", "rule_right")  # fmt: skip
+COLUMNS = ("n", "success", "answered", "plate_shaped", "gave_up", "retried", "kept_retried", "calls",
+           "tool_errors", "shown", "rule_right")  # fmt: skip
 
 
 def country(task: Task) -> str:
@@ -48,6 +50,7 @@ def record(task: Task, episode: Episode) -> dict:
         "success": episode.stop_reason != "infra_failed" and task_data.success(task, answer),
         "infra_failed": episode.stop_reason == "infra_failed",
         "plate_shaped": answer is not None and is_plate_shaped(answer),
+        "gave_up": answer is not None and answer.strip().lower() == GAVE_UP,
         "calls": len(pairs),
         "refused": sum(not r.ok for _, r in pairs),
         "retried": ops.count("zoom") + ops.count("autocontrast") > 1,
@@ -72,6 +75,7 @@ def summarise(records: Sequence[dict]) -> dict:
         "success": _share(scored, "success"),
         "answered": sum(r["answer"] is not None for r in scored) / len(scored) if scored else math.nan,
         "plate_shaped": _share(scored, "plate_shaped"),
+        "gave_up": _share(scored, "gave_up"),
         "retried": _share(scored, "retried"),
         "kept_retried": _share(right, "retried"),
         "calls": calls / len(scored) if scored else math.nan,
