@@ -217,7 +217,10 @@ async def run_stages(
     resumed = (folder / "episodes.jsonl").exists()  # a stage file is made by its first line
     groups = await play_stage(tasks, s, Records(folder / "episodes.jsonl"))
     if resumed:
-        await check_replay(groups, tasks, s, folder)
+        exact = await check_replay(groups, tasks, s, folder)
+        print(
+            f"{folder.name}: resumed; its {exact} recorded episodes replay exactly on these tools", flush=True
+        )
     scored = truth_plan(groups, tasks, turns=truth_turns, seed=s.cfg.run.seed)
     played = Records(folder / "episodes.jsonl").read()
     rate = sum(sampled_tokens(e, 0) for g in groups for e in g) / max(
@@ -243,12 +246,12 @@ class ToolsChanged(RuntimeError):
 
 async def check_replay(
     groups: Sequence[list[Episode]], tasks: Sequence[Task], s: Session, folder: Path
-) -> None:
+) -> int:
     """Records resume only on the tools that made them. Every recorded episode that ended by itself (an answer,
     or its turns spent) is replayed whole, no token sampled; if any call observes something else now (a tool's
     observation changed since), stop before a single line is added, rather than fail state after state as
     replays diverge. One episode is not enough: a change shows only on the calls it touches (a read without a
-    plate, say)."""
+    plate, say). Returns how many were replayed."""
     ended = [
         (g, e) for g, group in enumerate(groups) for e in group if e.stop_reason in ("answer", "max_turns")
     ]
@@ -269,6 +272,7 @@ async def check_replay(
             f"{folder}: {len(failed)} of {len(ended)} recorded episodes do not replay on these tools, the first of "
             f"{tasks[g].task_id} ({e.infra_error}); they were sampled on other tools: sample anew under another --tag"
         )
+    return len(ended)
 
 
 def forecast(
