@@ -238,17 +238,27 @@ async def test_records_made_on_other_tools_are_refused_before_anything_is_added(
     assert len(policy.samples) == sampled
 
 
+def one_branch_study(*, seed: int) -> tuple[ScriptedPolicy, TrainConfig]:
+    """The scripted policy of `decided_by_the_first_call` and a study branching once around one turn."""
+    policy = ScriptedPolicy(decided_by_the_first_call(random.Random(seed)))
+    return policy, TrainConfig(task="video_qa", group_size=2, credit=CreditConfig(branch_k=1, branch_turns=1))
+
+
+async def first_run(policy, cfg: TrainConfig, tools: ToolClient, folder: Path, *, replays: int) -> list:
+    """Every stage of the study recorded into `folder` by a first process; the tools' schemas."""
+    schemas = await tools.tools()
+    session = Session(cfg, policy, policy.tokenizer, tools, schemas)
+    await run_stages(TASKS, session, folder, replays=replays, truth_turns=0)
+    return schemas
+
+
 async def test_raising_the_replays_adds_only_the_missing_continuations_with_new_draws(tmp_path: Path) -> None:
     """A study recorded at 2 replays a state, rerun at 5: every state gets a second line of 3 continuations and
     nothing else is sampled again (episodes, branches); the report pools both lines (5 a state); the second
     process reseeds torch apart from the first (Session.draws), so its continuations are new draws."""
-    policy = ScriptedPolicy(decided_by_the_first_call(random.Random(3)))
-    cfg = TrainConfig(task="video_qa", group_size=2, credit=CreditConfig(branch_k=1, branch_turns=1))
+    policy, cfg = one_branch_study(seed=3)
     async with ToolClient("http://tools", transport=fake_tool_server()) as tools:
-        schemas = await tools.tools()
-        await run_stages(
-            TASKS, Session(cfg, policy, policy.tokenizer, tools, schemas), tmp_path, replays=2, truth_turns=0
-        )
+        schemas = await first_run(policy, cfg, tools, tmp_path, replays=2)
         first_seed = torch.initial_seed()
         before = {p.name: p.read_text() for p in tmp_path.iterdir() if p.name != "truth.jsonl"}
         more = Session(cfg, policy, policy.tokenizer, tools, schemas, draws=recorded_lines([tmp_path]))
@@ -268,13 +278,9 @@ async def test_a_resume_draws_again_the_continuations_that_failed_as_infrastruct
     """A state whose continuations failed as infrastructure (recorded, not scored) gets them drawn again on the
     next run, in a line of its own; every other state samples nothing; the report counts the state's scored
     continuations only."""
-    policy = ScriptedPolicy(decided_by_the_first_call(random.Random(5)))
-    cfg = TrainConfig(task="video_qa", group_size=2, credit=CreditConfig(branch_k=1, branch_turns=1))
+    policy, cfg = one_branch_study(seed=5)
     async with ToolClient("http://tools", transport=fake_tool_server()) as tools:
-        schemas = await tools.tools()
-        await run_stages(
-            TASKS, Session(cfg, policy, policy.tokenizer, tools, schemas), tmp_path, replays=3, truth_turns=0
-        )
+        schemas = await first_run(policy, cfg, tools, tmp_path, replays=3)
         lines = Records(tmp_path / "truth.jsonl").read()
         lines[0] = {**lines[0], "rewards": lines[0]["rewards"][:1], "infra_failed": 2}  # 2 of 3 failed
         (tmp_path / "truth.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
