@@ -39,11 +39,12 @@ async def test_the_in_process_server_reads_the_callers_folders_and_its_config(
     shared_data: Path, tmp_path: Path
 ) -> None:
     """Without a URL the real tool server runs in this process: it loads a photo from a folder the caller
-    named, refuses one outside it, and starts from `access.config` (here a one-image-per-session store)."""
+    named, refuses one outside it, and starts from `access.config` (here a store whose sessions can name one image:
+the second photo's load forgets the first)."""
     plates = shared_data / "images" / "plates" / "endtoend" / "eu"
     photos = sorted(plates.glob("*.jpg"))[:2]
     config = tmp_path / "server.toml"
-    config.write_text("[image_ops]\nmax_images_per_session = 1\n")
+    config.write_text("[image_ops]\nmax_recipes = 1\n")
     async with open_tools(ToolAccess(config=config), roots=[str(plates)]) as tools:
         first = await tools.call("image_ops", {"op": "load", "image": str(photos[0])}, session="s")
         second = await tools.call("image_ops", {"op": "load", "image": str(photos[1])}, session="s")
@@ -52,5 +53,5 @@ async def test_the_in_process_server_reads_the_callers_folders_and_its_config(
         )
         outside = await tools.call("image_ops", {"op": "load", "image": str(config)}, session="s")
     assert first.ok and second.ok, (first.observation, second.observation)
-    assert evicted.error is not None and evicted.error.kind == "invalid_args"  # one image per session: gone
+    assert evicted.error is not None and evicted.error.kind == "invalid_args"  # forgotten
     assert outside.error is not None and outside.error.kind == "invalid_args"
