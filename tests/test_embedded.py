@@ -39,8 +39,8 @@ async def test_the_in_process_server_reads_the_callers_folders_and_its_config(
     shared_data: Path, tmp_path: Path
 ) -> None:
     """Without a URL the real tool server runs in this process: it loads a photo from a folder the caller
-    named, refuses one outside it, and starts from `access.config` (here a store whose sessions can name one image:
-the second photo's load forgets the first)."""
+    named, refuses one outside it, and starts from `access.config` (here a store whose sessions can name one
+    image: the second photo's load forgets the first)."""
     plates = shared_data / "images" / "plates" / "endtoend" / "eu"
     photos = sorted(plates.glob("*.jpg"))[:2]
     config = tmp_path / "server.toml"

@@ -16,7 +16,7 @@ retries, up to MAX_ATTEMPTS zoomed reads: the first region not zoomed yet (which
 left an autocontrast of the first zoom;
 then it answers GAVE_UP, in plain words. The regions are tried in find_text's order (r1, the largest, first), as the policy sees
 them: the expert uses no metadata, so every demonstration is one the policy can follow (docs/plates.md weighs this
-against zooming the plate's region first). A refused call (an evicted or mistyped image) is made good from the
+against zooming the plate's region first). A refused call (a mistyped image, or one the store forgot) is made good from the
 photo's handle, always valid; after MAX_REFUSALS refused calls it answers what it has, and plate_audit moves on to
 the next photo.
 """
@@ -140,7 +140,7 @@ def image_calls(turns: list[Turn]) -> list[tuple[ToolCall, ToolResult]]:
 
 
 def usable(done: list[tuple[ToolCall, ToolResult]]) -> list[ToolResult]:
-    """The served results, less those a later call was refused on (an evicted or mistyped image: the expert
+    """The served results, less those a later call was refused on (a mistyped or forgotten image: the expert
     makes it again from the photo, whose handle is always valid)."""
     return [result for _, result in usable_calls(done)]
 
