@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from conductor.plates import plate_shaped
 from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, local_file, shown_path
-from subagents.handles import MAX_LISTED, content_key, load_derivation, looks_like_handle
+from subagents.handles import content_key, load_derivation, looks_like_handle
 from subagents.image_store import ImageStore, derived_id
 from subagents.image_text import TextBox, find_text, read_text
 from subagents.llm import LLM
@@ -230,19 +230,21 @@ async def stored(image_id: str, cfg: Config, rt: Runtime[ImageStore]) -> Image.I
     current = image_id
     for _ in range(cfg.max_recipes + 1):  # a chain is at most a session's recipes long
         image = rt.state.pixels(rt.session, current)
-        recipe = rt.state.recipe(rt.session, current) if image is None else None
-        if image is not None or recipe is None:
+        if image is not None:
+            break
+        recipe = rt.state.recipe(rt.session, current)
+        if recipe is None:
+            image = await attached(current, cfg, rt)
             break
         request = Request.model_validate_json(recipe)
         if request.op == "load":
-            image = await reloaded(current, request, cfg, rt)
+            changed = "changed at its source since it was loaded: load it again"
+            image = await loaded_again(current, request.image, cfg, rt, recipe=recipe, changed=changed)
             break
         chain.append(request)
         current = request.image
     else:
         raise ToolFailure("internal", f"the recipe of {image_id} is a chain longer than {cfg.max_recipes}")
-    if image is None:
-        image = await attached(current, cfg, rt)
     for request in reversed(chain):
         image = await asyncio.to_thread(transform, image, request, cfg)
         rt.state.put(rt.session, image, derivation(request), request.model_dump_json())
@@ -254,28 +256,24 @@ async def attached(image_id: str, cfg: Config, rt: Runtime[ImageStore]) -> Image
     invalid_args naming the session's images, those in the store and those attached, otherwise."""
     ref = rt.handles.get(rt.session, image_id)
     if ref is None or ref.kind != "image":
-        held = list(dict.fromkeys([*rt.state.held(rt.session), *rt.handles.listed(rt.session, "image")]))
-        shown = f"images here: {', '.join(held[:MAX_LISTED])}" if held else "use the image id the task gave"
-        raise ToolFailure("invalid_args", f"no image {image_id[:40]!r} in this episode; {shown}")
-    data = await source_bytes(ref.source, cfg, rt)
-    made = load_derivation(content_key(data))
-    if derived_id(made) != image_id:
-        raise ToolFailure("not_found", f"image {image_id} changed since it was attached")
-    image = await asyncio.to_thread(decode, data, max_bytes=cfg.max_bytes, max_pixels=cfg.max_input_pixels)
-    rt.state.put(rt.session, image, made)
-    return image
+        also = rt.handles.listed(rt.session, "image")
+        raise ToolFailure("invalid_args", rt.state.unknown_message(rt.session, image_id, also=also))
+    return await loaded_again(
+        image_id, ref.source, cfg, rt, recipe=None, changed="changed since it was attached"
+    )
 
 
-async def reloaded(image_id: str, request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Image.Image:
-    """The image a `load` of a path or URL made, loaded again from there; not_found if its bytes changed."""
-    data = await source_bytes(request.image, cfg, rt)
+async def loaded_again(
+    image_id: str, source: str, cfg: Config, rt: Runtime[ImageStore], *, recipe: str | None, changed: str
+) -> Image.Image:
+    """The image `image_id` loaded from `source` (an attachment's, or a load's path or URL) into the store;
+    not_found saying it `changed`, never other pixels under the id, if its bytes are not the ones it was made of."""
+    data = await source_bytes(source, cfg, rt)
     made = load_derivation(content_key(data))
     if derived_id(made) != image_id:
-        raise ToolFailure(
-            "not_found", f"image {image_id} changed at its source since it was loaded: load it again"
-        )
+        raise ToolFailure("not_found", f"image {image_id} {changed}")
     image = await asyncio.to_thread(decode, data, max_bytes=cfg.max_bytes, max_pixels=cfg.max_input_pixels)
-    rt.state.put(rt.session, image, made, request.model_dump_json())
+    rt.state.put(rt.session, image, made, recipe)
     return image
 
 

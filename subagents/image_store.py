@@ -138,8 +138,9 @@ class ImageStore:
             usable = [i for i in known.ids if i in known.recipes or (session, i) in self._images]
             return usable[::-1]
 
-    def unknown_message(self, session: str, image_id: str) -> str:
-        held = self.held(session)[:MAX_LISTED]
+    def unknown_message(self, session: str, image_id: str, *, also: list[str] | None = None) -> str:
+        """Why `image_id` is refused, naming the images the session can name (and `also`, e.g. attached ones)."""
+        held = list(dict.fromkeys([*self.held(session), *(also or [])]))[:MAX_LISTED]
         shown = f"images here: {', '.join(held)}" if held else "use the image id the task gave"
         return f"no image {image_id[:40]!r} in this episode; {shown}"
 
