@@ -135,8 +135,7 @@ def worth_imitating(task: Task, episode: Episode) -> bool:
     what the reader showed, and a misread plate is the reader's error, not a lesson in what to do (the all-right
     rule would keep few long audits: the reader gets ~4 plates in 5)."""
     if not task.items:
-        gave_up = episode.answer is not None and episode.answer == task_data.GAVE_UP.get(task.family)
-        return task_data.success(task, episode.answer) or gave_up
+        return task_data.success(task, episode.answer) or task_data.gave_up(task, episode.answer)
     entries = list(enumerate(episode.ledger, start=1))
     refused = any(not r.ok for turn in episode.turns if turn.trained for r in turn.results)
     if refused or any(text is None for _, text in entries):

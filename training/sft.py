@@ -65,9 +65,7 @@ async def generate_expert_episodes(
     kept = [(t, e) for t, e in zip(tasks, episodes, strict=True) if worth_imitating(t, e)]
     counts = Counter(t.family for t, _ in kept)
     recovered = Counter(t.family for t, e in kept if not all(turn.trained for turn in e.turns))
-    gave_up = Counter(
-        t.family for t, e in kept if e.answer is not None and e.answer == task_data.GAVE_UP.get(t.family)
-    )
+    gave_up = Counter(t.family for t, e in kept if task_data.gave_up(t, e.answer))
     for family in sorted(played):
         logger.info(
             "expert episodes %s: %d of %d kept (%d of them giving up in plain words), %d recovering from a "

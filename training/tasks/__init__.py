@@ -41,6 +41,7 @@ __all__ = [
     "TaskMeta",
     "data_root",
     "family_of",
+    "gave_up",
     "hash_split",
     "item_reward",
     "load_family",
@@ -112,6 +113,12 @@ def reward_for(task: Task, answer: str | None, *, kind: str = "task") -> float:
     if kind == "graded" and task.family in GRADED:
         return GRADED[task.family](answer, task.reference)
     return family_of(task).reward(answer, task.reference)
+
+
+def gave_up(task: Task, answer: str | None) -> bool:
+    """Whether `answer` is the family's plain give-up (`GAVE_UP`), whatever its case and surrounding spaces."""
+    phrase = GAVE_UP.get(task.family)
+    return phrase is not None and answer is not None and answer.strip().lower() == phrase
 
 
 def success(task: Task, answer: str | None) -> bool:

@@ -21,7 +21,6 @@ from conductor.plates import is_plate_shaped, normalize_plate, plate_shaped
 from main_agent.types import Episode
 from training import tasks as task_data
 from training.tasks import Task
-from training.tasks.plates import GAVE_UP
 
 COLUMNS = ("n", "success", "answered", "plate_shaped", "gave_up", "retried", "kept_retried", "calls",
            "tool_errors", "shown", "rule_right")  # fmt: skip
@@ -50,7 +49,7 @@ def record(task: Task, episode: Episode) -> dict:
         "success": episode.stop_reason != "infra_failed" and task_data.success(task, answer),
         "infra_failed": episode.stop_reason == "infra_failed",
         "plate_shaped": answer is not None and is_plate_shaped(answer),
-        "gave_up": answer is not None and answer.strip().lower() == GAVE_UP,
+        "gave_up": task_data.gave_up(task, answer),
         "calls": len(pairs),
         "refused": sum(not r.ok for _, r in pairs),
         "retried": ops.count("zoom") + ops.count("autocontrast") > 1,
