@@ -18,6 +18,7 @@ from pathlib import Path
 
 from benchmarks import ROOT
 from conductor.models import ModelNotFound, resolve_model
+from conductor.stopping import wait_or_stop
 from training.checkpoint import changed_settings, find_latest, saved_config
 from training.config import config_to_dict, load_train_config
 
@@ -28,7 +29,8 @@ def conductor(*args: str, log: Path) -> float:
     print(f"$ conductor {' '.join(args)}   (log: {log})", flush=True)
     start = time.monotonic()
     with log.open("w", encoding="utf-8") as out:
-        code = subprocess.call(["conductor", *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        child = subprocess.Popen(["conductor", *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        code = wait_or_stop(child)  # a study stopped stops its command too, which closes its engine
     if code != 0:
         sys.exit(f"conductor {args[0]} failed with exit code {code}; see {log}")
     return time.monotonic() - start

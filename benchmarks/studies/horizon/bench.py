@@ -41,6 +41,7 @@ from pathlib import Path
 
 from benchmarks import ROOT
 from benchmarks.common.stages import conductor, train_to, warm_start_sha
+from conductor.stopping import stop_like_ctrl_c
 from training.checkpoint import find_latest
 from training.metrics import read_metrics
 from training.plot import save_figure
@@ -251,6 +252,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    stop_like_ctrl_c()  # `kill` stops the study as Ctrl-C does: its engine and commands close first
     args = parse_args()
     suffix = f"_{args.tag}" if args.tag else ""
     results = ROOT / "benchmarks" / "results"

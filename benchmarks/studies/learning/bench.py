@@ -74,6 +74,7 @@ from benchmarks.studies.learning.summary import (
     table,
     training_summary,
 )
+from conductor.stopping import stop_like_ctrl_c
 from training.checkpoint import find_latest
 from training.tasks import load_family
 
@@ -429,6 +430,7 @@ def study(args: argparse.Namespace, opts: Options) -> dict:
 
 
 def main() -> None:
+    stop_like_ctrl_c()  # `kill` stops the study as Ctrl-C does: its engine and commands close first
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", default="plates", choices=list(RECIPES), help="what is trained (RECIPES)")
     parser.add_argument("--policy", help="the SFT warm start (default: the recipe's)")

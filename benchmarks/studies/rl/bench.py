@@ -36,6 +36,7 @@ from pathlib import Path
 from benchmarks import ROOT
 from benchmarks.common.stages import conductor
 from conductor.models import DEFAULT_MODEL, resolve_model
+from conductor.stopping import stop_like_ctrl_c
 from main_agent.transformers_policy import tokenizer_dir
 from training import tasks as task_data
 from training.checkpoint import find_latest
@@ -234,6 +235,7 @@ def table(result: dict) -> str:
 
 
 def main() -> None:
+    stop_like_ctrl_c()  # `kill` stops the study as Ctrl-C does: its engine and commands close first
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--n", type=int, default=16, help="dev tasks per evaluation (the first n)")
