@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ from benchmarks.studies.credit.stages import (
     Records,
     Session,
     ToolsChanged,
+    matched_episodes,
+    matched_rewards,
     run_stages,
     truth_plan,
     truth_states,
@@ -122,7 +125,7 @@ async def test_the_study_scores_known_advantages_and_resumes_without_sampling(tm
         await run_stages(TASKS, session, tmp_path, replays=6, truth_turns=0)
     assert len(policy.samples) == sampled
     assert {p.name for p in tmp_path.iterdir()} == {
-        f"{s}.jsonl" for s in ("episodes", "branch", "branch_all", "truth")
+        f"{s}.jsonl" for s in ("episodes", "branch", "branch_all", "matched", "truth")
     }
     truth = {tuple(r["state"]): r["rewards"] for r in Records(tmp_path / "truth.jsonl").read()}
     assert set(truth) == {(g, 0, 0) for g in (0, 1)} | {(g, i, 1) for g in (0, 1) for i in (0, 1)}
@@ -147,6 +150,7 @@ async def test_the_study_scores_known_advantages_and_resumes_without_sampling(tm
     assert modes["branch_all"]["pairwise"][0] > 0.5 and modes["branch_all"]["spearman"][0] > 0
     spent = {m: v["sampled_tokens_per_episode"] for m, v in modes.items()}
     assert spent["outcome"] == spent["turn"] == spent["anchor"] < spent["branch"] <= spent["branch_all"]
+    assert spent["outcome"] < spent["outcome_matched"]
     assert row["truth"]["replays_per_state"] == 6 and row["truth"]["sampled_tokens_per_episode"] > 0
 
 
@@ -250,6 +254,47 @@ async def first_run(policy, cfg: TrainConfig, tools: ToolClient, folder: Path, *
     session = Session(cfg, policy, policy.tokenizer, tools, schemas)
     await run_stages(TASKS, session, folder, replays=replays, truth_turns=0)
     return schemas
+
+
+async def test_outcome_matched_plays_what_branch_credits_tokens_buy_and_baselines_on_them(
+    tmp_path: Path,
+) -> None:
+    """Token for token: each group gets as many more episodes as branch credit's continuations' tokens buy at its
+    tokens per episode, so outcome_matched spends within an episode's tokens of branch credit; its advantage is
+    R_i minus the mean over the group and those episodes; records made before the stage existed score every
+    other mode without it, and pool without it."""
+    policy = ScriptedPolicy(decided_by_the_first_call(random.Random(7)))
+    cfg = TrainConfig(task="video_qa", group_size=2, credit=CreditConfig(branch_k=4, branch_turns=2))
+    async with ToolClient("http://tools", transport=fake_tool_server()) as tools:
+        session = Session(cfg, policy, policy.tokenizer, tools, await tools.tools())
+        await run_stages(TASKS, session, tmp_path, replays=2, truth_turns=0)
+    groups = {
+        r["group"]: [Episode.from_json(json.dumps(e)) for e in r["episodes"]]
+        for r in Records(tmp_path / "episodes.jsonl").read()
+    }
+    branch = {r["group"]: r["stats"]["sampled_tokens"] for r in Records(tmp_path / "branch.jsonl").read()}
+    more = matched_rewards(Records(tmp_path / "matched.jsonl").read())
+    assert set(more) == set(branch) == {0, 1}
+    for g, rewards in more.items():
+        assert len(rewards) == matched_episodes(groups[g], branch[g]) >= 2
+    row = report(1, TASKS, tmp_path, cfg, truth_turns=0, draws=20)
+    assert row is not None
+    spent = {m: v["sampled_tokens_per_episode"] for m, v in row["modes"].items()}
+    per_episode = spent["outcome"]
+    assert abs(spent["outcome_matched"] - spent["branch"]) <= per_episode
+    estimates = [a for ep in row["pairs"]["outcome_matched"] for a, _ in ep]
+    expected = []
+    for g in (0, 1):
+        group = [float(e.answer == TASKS[g].reference) for e in groups[g]]
+        baseline = statistics.fmean([*group, *more[g]])
+        expected += [r - baseline for r in group for _ in range(2)]  # two turns scored per episode
+    assert estimates == pytest.approx(expected)
+    (tmp_path / "matched.jsonl").unlink()
+    older = report(1, TASKS, tmp_path, cfg, truth_turns=0, draws=20)
+    assert older is not None and set(older["modes"]) == set(MODES) - {"outcome_matched"}
+    both = pool([older, row], draws=20)
+    assert "outcome_matched" not in both["modes"] and both["spearman_over_matched"] == {}
+    assert set(pool([row], draws=20)["spearman_over_matched"]) == {"branch", "branch_all"}
 
 
 async def test_raising_the_replays_adds_only_the_missing_continuations_with_new_draws(tmp_path: Path) -> None:

@@ -15,13 +15,16 @@ warm start, runs/sft-audit/model, that resumes only where it was made. Any refer
 sampling (temperature 1; `--set sampling.temperature=T` for another), final reward (`reward_kind`), turn rewards
 and credit settings of `--config` (examples/train_audit.toml), the family and N from the flags: every stage's
 rewards are the trainer's (training.step.rewarded). For every N (`--n-items`: photos per plate_audit episode, or
-questions per multihop_batch episode with `--family multihop_batch`), four stages:
+questions per multihop_batch episode with `--family multihop_batch`), five stages:
 
   1. episodes: `--episodes` episodes in groups of `--group-size` on the first tasks of the split (training.play)
   2. branch: branch credit's continuations exactly as training samples them (training.branching.branch_values) at
      the k and the turns per episode it trains with (`[credit] branch_k`, `branch_turns`)
   3. branch_all: the same at the same k around every scored turn (VinePPO's estimate; every turn by default)
-  4. truth: for each scored turn t, the true advantage V(after t) - V(before t), each V the mean final reward of
+  4. matched: per group, as many more episodes from the task's start as branch's continuations' tokens would buy
+     at the group's tokens per episode (stages.matched_episodes), their final rewards kept: outcome credit token
+     for token with branch credit is GRPO in a group that much larger (outcome_matched)
+  5. truth: for each scored turn t, the true advantage V(after t) - V(before t), each V the mean final reward of
      `--replays` continuations from that state (training.branching.continue_from: the episode's turns replayed
      exactly, then sampled on). Before turn 0 is the task's start, shared by the group; after the last turn
      nothing follows and V is the episode's own reward. The episode is not one of its continuations, so the
@@ -33,10 +36,12 @@ questions per multihop_batch episode with `--family multihop_batch`), four stage
 The credit modes are computed by the functions training calls (training.advantages) on the same scored episodes:
 outcome (GRPO), turn (return-to-go, turn-index baseline), anchor (turn credit, anchor baseline), branch (the
 outcome advantage on turns it did not choose), branch_all (with `--truth-turns m`: around the m scored turns only,
-and so are its tokens). Scores (scores.py): Spearman rank
+and so are its tokens), outcome_matched (outcome credit of the group's episodes with the matched ones in its
+baseline; a row has it once every scored group's matched line is recorded). Scores (scores.py): Spearman rank
 correlation with the truth, sign agreement and pairwise "which of two turns of an episode was better" accuracy,
 each with a 95 % bootstrap interval over episodes; and the tokens each mode samples per episode (outcome and turn:
-the episodes; branch: plus its continuations). The truth's own tokens are reported apart.
+the episodes; branch: plus its continuations; outcome_matched: plus the matched episodes). The truth's own tokens
+are reported apart.
 
 Records: benchmarks/results/bench_credit[_tag]/<family>-n<N>-<digest>/ holds settings.json and one JSONL per stage,
 appended a group (episodes, branch) or a state (truth) at a time, each line with the wall seconds since the
@@ -52,7 +57,7 @@ recorded so far. Raising `--replays` on a recorded study gives every recorded st
 nothing else; the report uses every continuation recorded.
 
 Cost, in sampled tokens. Per episode of T turns, in turns sampled: the episode T; branch (k = 2 around 2 turns)
-~4T; branch_all k T²/2 (every turn) or ~k m T (m scored turns); the truth R T²/2 + T/G (every turn) or ~m R T. The
+~4T; branch_all k T²/2 (every turn) or ~k m T (m scored turns); matched as much as branch; the truth R T²/2 + T/G (every turn) or ~m R T. The
 smoke runs sampled 5-7 tokens/s on 2 cores shared with a training run, at nice 19 (idle 2 cores: ~13 with
 transformers, bench_ray; 25-26 with vLLM and the tools, bench_learning's rollouts). With the warm start's
 T ≈ 2 + 4N and ~50 tokens a turn (bench_horizon), the full study (24 episodes, N 1 2 4 8, 16 replays, every
@@ -91,14 +96,16 @@ from benchmarks.studies.credit.stages import (
     Records,
     Session,
     State,
+    matched_rewards,
     run_stages,
     truth_plan,
     truth_rewards,
     usable,
 )
+from conductor.stopping import stop_like_ctrl_c
 from main_agent.types import Episode
 from training import tasks as task_data
-from training.advantages import BranchValues, branch_advantages, group_advantages
+from training.advantages import BranchValues, EpisodeCredit, branch_advantages, group_advantages
 from training.branching import sampled_tokens
 from training.config import TrainConfig, config_to_dict, load_train_config, with_device_sizes
 from training.play import tool_session
@@ -107,7 +114,8 @@ from training.step import episode_credits, score
 from training.tasks import Task
 
 CONFIG = ROOT / "examples" / "train_audit.toml"
-MODES = ("outcome", "turn", "anchor", "branch", "branch_all")
+MODES = ("outcome", "turn", "anchor", "branch", "branch_all", "outcome_matched")
+"""Every mode a row may score; outcome_matched only where its stage is recorded for every group scored."""
 METRICS = {"spearman": cs.spearman, "sign": cs.sign_agreement, "pairwise": cs.pairwise_accuracy}
 WARM_START = "benchmarks/studies/credit/warm_start"  # SmolLM2 + a committed LoRA adapter: resumes anywhere
 
@@ -115,12 +123,17 @@ WARM_START = "benchmarks/studies/credit/warm_start"  # SmolLM2 + a committed LoR
 # ---------------------------------------------------------------- scoring
 
 
-def mode_advantages(group: Sequence[Episode], cfg: TrainConfig, branches: dict[str, dict]) -> dict[str, list]:
-    """Every mode's advantages [episode][turn] of one scored group, by the functions training calls."""
+def mode_advantages(
+    group: Sequence[Episode], cfg: TrainConfig, branches: dict[str, dict], more: Sequence[float] | None
+) -> dict[str, list]:
+    """Every mode's advantages [episode][turn] of one scored group, by the functions training calls; with `more`
+    (the final rewards of the group's matched episodes), outcome_matched: outcome credit in the group that
+    large, on the group's own episodes."""
     credits = episode_credits(group)
     credit = cfg.credit
+    outcome = dataclasses.replace(credit, mode="outcome")
     out = {
-        "outcome": group_advantages(credits, dataclasses.replace(credit, mode="outcome")),
+        "outcome": group_advantages(credits, outcome),
         "turn": group_advantages(credits, dataclasses.replace(credit, mode="turn", baseline="turn_index")),
         "anchor": group_advantages(credits, dataclasses.replace(credit, mode="turn", baseline="anchor")),
     }
@@ -130,6 +143,9 @@ def mode_advantages(group: Sequence[Episode], cfg: TrainConfig, branches: dict[s
             for vs in line["values"]
         ]
         out[mode] = branch_advantages(credits, values, normalize_std=credit.normalize_std)
+    if more is not None:
+        larger = [*credits, *(EpisodeCredit(r, ()) for r in more)]
+        out["outcome_matched"] = group_advantages(larger, outcome)[: len(group)]
     return out
 
 
@@ -151,7 +167,7 @@ def report(
     """One N's scores from its records: the groups recorded in every stage, the turns whose truth is recorded."""
     lines = {
         name: Records(folder / f"{name}.jsonl").read()
-        for name in ("episodes", "branch", "branch_all", "truth")
+        for name in ("episodes", "branch", "branch_all", "matched", "truth")
     }
     groups = {
         r["group"]: [Episode.from_json(json.dumps(e)) for e in r["episodes"]] for r in lines["episodes"]
@@ -161,24 +177,27 @@ def report(
     kept = [g for g in sorted(groups) if usable(groups[g]) and all(g in b for b in branch.values())]
     if not kept:
         return None
+    more = matched_rewards(lines["matched"])
+    modes = [m for m in MODES if m != "outcome_matched" or all(g in more for g in kept)]
     every = [groups.get(g, []) for g in range(len(tasks))]
     chosen = truth_plan(every, tasks, turns=truth_turns, seed=cfg.run.seed)
-    pairs: dict[str, list[list[tuple[float, float]]]] = {mode: [] for mode in MODES}
+    pairs: dict[str, list[list[tuple[float, float]]]] = {mode: [] for mode in modes}
     truths: list[tuple[float, float]] = []
     for g in kept:
         for e in groups[g]:
             score(e, tasks[g], cfg.turn_rewards, cfg.reward_kind)
-        advantages = mode_advantages(groups[g], cfg, {m: branch[m][g] for m in branch})
+        advantages = mode_advantages(groups[g], cfg, {m: branch[m][g] for m in branch}, more.get(g))
         for i in range(len(groups[g])):
             scored = [
                 (t, a) for t in chosen.get((g, i), []) if (a := true_advantage(groups[g], g, i, t, truth))
             ]
             truths += [a for _, a in scored]
-            for mode in MODES:
+            for mode in modes:
                 pairs[mode].append([(advantages[mode][i][t], a[0]) for t, a in scored])
     episodes = [e for g in kept for e in groups[g]]
     spent = sum(sampled_tokens(e, 0) for e in episodes)
     extra = {m: sum(branch[m][g]["stats"]["sampled_tokens"] for g in kept) for m in branch}
+    extra["outcome_matched"] = sum(r["sampled_tokens"] for r in lines["matched"] if r["group"] in kept)
     values = [a for a, _ in truths]
     return {
         "n": n,
@@ -200,7 +219,7 @@ def report(
                 **{name: cs.estimate(metric, pairs[mode], draws=draws) for name, metric in METRICS.items()},
                 "sampled_tokens_per_episode": (spent + extra.get(mode, 0)) / len(episodes),
             }
-            for mode in MODES
+            for mode in modes
         },
         "stage_s": {name: sum(r["elapsed_s"] for r in rows) for name, rows in lines.items()},
         "pairs": pairs,  # what the scores are computed from, so that rows of several studies pool (pool.py)
@@ -219,13 +238,13 @@ def interval(value: list[float]) -> str:
 
 def table(rows: Sequence[dict]) -> str:
     head = (
-        f"{'N':>3} | {'mode':<10} | {'spearman [95% CI]':<20} | {'sign':<20} | {'pairwise':<20} | tokens/ep"
+        f"{'N':>3} | {'mode':<15} | {'spearman [95% CI]':<20} | {'sign':<20} | {'pairwise':<20} | tokens/ep"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         for mode, m in r["modes"].items():
             cells = " | ".join(f"{interval(m[k]):<20}" for k in METRICS)
-            lines.append(f"{r['n']:>3} | {mode:<10} | {cells} | {m['sampled_tokens_per_episode']:9.0f}")
+            lines.append(f"{r['n']:>3} | {mode:<15} | {cells} | {m['sampled_tokens_per_episode']:9.0f}")
         t, st = r["truth"], r["stage_s"]
         lines.append(
             f"    truth: {r['episodes']} episodes, {r['turns_scored']} turns scored "
@@ -249,8 +268,11 @@ def plot(rows: Sequence[dict], out: Path) -> Path:
     ns = [r["n"] for r in rows]
     for ax, name in zip(axes, METRICS, strict=True):
         for k, mode in enumerate(MODES):
-            v = [r["modes"][mode][name] for r in rows]
-            xs = [n * 1.04 ** (k - 2) for n in ns]  # modes side by side at each N
+            scored = [r for r in rows if mode in r["modes"]]
+            if not scored:
+                continue
+            v = [r["modes"][mode][name] for r in scored]
+            xs = [r["n"] * 1.04 ** (k - 2.5) for r in scored]  # modes side by side at each N
             err = [[a[0] - a[1] for a in v], [a[2] - a[0] for a in v]]
             ax.errorbar(xs, [a[0] for a in v], yerr=err, marker="o", capsize=3, label=mode)
         ax.axhline(0.5 if name != "spearman" else 0.0, color="grey", lw=0.8, ls=":")
@@ -372,6 +394,7 @@ def arguments() -> argparse.Namespace:
 
 
 def main() -> None:
+    stop_like_ctrl_c()  # `kill` stops the study as Ctrl-C does: its engine and commands close first
     args = arguments()
     suffix = f"_{args.tag}" if args.tag else ""
     sets = [

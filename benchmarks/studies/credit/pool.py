@@ -8,7 +8,8 @@ scored turns of all of them scored again as one set, with bootstrap intervals ov
 Each result row carries its (estimate, truth) pairs per episode and its truths with their standard errors
 (bench.report), so nothing is sampled or read from the records. Counts and stage times add up; per-episode
 figures (turns, reward, tokens) are averaged weighted by episodes. Each mode's Spearman is also given over outcome
-credit's on the same episodes, with a paired bootstrap interval (scores.paired_difference). A pooled score
+credit's on the same episodes, with a paired bootstrap interval (scores.paired_difference), and branch credit's over
+outcome_matched's, outcome credit at branch credit's sampled tokens, where every study has it. A pooled score
 answers "how well does this mode's credit track the truth on warm starts of this recipe", not on one warm start:
 its interval includes the spread between the studies only as far as their episodes differ.
 """
@@ -36,7 +37,10 @@ def pool(rows: Sequence[dict], *, draws: int = 1000) -> dict:
         return sum(get(r) * r["episodes"] for r in rows) / episodes
 
     truths = [(a, se) for r in rows for a, se in r["truths"]]
-    pairs = {m: [[(e, t) for e, t in ep] for r in rows for ep in r["pairs"][m]] for m in MODES}
+    modes = [
+        m for m in MODES if all(m in r["modes"] for r in rows)
+    ]  # outcome_matched: where every study has it
+    pairs = {m: [[(e, t) for e, t in ep] for r in rows for ep in r["pairs"][m]] for m in modes}
     return {
         "n": n,
         "studies": len(rows),
@@ -57,10 +61,15 @@ def pool(rows: Sequence[dict], *, draws: int = 1000) -> dict:
                     lambda r, m=m: r["modes"][m]["sampled_tokens_per_episode"]
                 ),
             }
-            for m in MODES
+            for m in modes
         },
         "spearman_over_outcome": {
-            m: cs.paired_difference(cs.spearman, pairs[m], pairs["outcome"], draws=draws) for m in MODES[1:]
+            m: cs.paired_difference(cs.spearman, pairs[m], pairs["outcome"], draws=draws) for m in modes[1:]
+        },
+        "spearman_over_matched": {  # branch credit against outcome credit at the same sampled tokens
+            m: cs.paired_difference(cs.spearman, pairs[m], pairs["outcome_matched"], draws=draws)
+            for m in ("branch", "branch_all")
+            if "outcome_matched" in pairs
         },
         "stage_s": {k: sum(r["stage_s"][k] for r in rows) for k in rows[0]["stage_s"]},
         "pairs": pairs,
@@ -93,6 +102,11 @@ def main() -> None:
             f"  N = {r['n']}, Spearman over outcome's (paired bootstrap over episodes): "
             + ", ".join(f"{m} {interval(v)}" for m, v in r["spearman_over_outcome"].items())
         )
+        if r["spearman_over_matched"]:
+            print(
+                "           over outcome_matched's (the same sampled tokens): "
+                + ", ".join(f"{m} {interval(v)}" for m, v in r["spearman_over_matched"].items())
+            )
     print(f"\nplot: {png}")
     sources = [
         str(p.resolve().relative_to(ROOT)) if p.resolve().is_relative_to(ROOT) else str(p)

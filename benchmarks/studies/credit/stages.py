@@ -4,8 +4,9 @@ each stage recorded line by line so that a study cut short resumes (see bench.py
     await run_stages(tasks, Session(cfg, policy, tokenizer, tools, schemas), folder, replays=16, truth_turns=0)
 
 Stage files in `folder`: episodes.jsonl (a group of episodes a line), branch.jsonl and branch_all.jsonl (a
-group's BranchValues and BranchStats a line), truth.jsonl (a state's continuation rewards a line, and another
-where its replays were raised). Every line carries `elapsed_s`, the wall seconds since the stage's previous line
+group's BranchValues and BranchStats a line), matched.jsonl (a group's more episodes' final rewards a line: outcome
+credit at branch credit's sampled tokens), truth.jsonl (a state's continuation rewards a line, and another where
+its replays were raised). Every line carries `elapsed_s`, the wall seconds since the stage's previous line
 in the same process.
 """
 
@@ -128,6 +129,51 @@ async def branch_stage(
         records.append({"group": g, "values": episodes, "stats": dataclasses.asdict(stats)})
 
 
+def matched_episodes(group: Sequence[Episode], branch_tokens: int) -> int:
+    """How many more episodes of the group's task branch credit's continuations would buy (`branch_tokens`
+    sampled) at the group's own sampled tokens per episode: the group outcome credit plays at equal tokens is
+    this much larger."""
+    per_episode = sum(sampled_tokens(e, 0) for e in group) / len(group)
+    return round(branch_tokens / max(per_episode, 1.0))
+
+
+async def matched_stage(
+    groups: Sequence[list[Episode]], tasks: Sequence[Task], s: Session, records: Records, *, branch: Records
+) -> None:
+    """Outcome credit token for token with branch credit: for every group branch credit scored, as many more
+    episodes from the task's start as its continuations' tokens buy (`matched_episodes`), a group's final
+    rewards a line. Only the rewards are kept (outcome credit reads nothing else); episodes that failed as
+    infrastructure are counted, not scored, and drawn again on the next run, as the truth's are."""
+    have: dict[int, int] = {}
+    for r in records.read():
+        have[r["group"]] = have.get(r["group"], 0) + len(r["rewards"])
+    reward_of = rewarded(s.cfg.turn_rewards, s.cfg.reward_kind)
+    for line in sorted(branch.read(), key=lambda r: r["group"]):
+        g = line["group"]
+        need = matched_episodes(groups[g], line["stats"]["sampled_tokens"]) - have.get(g, 0)
+        if g in have and need <= 0:
+            continue
+        played = []  # none bought: a line all the same, so the group has its (equal) outcome_matched
+        if need > 0:
+            [played] = await play(
+                [tasks[g]], lambda _: s.policy, tools=s.tools, tokenizer=s.tokenizer, cfg=s.cfg.rollout,
+                group_size=need, max_concurrent=min(need, s.cfg.max_concurrent_episodes),
+            )  # fmt: skip
+        ok = [e for e in played if e.stop_reason != "infra_failed"]
+        records.append({
+            "group": g, "task": tasks[g].task_id, "rewards": [reward_of(tasks[g], e) for e in ok],
+            "sampled_tokens": sum(sampled_tokens(e, 0) for e in played), "infra_failed": len(played) - len(ok),
+        })  # fmt: skip
+
+
+def matched_rewards(lines: Sequence[dict]) -> dict[int, list[float]]:
+    """Each group's more episodes' final rewards over matched.jsonl's lines."""
+    rewards: dict[int, list[float]] = {}
+    for r in lines:
+        rewards.setdefault(r["group"], []).extend(r["rewards"])
+    return rewards
+
+
 def truth_plan(
     groups: Sequence[list[Episode]], tasks: Sequence[Task], *, turns: int, seed: int
 ) -> dict[tuple[int, int], list[int]]:
@@ -213,7 +259,7 @@ async def run_stages(
 ) -> None:
     """The stages of one N into `folder`, each resumed from its records; torch reseeded per stage (and per
     process: `Session.draws`)."""
-    seed_step(s.cfg, 4 * s.draws)
+    seed_step(s.cfg, 5 * s.draws)
     resumed = (folder / "episodes.jsonl").exists()  # a stage file is made by its first line
     groups = await play_stage(tasks, s, Records(folder / "episodes.jsonl"))
     if resumed:
@@ -234,9 +280,12 @@ async def run_stages(
         flush=True,
     )
     for k, (mode, around) in enumerate((("branch", None), ("branch_all", scored)), start=1):
-        seed_step(s.cfg, 4 * s.draws + k)
+        seed_step(s.cfg, 5 * s.draws + k)
         await branch_stage(groups, tasks, s, Records(folder / f"{mode}.jsonl"), scored=around)
-    seed_step(s.cfg, 4 * s.draws + 3)
+    seed_step(s.cfg, 5 * s.draws + 3)
+    branch = Records(folder / "branch.jsonl")
+    await matched_stage(groups, tasks, s, Records(folder / "matched.jsonl"), branch=branch)
+    seed_step(s.cfg, 5 * s.draws + 4)
     await truth_stage(groups, tasks, scored, s, Records(folder / "truth.jsonl"), replays=replays)
 
 
