@@ -387,6 +387,30 @@ def test_task_order_visits_every_task_once_per_epoch_and_repeats() -> None:
     assert [t.task_id for t in again] == seen[6:8]
 
 
+def test_task_ids_train_on_those_tasks_only_and_name_the_unknown(shared_data: Path) -> None:
+    """`--set task_ids=[...]` (as a study writes it) keeps those tasks of the split, in the loader's order, and
+    the task order draws from them alone; an id the split lacks is an error naming it, not a smaller run."""
+    from training.data_order import load_tasks
+
+    every = load_tasks(load_train_config(None, ["task=corpus_qa", "limit=40", f"data_dir={shared_data}"]))
+    ids = [every[31].task_id, every[3].task_id, every[17].task_id]
+    cfg = load_train_config(
+        None, ["task=corpus_qa", f"data_dir={shared_data}", f"task_ids={json.dumps(ids)}", "batch_tasks=2"]
+    )
+    tasks = load_tasks(cfg)
+    assert [t.task_id for t in tasks] == [every[i].task_id for i in (3, 17, 31)]
+    state, seen = TrainState(), set()
+    for _ in range(3):
+        batch, state = next_tasks(tasks, state, cfg)
+        seen |= {t.task_id for t in batch}
+    assert seen == set(ids)
+    wrong = load_train_config(
+        None, ["task=corpus_qa", f"data_dir={shared_data}", 'task_ids=["corpus_qa-nope"]']
+    )
+    with pytest.raises(ValueError, match="corpus_qa-nope"):
+        load_tasks(wrong)
+
+
 def test_step_line_has_a_fixed_shape() -> None:
     """Two very different rows print lines of the same length with the fields in the same place."""
     small = {"step": 1, "reward/final": 0.0, "loss/pg": 0.0, "time/rollout": 1.0, "time/train": 1.0}

@@ -94,6 +94,10 @@ class TrainConfig:
     of this table (`policy = ...`, `limit = 64`)."""
     task: str = "multihop_pages"
     """Task family (a key of `training.tasks.FAMILIES`)."""
+    task_ids: tuple[str, ...] = ()
+    """Train on these tasks of the split only, in the loader's order (empty: all of it, or its first `limit`):
+    e.g. those where the warm start's sampled rewards differ, the only groups an update learns from
+    (benchmarks/studies/learning's screen). An id the split does not have is an error."""
     steps: int = 20
     """Optimizer steps. Each step samples `batch_tasks` tasks and `group_size` episodes of each."""
     batch_tasks: int = 2

@@ -1,6 +1,7 @@
 """A run's data order: which tasks it has, which of them each step plays, and the seeds its draws come from.
 
-    tasks = load_tasks(cfg)                                  # the split's tasks (item tasks at every horizon)
+    tasks = load_tasks(cfg)                                  # the split's tasks (item tasks at every horizon),
+                                                             # or the `task_ids` of it
     batch, state = next_tasks(tasks, cursor_for(now, previous), cfg)   # seeded shuffle per epoch; cursor moved
     seed_step(cfg, step)                                     # before a step's collection: draws of (seed, step)
     state = next_horizon(now, state, successes, cfg)         # the curriculum moved by a step's successes
@@ -35,9 +36,19 @@ def load_tasks(cfg: TrainConfig) -> list[Task]:
             task_data.load_family, cfg.task, cfg.run.split, data_dir=cfg.run.data_dir, limit=cfg.run.limit
         )
         tasks = [t for n in horizons(cfg.horizon) for t in load(items=n)]
+    if cfg.task_ids:
+        tasks = only(tasks, cfg.task_ids, f"{cfg.task}/{cfg.run.split}")
     if not tasks:
         raise ValueError(f"no tasks in {cfg.task}/{cfg.run.split}")
     return tasks
+
+
+def only(tasks: Sequence[Task], ids: Sequence[str], where: str) -> list[Task]:
+    """The tasks of `ids`, in the loader's order; ValueError naming the ids `tasks` lacks."""
+    if missing := set(ids) - {t.task_id for t in tasks}:
+        shown = ", ".join(sorted(missing)[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"task_ids: {len(missing)} not in {where}: {shown}")
+    return [t for t in tasks if t.task_id in set(ids)]
 
 
 def next_tasks(tasks: Sequence[Task], state: TrainState, cfg: TrainConfig) -> tuple[list[Task], TrainState]:
