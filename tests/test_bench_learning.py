@@ -3,6 +3,7 @@ records and metrics (nothing trains)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -428,3 +429,50 @@ def test_an_adapter_warm_starts_hash_covers_its_base_model(tmp_path: Path) -> No
     (base / "model.safetensors").unlink()
     with pytest.raises(SystemExit, match="make the warm start first"):
         stages.warm_start_sha(str(adapter), made_by="x")
+
+
+def test_the_screen_keeps_the_tasks_whose_sampled_rewards_differ_and_the_runs_train_on_them(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A recipe with a screen plays its first `screen` train tasks SAMPLES times each at the chosen temperature
+    (an evaluation: nothing trains) and records the ids whose rewards differed; a main run then trains with
+    exactly those `task_ids`, and its record's settings name them, so a run on other tasks is never reused."""
+    recipe = dataclasses.replace(bl.RECIPES["plates"], screen=3)
+    opts = dataclasses.replace(options(tmp_path), recipe=recipe)
+    photos = dev_photos(3)
+    answers = {
+        "p0": ["YG9X2G"] * bl.SAMPLES,
+        "p1": ["YG9X2G", "AB"] * (bl.SAMPLES // 2),
+        "p2": ["AB"] * bl.SAMPLES,
+    }
+    evals = []
+
+    def fake_conductor(*args: str, log: Path) -> float:
+        evals.append(args)
+        out = Path(args[args.index("--out") + 1])
+        out.write_text("{}", encoding="utf-8")
+        lines = [episode(p, [1], a) for p, said in answers.items() for a in said]
+        bl.episodes_of(out).write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return 0.0
+
+    monkeypatch.setattr(bl, "conductor", fake_conductor)
+    monkeypatch.setattr(bl, "load_family", lambda task, split, limit: photos[:limit])
+    opts.runs.mkdir(parents=True)
+    record = bl.screen(1.15, opts)
+    ((args),) = evals
+    assert args[args.index("--split") + 1] == "train" and args[args.index("--n") + 1] == "3"
+    assert f"samples={bl.SAMPLES}" in args and "sampling.temperature=1.15" in args
+    assert record is not None and record["eval"]["task_ids"] == ["p1"]
+    trained_with = []
+
+    def fake_train_to(config: Path, run_dir: Path, sets: tuple[str, ...], steps: int) -> Path:
+        trained_with.append(sets)
+        return run_dir
+
+    monkeypatch.setattr(bl, "train_to", fake_train_to)
+    screened = dataclasses.replace(opts, task_ids=tuple(record["eval"]["task_ids"]))
+    monkeypatch.setattr(bl, "training_summary", lambda run_dir: trained([0.5]))
+    control = bl.control_run(0, "full-lr1e-5", 1.15, screened)
+    assert 'task_ids=["p1"]' in trained_with[0]
+    assert control is not None and control["settings"]["task_ids"] == ["p1"]
+    assert "task_ids" not in opts.settings("control", "full-lr1e-5", 1.15)

@@ -66,11 +66,18 @@ def sampled_scores(episodes: Path, tasks: Sequence[Task]) -> dict:
     def mean_of(score, task: Task) -> float:
         return mean([float(score(task, e.answer)) for e in played.get(task.task_id, [])])
 
+    def spread(task: Task) -> float:
+        rewards = [graded(task, e.answer) for e in played.get(task.task_id, [])]
+        return max(rewards) - min(rewards) if rewards else math.nan
+
     return {
         "task_ids": [t.task_id for t in tasks],
         "samples": [len(played.get(t.task_id, [])) for t in tasks],
         "success": [mean_of(success, t) for t in tasks],
         "graded": [mean_of(graded, t) for t in tasks],
+        "spread": [
+            spread(t) for t in tasks
+        ],  # best minus worst graded reward: 0 is a group with nothing to learn
         "unanswered": mean([float(e.answer is None) for e in kept]),
         **how_sure(kept),
     }

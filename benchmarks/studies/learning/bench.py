@@ -21,6 +21,9 @@ through the `conductor` CLI as a user would, and writes a record (below):
      groups have reward variance to learn from, how many are token for token the same, how sure the sampler is;
      `choose_temperature` picks the coolest at which fewer than 1/3 of the groups lack signal, without longer
      episodes (the warm start is near-deterministic: at 1.0 the seed-0 runs trained on nothing in 21-24 of 40)
+  3b. screen (recipes with `screen`, research): the first `screen` train tasks, SAMPLES episodes each by the warm
+     start at the chosen temperature (`conductor eval --split train`, nothing updated); the main runs and
+     controls train on those whose rewards differed (`task_ids`), the only groups an update learns from
   4. main: for each seed and credit mode (outcome; turn with the anchor baseline, the best per-call mode of
      bench_horizon), `conductor train` for `--steps` steps with the chosen cell and temperature, then
      `conductor eval` of its last checkpoint (greedy) on the same dev photos as the warm start; and per seed its
@@ -29,7 +32,7 @@ through the `conductor` CLI as a user would, and writes a record (below):
      and of each main run's last checkpoint, on the same dev photos: whether what training adds to the sampler's
      reward on its own photos (over the control) carries to photos it never saw, where the greedy policy has not
      moved (`summary.sampled_summary`, photo by photo); and the warm start once more at COOLER: whether
-     training did more than cool the sampler
+     training did more than cool the sampler (recipes with `sampled`; not research: what ships is greedy)
 
 Rewards: the graded plate score (`reward_kind = "graded"`: 1 - normalised edit distance) trains; success (exact)
 is logged beside it. Groups whose rewards are all equal train on nothing and are counted (`groups/*`).
@@ -55,6 +58,7 @@ sampled evaluation ~16 min (196 episodes).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import time
@@ -108,6 +112,12 @@ class Recipe:
     policy: str
     eval_n: int
     eval_sets: tuple[str, ...] = ()
+    screen: int = 0
+    """Train tasks screened before the main runs (`screen`): the first `screen` of the split, played SAMPLES times
+    each by the warm start at the chosen temperature; the main runs and controls train on those whose rewards
+    differed (`task_ids`). 0: they train on the whole split."""
+    sampled: bool = True
+    """Whether the study runs the sampled evaluations (stage 5)."""
 
     @property
     def default_cell(self) -> str:
@@ -129,6 +139,12 @@ RECIPES = {
         {"lora-lr5e-5": ("lr=5e-5",), "lora-lr2e-4": ("lr=2e-4",)}, ("lora-lr5e-5", "lora-lr2e-4"),
         "benchmarks/studies/learning/research_warm_start", 72,
         ("rollout.max_turns=8", "rollout.max_new_tokens=192"),
+        # 11 of 16 groups had no reward variance at 1.0 (explore-t1): most of a step would train on nothing, so
+        # the runs train on the screened questions whose sampled answers differ (~1/3 of 96, each run ~1 epoch)
+        screen=96,
+        # at 4 samples a question a sampled evaluation is 288 episodes, ~45 min on 2 cores, and there would be
+        # eight of them; what ships is the greedy policy, so the study measures that
+        sampled=False,
     ),
 }  # fmt: skip
 """The recipes the study runs (`--recipe`); plates is the recorded study."""
@@ -165,6 +181,8 @@ class Options:
     records: Path
     recorded_only: bool
     recipe: Recipe = RECIPES["plates"]
+    task_ids: tuple[str, ...] = ()
+    """The screened tasks the main runs and controls train on (set once the screen is recorded; empty: all)."""
 
     def settings(self, kind: str, cell: str | None = None, temperature: float = 1.0) -> dict:
         """What a stage's record must match to be reused: its kind's sizes, the cell it trained and the
@@ -188,6 +206,7 @@ class Options:
             "cell": list(self.cell(cell)),
             "temperature": temperature,
         }
+        run |= {"task_ids": list(self.task_ids)} if self.task_ids else {}
         return run | ({"control": list(CONTROL)} if kind == "control" else {"eval_n": self.eval_n})
 
     def cell(self, name: str | None) -> tuple[str, ...]:
@@ -201,16 +220,19 @@ def train(name: str, sets: tuple[str, ...], steps: int, seed: int, opts: Options
     sets = (
         f"policy={opts.policy}", f"steps={steps}", f"seed={seed}", f"run_dir={run_dir}",
         f"sampling.backend={opts.sampler}", *opts.recipe.base, *sets,
+        *([f"task_ids={json.dumps(opts.task_ids)}"] if opts.task_ids else []),
     )  # fmt: skip
     return train_to(opts.recipe.config, run_dir, sets, steps)
 
 
-def evaluate(policy: str, out: Path, opts: Options, *sets: str) -> dict:
-    """`conductor eval` of `policy` on the first `eval_n` dev tasks, greedy unless `sets` say otherwise (reused
-    when present)."""
+def evaluate(
+    policy: str, out: Path, opts: Options, *sets: str, split: str = "dev", n: int | None = None
+) -> dict:
+    """`conductor eval` of `policy` on the first `n` (default `eval_n`) tasks of `split`, greedy unless `sets`
+    say otherwise (reused when present)."""
     if not out.exists():
-        task = opts.recipe.task
-        args = ["eval", "--policy", policy, "--task", task, "--split", "dev", "--n", str(opts.eval_n)]
+        task, n = opts.recipe.task, n or opts.eval_n
+        args = ["eval", "--policy", policy, "--task", task, "--split", split, "--n", str(n)]
         sets = (f"sampling.backend={opts.sampler}", *opts.recipe.eval_sets, *sets)
         args += [arg for x in sets for arg in ("--set", x)]
         conductor(*args, "--out", str(out), log=out.with_suffix(".log"))
@@ -305,6 +327,23 @@ def explore(temperature: float, opts: Options) -> dict | None:
     return stage(f"explore-t{temperature:g}", opts.settings("explore", temperature=temperature), make, opts)
 
 
+def screen(temperature: float, opts: Options) -> dict | None:
+    """The recipe's first `screen` train tasks played SAMPLES times each by the warm start at `temperature` (an
+    evaluation: nothing is updated), and the ids of those whose rewards differed, which the main runs train on."""
+    n = opts.recipe.screen
+    out = opts.runs / f"screen-train-t{temperature:g}x{SAMPLES}-first{n}.json"
+
+    def make() -> tuple[dict, None]:
+        sets = (f"samples={SAMPLES}", f"sampling.temperature={temperature}")
+        evaluation = evaluate(opts.policy, out, opts, *sets, split="train", n=n)
+        scores = sampled_scores(episodes_of(out), load_family(opts.recipe.task, "train", limit=n))
+        ids = [t for t, spread in zip(scores["task_ids"], scores["spread"], strict=True) if spread > 1e-9]
+        return evaluation | {"per_task": scores, "task_ids": ids}, None
+
+    settings = {"n": n, "samples": SAMPLES, "temperature": temperature, "sampler": opts.sampler}
+    return stage(f"screen-t{temperature:g}", settings, make, opts)
+
+
 def sweep_cell(cell: str, opts: Options) -> dict | None:
     def make() -> tuple[None, dict]:
         run_dir = train(f"sweep-{cell}", (*CREDITS["outcome"], *opts.cell(cell)), opts.sweep_steps, 0, opts)
@@ -393,9 +432,9 @@ def sampled_run(credit: str, seed: int, cell: str, temperature: float, opts: Opt
 
 
 def study(args: argparse.Namespace, opts: Options) -> dict:
-    """Every stage in order (warm, sweep, exploration, the warm start sampled at the chosen temperature and at
-    COOLER, then seed by seed each credit mode, the control and the modes' sampled evaluations), then the
-    summary."""
+    """Every stage in order (warm, sweep, exploration, the screen where the recipe has one, the warm start
+    sampled at the chosen temperature and at COOLER, then seed by seed each credit mode, the control and the
+    modes' sampled evaluations), then the summary."""
     warm_record = warm(opts)
     cells = {c: r for c in args.cells if (r := sweep_cell(c, opts)) is not None}
     candidates = {c: r["training"] for c, r in cells.items() if c in opts.recipe.candidates}
@@ -405,19 +444,29 @@ def study(args: argparse.Namespace, opts: Options) -> dict:
     heat = choose_temperature(explored)
     print(f"chosen temperature: {heat['temperature']:g} ({heat['why']})", flush=True)
     cell, temperature = choice["cell"], heat["temperature"]
-    references = {"warm": sampled_warm(temperature, opts)}
-    if temperature != COOLER:
+    seeds = range(args.seeds)
+    if opts.recipe.screen:
+        if (screened := screen(temperature, opts)) is not None:
+            opts = dataclasses.replace(opts, task_ids=tuple(screened["eval"]["task_ids"]))
+            print(
+                f"screened: {len(opts.task_ids)} of {opts.recipe.screen} train tasks had rewards that differed"
+            )
+        else:  # --recorded, before the screen is: the runs it chooses for have no record either
+            seeds = range(0)
+    sampled_too = opts.recipe.sampled
+    references = {"warm": sampled_warm(temperature, opts)} if sampled_too else {}
+    if sampled_too and temperature != COOLER:
         references["cooler"] = sampled_warm(COOLER, opts)
     runs: dict[str, list[dict]] = {c: [] for c in args.credits}
     sampled: dict[str, list[dict]] = {c: [] for c in args.credits}
     controls: dict[int, list[float]] = {}
-    for seed in range(args.seeds):  # seed by seed: a study cut short has every mode at the same seeds
+    for seed in seeds:  # seed by seed: a study cut short has every mode at the same seeds
         for credit in args.credits:
             if (r := main_run(credit, seed, cell, temperature, opts)) is not None:
                 runs[credit].append(r | {"seed": seed})
         if (c := control_run(seed, cell, temperature, opts)) is not None:
             controls[seed] = c["training"]["reward"]
-        for credit in args.credits:
+        for credit in args.credits if sampled_too else ():
             if (r := sampled_run(credit, seed, cell, temperature, opts)) is not None:
                 sampled[credit].append({"seed": seed, "per_task": r["eval"]["per_task"]})
     warm_eval = warm_record["eval"] if warm_record else None
