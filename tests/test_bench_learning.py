@@ -13,16 +13,17 @@ import pytest
 from benchmarks.common import episodes as es
 from benchmarks.common import stages
 from benchmarks.studies.learning import bench as bl
+from benchmarks.studies.learning import recipes as lr
 from benchmarks.studies.learning import summary as ls
 from main_agent.types import Episode, Turn
 from training.tasks import Task, TaskMeta
 
 
-def options(tmp_path: Path, *, recorded_only: bool = False) -> bl.Options:
+def options(tmp_path: Path, *, recorded_only: bool = False) -> lr.Options:
     policy = tmp_path / "warm"
     policy.mkdir(exist_ok=True)
     (policy / "model.safetensors").write_bytes(b"weights")
-    return bl.Options(
+    return lr.Options(
         str(policy), 20, 3, 49, "transformers", tmp_path / "runs", tmp_path / "records", recorded_only
     )
 
@@ -49,7 +50,7 @@ def test_a_stage_is_made_once_and_read_back_while_its_settings_and_warm_start_ho
     first = bl.stage("outcome-s0", settings, make, opts)
     assert first is not None and len(calls) == 1
     assert first["warm_start"]["sha256"] == bl.warm_start_sha(
-        opts.policy, made_by=bl.RECIPES["plates"].config.name
+        opts.policy, made_by=lr.RECIPES["plates"].config.name
     )
     assert bl.stage("outcome-s0", settings, make, opts) == first and len(calls) == 1
     other = opts.settings("main", "full-lr3e-5")
@@ -178,18 +179,18 @@ def test_a_stage_never_takes_a_run_trained_with_other_settings(tmp_path: Path, m
     ckpt = tmp_path / "run" / "step_5"
     ckpt.mkdir(parents=True)
     (ckpt / "config.json").write_text(
-        json.dumps(config_to_dict(load_train_config(bl.RECIPES["plates"].config, sets)))
+        json.dumps(config_to_dict(load_train_config(lr.RECIPES["plates"].config, sets)))
     )
     again = ("seed=0", "steps=20", f"run_dir={tmp_path / 'run'}", "lr=0")
-    assert stages.run_differs(ckpt, bl.RECIPES["plates"].config, again) == []
+    assert stages.run_differs(ckpt, lr.RECIPES["plates"].config, again) == []
     hotter = (*again, "sampling.temperature=1.3")
-    assert stages.run_differs(ckpt, bl.RECIPES["plates"].config, hotter) == [
+    assert stages.run_differs(ckpt, lr.RECIPES["plates"].config, hotter) == [
         "sampling.temperature: 1.0 -> 1.3"
     ]
     monkeypatch.setattr(stages, "find_latest", lambda run_dir: ckpt)
     monkeypatch.setattr(stages, "conductor", lambda *a, **k: pytest.fail("nothing trains"))
     with pytest.raises(SystemExit, match="sampling.temperature: 1.0 -> 1.3"):
-        stages.train_to(bl.RECIPES["plates"].config, tmp_path / "run", hotter, 20)
+        stages.train_to(lr.RECIPES["plates"].config, tmp_path / "run", hotter, 20)
     assert bl.run_name("turn", 2, 1.0) == "turn-s2" and bl.run_name("turn", 2, 1.15) == "turn-s2-t1.15"
 
 
@@ -199,7 +200,7 @@ def test_a_run_with_a_temperature_in_its_name_logs_under_its_whole_name(tmp_path
     logs = []
     monkeypatch.setattr(stages, "conductor", lambda *args, log: logs.append(log.name))
     for name in ("turn-s0-t1.15", "turn-s0-t1.3"):
-        stages.train_to(bl.RECIPES["plates"].config, tmp_path / name, ("seed=0",), 20)
+        stages.train_to(lr.RECIPES["plates"].config, tmp_path / name, ("seed=0",), 20)
     assert logs == ["turn-s0-t1.15.log", "turn-s0-t1.3.log"]
 
 
@@ -321,7 +322,7 @@ def test_the_control_is_the_main_run_at_learning_rate_0_named_by_its_seed(
     opts = options(tmp_path)
     trained_with = []
 
-    def fake_train(name: str, sets: tuple[str, ...], steps: int, seed: int, o: bl.Options) -> Path:
+    def fake_train(name: str, sets: tuple[str, ...], steps: int, seed: int, o: lr.Options) -> Path:
         trained_with.append((name, sets, steps, seed))
         return tmp_path
 
@@ -394,7 +395,7 @@ def test_a_sampled_evaluation_waits_for_its_runs_checkpoint_and_never_trains(
         evals.append(args)
         out = Path(args[args.index("--out") + 1])
         out.write_text(json.dumps({"success_rate": 1.0}), encoding="utf-8")
-        lines = [episode(f"p{i}", [1], "YG9X2G") for i in range(2) for _ in range(bl.SAMPLES)]
+        lines = [episode(f"p{i}", [1], "YG9X2G") for i in range(2) for _ in range(lr.SAMPLES)]
         bl.episodes_of(out).write_text("\n".join(lines) + "\n", encoding="utf-8")
         return 0.0
 
@@ -404,7 +405,7 @@ def test_a_sampled_evaluation_waits_for_its_runs_checkpoint_and_never_trains(
     assert record is not None and record["eval"]["per_task"]["success"] == [1.0, 1.0]
     ((args),) = evals
     assert args[args.index("--policy") + 1] == str(model)
-    assert f"samples={bl.SAMPLES}" in args and "sampling.temperature=1.15" in args
+    assert f"samples={lr.SAMPLES}" in args and "sampling.temperature=1.15" in args
     assert record["settings"]["run"] == opts.settings("main", "full-lr1e-5", 1.15)
 
 
@@ -437,13 +438,13 @@ def test_the_screen_keeps_the_tasks_whose_sampled_rewards_differ_and_the_runs_tr
     """A recipe with a screen plays its first `screen` train tasks SAMPLES times each at the chosen temperature
     (an evaluation: nothing trains) and records the ids whose rewards differed; a main run then trains with
     exactly those `task_ids`, and its record's settings name them, so a run on other tasks is never reused."""
-    recipe = dataclasses.replace(bl.RECIPES["plates"], screen=3)
+    recipe = dataclasses.replace(lr.RECIPES["plates"], screen=3)
     opts = dataclasses.replace(options(tmp_path), recipe=recipe)
     photos = dev_photos(3)
     answers = {
-        "p0": ["YG9X2G"] * bl.SAMPLES,
-        "p1": ["YG9X2G", "AB"] * (bl.SAMPLES // 2),
-        "p2": ["AB"] * bl.SAMPLES,
+        "p0": ["YG9X2G"] * lr.SAMPLES,
+        "p1": ["YG9X2G", "AB"] * (lr.SAMPLES // 2),
+        "p2": ["AB"] * lr.SAMPLES,
     }
     evals = []
 
@@ -461,7 +462,7 @@ def test_the_screen_keeps_the_tasks_whose_sampled_rewards_differ_and_the_runs_tr
     record = bl.screen(1.15, opts)
     ((args),) = evals
     assert args[args.index("--split") + 1] == "train" and args[args.index("--n") + 1] == "3"
-    assert f"samples={bl.SAMPLES}" in args and "sampling.temperature=1.15" in args
+    assert f"samples={lr.SAMPLES}" in args and "sampling.temperature=1.15" in args
     assert record is not None and record["eval"]["task_ids"] == ["p1"]
     trained_with = []
 
