@@ -2,7 +2,7 @@
 
     python -m benchmarks.studies.learning.bench --sampler vllm  # the study (vLLM env)
                                                                 # -> results/bench_learning.json, .png
-    python -m benchmarks.studies.learning.bench --recipe research --cells lora-lr5e-5 --sampler vllm
+    python -m benchmarks.studies.learning.bench --recipe research --cells lora-lr1e-4 --sampler vllm
         # the same stages on the research assistant's recipe (RECIPES): the chained SFT adapter committed in
         # research_warm_start/ on corpus_qa -> results/bench_learning_research.json, runs/learning-research-vllm/
     python -m benchmarks.studies.learning.bench --sampler vllm --recorded  # the table and plot so far
