@@ -39,7 +39,7 @@ from training.loop import train
 from training.metrics import read_metrics, rollout_metrics, step_line
 from training.step import InfraFailure, drop_stale, filter_groups, group_to_sequences, score, score_groups
 from training.tasks import Task
-from training.update import update
+from training.update import masked_tokens, update
 
 # Text-scored tasks with nothing to prepare: video_qa's reward (token F1) with the fake server's tools.
 TASK = Task("t1", "video_qa", "Who wrote the first program?", ("search", "page_qa"), "Ada Lovelace")
@@ -302,6 +302,19 @@ def test_a_step_whose_every_advantage_is_zero_skips_the_optimizer_step() -> None
     assert stats.skipped == "every advantage is 0: no gradient" and stats.tokens_skipped == 64
     assert stats.metrics()["update/tokens_skipped"] == 64
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_step_at_learning_rate_0_computes_nothing_and_moves_nothing() -> None:
+    """lr = 0 (a study's control): the step is skipped before any forward pass, weights and optimizer state as
+    they were, every token counted as skipped, so a control costs its rollouts only."""
+    model = tiny_llama(258)
+    sequences = byte_sequences(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    before = params(model)
+    model.forward = lambda *a, **k: pytest.fail("no forward pass at learning rate 0")  # type: ignore[method-assign]
+    stats = update(model, optimizer, sequences, TrainConfig(lr=0.0))
+    assert stats.skipped == "learning rate 0" and stats.tokens_skipped == masked_tokens(sequences)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and not optimizer.state
 
 
 async def test_flat_groups_are_counted_and_lay_no_advantage() -> None:

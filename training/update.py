@@ -83,13 +83,18 @@ def update(
     """One optimizer step on all sequences; gradients accumulate over micro-batches of `micro_batch_tokens`.
 
     The loss is normalised by the step's total masked-in tokens, so the sum over micro-batches is the step's token
-    mean. Any non-finite advantage, loss or gradient skips the whole step (logged, weights untouched).
+    mean. Any non-finite advantage, loss or gradient skips the whole step (logged, weights untouched), and so
+    does learning rate 0, before any forward pass.
     With `dp` every rank passes the same `sequences` and steps on the same summed gradients, so the replicas stay
     identical; a skip (decided from the sequences, or from a flag all ranks share) happens on every rank together.
     """
     n_tokens = masked_tokens(sequences)
     if n_tokens == 0:
         return _skip("no sampled tokens to train on")
+    if (
+        cfg.lr == 0
+    ):  # a control run (or an exploration step): the weights cannot move, so no gradient is computed
+        return _skip("learning rate 0", tokens_skipped=n_tokens)
     if not all(math.isfinite(a) for s in sequences for a in s.advantages):
         return _skip("non-finite advantage")
     live = with_signal(sequences, cfg)
