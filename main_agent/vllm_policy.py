@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Literal
 
 from conductor.models import VLLM_CPU_KV_CACHE_BYTES
+from conductor.stopping import raise_if_stopped
 from main_agent.policy import WORKER_EXTENSION, PolicyError, Sample, SamplingConfig, finish_sample
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,13 @@ class VLLMPolicy:
             weight_transfer_config=None if weight_transfer is None else {"backend": weight_transfer},
         )
         logger.info("starting a vLLM engine on %s (%s)", folder, "cuda" if on_gpu else "cpu")
-        return cls(AsyncLLM.from_engine_args(args), tokenizer, cfg=cfg, version=version)
+        engine = AsyncLLM.from_engine_args(args)
+        try:
+            raise_if_stopped()  # a SIGTERM during the engine's start-up is swallowed by vLLM's handshake
+        except KeyboardInterrupt:
+            engine.shutdown()
+            raise
+        return cls(engine, tokenizer, cfg=cfg, version=version)
 
     async def sample(self, prompt_ids: list[int], *, max_new_tokens: int) -> Sample:
         from vllm import SamplingParams

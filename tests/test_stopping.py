@@ -109,3 +109,32 @@ def test_a_child_that_does_not_close_in_time_is_killed(tmp_path: Path, monkeypat
     with pytest.raises(KeyboardInterrupt):
         stopping.wait_or_stop(child)
     assert calls == [None, 0.5, None] and child.returncode == -signal.SIGKILL
+
+
+SWALLOWED = """
+import os, pathlib, signal, sys, time
+from conductor.stopping import raise_if_stopped, stop_like_ctrl_c
+
+out = pathlib.Path(sys.argv[1])
+stop_like_ctrl_c()
+try:
+    try:  # a library that catches KeyboardInterrupt, as vLLM's engine start-up does
+        (out / "started").write_text("")
+        time.sleep(30)
+    except KeyboardInterrupt:
+        pass
+    (out / "went on").write_text("")
+    raise_if_stopped()
+    time.sleep(600)  # training, had the stop been lost
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def test_a_stop_a_library_swallowed_is_raised_again_after_it(tmp_path: Path) -> None:
+    """A SIGTERM caught by a library (vLLM's start-up handshake) is not lost: raise_if_stopped, called after that
+    library returns, stops the command as the SIGTERM would have."""
+    command = run(textwrap.dedent(SWALLOWED), str(tmp_path))
+    started(tmp_path)
+    command.send_signal(signal.SIGTERM)
+    assert command.wait(timeout=30) == 130 and (tmp_path / "went on").exists()
