@@ -75,9 +75,8 @@ def sampled_scores(episodes: Path, tasks: Sequence[Task]) -> dict:
         "samples": [len(played.get(t.task_id, [])) for t in tasks],
         "success": [mean_of(success, t) for t in tasks],
         "graded": [mean_of(graded, t) for t in tasks],
-        "spread": [
-            spread(t) for t in tasks
-        ],  # best minus worst graded reward: 0 is a group with nothing to learn
+        # best minus worst graded reward: 0 is a group with nothing to learn
+        "spread": [spread(t) for t in tasks],
         "unanswered": mean([float(e.answer is None) for e in kept]),
         **how_sure(kept),
     }

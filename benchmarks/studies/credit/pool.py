@@ -37,9 +37,8 @@ def pool(rows: Sequence[dict], *, draws: int = 1000) -> dict:
         return sum(get(r) * r["episodes"] for r in rows) / episodes
 
     truths = [(a, se) for r in rows for a, se in r["truths"]]
-    modes = [
-        m for m in MODES if all(m in r["modes"] for r in rows)
-    ]  # outcome_matched: where every study has it
+    # outcome_matched only where every study has it
+    modes = [m for m in MODES if all(m in r["modes"] for r in rows)]
     pairs = {m: [[(e, t) for e, t in ep] for r in rows for ep in r["pairs"][m]] for m in modes}
     return {
         "n": n,

@@ -144,9 +144,7 @@ async def matched_stage(
     episodes from the task's start as its continuations' tokens buy (`matched_episodes`), a group's final
     rewards a line. Only the rewards are kept (outcome credit reads nothing else); episodes that failed as
     infrastructure are counted, not scored, and drawn again on the next run, as the truth's are."""
-    have: dict[int, int] = {}
-    for r in records.read():
-        have[r["group"]] = have.get(r["group"], 0) + len(r["rewards"])
+    have = {g: len(rewards) for g, rewards in matched_rewards(records.read()).items()}
     reward_of = rewarded(s.cfg.turn_rewards, s.cfg.reward_kind)
     for line in sorted(branch.read(), key=lambda r: r["group"]):
         g = line["group"]
