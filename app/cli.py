@@ -21,7 +21,7 @@ import sys
 import typer
 
 from app import cli_ask, cli_serve, cli_train
-from conductor.stopping import stop_like_ctrl_c
+from conductor.stopping import only_stops, stop_like_ctrl_c
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Train and run tool-using orchestrator agents."
@@ -49,7 +49,13 @@ def optional_value(argv: list[str], option: str, default: str) -> list[str]:
 
 def main() -> None:
     stop_like_ctrl_c()  # `kill` closes engines, clusters and fetchers as Ctrl-C does (serve sets its own)
-    app(args=optional_value(sys.argv[1:], "--ray", ""))  # `--ray` alone: the address [ray] names
+    try:
+        app(args=optional_value(sys.argv[1:], "--ray", ""))  # `--ray` alone: the address [ray] names
+    except BaseExceptionGroup as error:  # a stop raised in a task group's task (click handles a bare one)
+        if not only_stops(error):
+            raise
+        print("\nAborted!", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

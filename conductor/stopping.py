@@ -2,7 +2,9 @@
 
     stop_like_ctrl_c()            at an entry point: SIGTERM (`kill`, a scheduler, a session's end) raises
                                   KeyboardInterrupt as Ctrl-C does
-    raise_if_stopped()            after a library call that swallows KeyboardInterrupt (vLLM's engine start)
+    with held(): ...              a SIGTERM during the block waits for its end (vLLM's engine start-up)
+    raise_if_stopped()            after it: the held stop, raised
+    only_stops(error)             whether a task group's error is the stop and nothing else
     wait_or_stop(child)           a child command's exit code; stopped as the parent is, with time to close
 
 Python dies at once on SIGTERM: no `finally` runs, so a vLLM engine's core process, the Ray cluster a command
@@ -13,6 +15,7 @@ cancels every task and lets each close (a policy's `aclose`, `async with` blocks
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import subprocess
@@ -40,9 +43,31 @@ def _stop(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _hold(signum: int, frame: object) -> None:
+    STOPPED.set()
+
+
+@contextlib.contextmanager
+def held():
+    """A SIGTERM during the block only sets STOPPED; `raise_if_stopped` after it raises the stop. For code that an
+    interrupt leaves in a state that never ends: vLLM's engine start-up catches KeyboardInterrupt inside its
+    handshake (vllm.utils.network_utils.zmq_socket_ctx), then waits out VLLM_ENGINE_READY_TIMEOUT_S (600 s) for
+    an engine that stopped listening. Where SIGTERM is not `stop_like_ctrl_c`'s (a library caller, a worker
+    thread, which cannot set handlers) the block runs as it is."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGTERM) is not _stop:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, _stop)
+
+
 def raise_if_stopped() -> None:
-    """KeyboardInterrupt if a SIGTERM came and was swallowed: vLLM's engine start-up catches KeyboardInterrupt
-    in its handshake (vllm.utils.network_utils.zmq_socket_ctx), and a command stopped then went on training."""
+    """KeyboardInterrupt if a SIGTERM came while `held` (or was swallowed by a library): the command stops there,
+    having closed what the block opened."""
     if STOPPED.is_set():
         raise KeyboardInterrupt
 
@@ -61,3 +86,12 @@ def wait_or_stop(child: subprocess.Popen) -> int:
             child.kill()
             child.wait()
         raise
+
+
+def only_stops(error: BaseException) -> bool:
+    """Whether `error` is a stop: KeyboardInterrupt, or a task group's exception group (anyio's, the embedded tool
+    server's) whose every exception is one. A stop raised inside a task arrives wrapped, and a command would
+    otherwise end on a traceback instead of exiting 130 as after Ctrl-C."""
+    if isinstance(error, BaseExceptionGroup):
+        return error.split(KeyboardInterrupt)[1] is None
+    return isinstance(error, KeyboardInterrupt)

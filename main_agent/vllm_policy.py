@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Literal
 
 from conductor.models import VLLM_CPU_KV_CACHE_BYTES
-from conductor.stopping import raise_if_stopped
+from conductor.stopping import held, raise_if_stopped
 from main_agent.policy import WORKER_EXTENSION, PolicyError, Sample, SamplingConfig, finish_sample
 
 logger = logging.getLogger(__name__)
@@ -85,11 +85,14 @@ class VLLMPolicy:
             weight_transfer_config=None if weight_transfer is None else {"backend": weight_transfer},
         )
         logger.info("starting a vLLM engine on %s (%s)", folder, "cuda" if on_gpu else "cpu")
-        engine = AsyncLLM.from_engine_args(args)
+        with held():  # a SIGTERM inside vLLM's start-up handshake is swallowed and hangs it for 10 minutes
+            engine = AsyncLLM.from_engine_args(args)
         try:
-            raise_if_stopped()  # a SIGTERM during the engine's start-up is swallowed by vLLM's handshake
+            raise_if_stopped()
         except KeyboardInterrupt:
             engine.shutdown()
+            # its __del__ would shut it down again at interpreter exit, with vLLM's modules gone: noise
+            del engine
             raise
         return cls(engine, tokenizer, cfg=cfg, version=version)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+from conductor.stopping import held, raise_if_stopped
 from subagents.llm import (
     BackendConfig,
     BackendError,
@@ -55,7 +56,15 @@ class VLLMLLM:
             kv_cache_memory_bytes=models.VLLM_CPU_KV_CACHE_BYTES if cpu else None,
             enforce_eager=cpu,
         )
-        self.engine = vllm.AsyncLLMEngine.from_engine_args(args)
+        with held():  # a SIGTERM inside vLLM's start-up handshake is swallowed and hangs it for 10 minutes
+            self.engine = vllm.AsyncLLMEngine.from_engine_args(args)
+        try:
+            raise_if_stopped()
+        except KeyboardInterrupt:
+            self.engine.shutdown()
+            # its __del__ would shut it down again at interpreter exit, with vLLM's modules gone: noise
+            del self.engine
+            raise
         self.requests = itertools.count()
 
     async def generate(self, messages: list[Message], *, max_new_tokens: int) -> Generation:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -138,3 +139,60 @@ def test_a_stop_a_library_swallowed_is_raised_again_after_it(tmp_path: Path) -> 
     started(tmp_path)
     command.send_signal(signal.SIGTERM)
     assert command.wait(timeout=30) == 130 and (tmp_path / "went on").exists()
+
+
+HELD = """
+import pathlib, sys, time
+from conductor.stopping import held, raise_if_stopped, stop_like_ctrl_c
+
+out = pathlib.Path(sys.argv[1])
+stop_like_ctrl_c()
+try:
+    with held():  # a start-up that an interrupt would leave waiting, as vLLM's handshake does
+        (out / "started").write_text("")
+        try:
+            time.sleep(3)
+        except KeyboardInterrupt:
+            time.sleep(600)
+        (out / "up").write_text("")
+    raise_if_stopped()
+    time.sleep(600)  # training, had the stop been lost
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def test_a_stop_during_a_held_block_waits_for_its_end_then_stops(tmp_path: Path) -> None:
+    """A SIGTERM inside `held()` does not interrupt the block (an interrupted vLLM start-up hangs for 10
+    minutes): the block finishes and `raise_if_stopped` after it stops the command."""
+    command = run(textwrap.dedent(HELD), str(tmp_path))
+    started(tmp_path)
+    command.send_signal(signal.SIGTERM)
+    assert command.wait(timeout=30) == 130 and (tmp_path / "up").exists()
+
+
+def test_held_runs_the_block_as_it_is_off_the_main_thread() -> None:
+    """`held()` in a worker thread (which cannot set signal handlers) or without `stop_like_ctrl_c` runs its block
+    and leaves the SIGTERM handler as it was."""
+    before = signal.getsignal(signal.SIGTERM)
+    ran = []
+
+    def block() -> None:
+        with stopping.held():
+            ran.append(True)
+
+    worker = threading.Thread(target=block)
+    worker.start()
+    worker.join()
+    block()
+    assert ran == [True, True] and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_only_stops_sees_a_stop_through_task_groups_and_nothing_else() -> None:
+    """A stop raised inside a task group's task arrives as an exception group: `conductor` exits 130 for it only
+    when every exception inside is a stop, and shows any real error that came with it."""
+    stop = KeyboardInterrupt()
+    assert stopping.only_stops(stop)
+    assert stopping.only_stops(BaseExceptionGroup("tasks", [stop, BaseExceptionGroup("inner", [stop])]))
+    assert not stopping.only_stops(BaseExceptionGroup("tasks", [stop, ValueError("a real error")]))
+    assert not stopping.only_stops(ValueError("a real error"))
