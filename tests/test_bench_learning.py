@@ -118,6 +118,23 @@ def test_a_mode_rises_when_every_seed_does_and_gains_outside_the_spread() -> Non
     m = ls.mode_summary(seeds, warm_success=0.51)
     assert not m["rises"] and not m["gain_outside_spread"]
     assert math.isnan(ls.mode_summary(seeds[:1], warm_success=0.51)["dev_success_spread"])
+
+
+def test_a_graded_gain_counts_beyond_its_spread_and_twice_its_paired_standard_error() -> None:
+    """The greedy graded (F1) gain, what the research recipe is judged on, is marked only when its mean over seeds
+    exceeds the seeds' spread and twice the standard error of that mean (each seed's paired error over tasks)."""
+
+    def seed(gain: float, se: float) -> dict:
+        vs_warm = {"graded_warm": 0.10, "graded_now": 0.10 + gain, "graded_gain_se": se}
+        return {"training": trained([0.2] * 10), "eval": {"success_rate": 0.1, "vs_warm": vs_warm}}
+
+    m = ls.mode_summary([seed(0.06, 0.02), seed(0.08, 0.02), seed(0.07, 0.02)], warm_success=0.1)
+    assert m["dev_graded_gain_se"] == pytest.approx(math.sqrt(3 * 0.02**2) / 3)
+    assert m["graded_gain_beyond_noise"]
+    noisy = ls.mode_summary([seed(0.06, 0.08), seed(0.08, 0.08), seed(0.07, 0.08)], warm_success=0.1)
+    assert not noisy["graded_gain_beyond_noise"]  # 0.07 < 2 x 0.046
+    spread_out = ls.mode_summary([seed(0.20, 0.01), seed(-0.05, 0.01), seed(0.06, 0.01)], warm_success=0.1)
+    assert not spread_out["graded_gain_beyond_noise"]
     flips = [{"tasks": 49, "won": 1, "lost": 0}, {"tasks": 49, "won": 1, "lost": 0}]
     one_photo = [
         {"training": trained([0.5] * 10), "eval": {"success_rate": 0.53, "vs_warm": f}} for f in flips
@@ -249,7 +266,7 @@ def test_moved_counts_changed_greedy_episodes_and_the_successes_they_turned(tmp_
     """A dev episode counts as changed when any sampled token differs from the warm start's, and as acted
     otherwise when its calls, records or answer do (p4: other tokens, the same answer); of the changed, a miss
     turned right is won and a success turned wrong is lost; an unchanged episode counts in none. The graded
-    reward of both is over every task."""
+    reward of both is over every task, with the standard error of their paired difference."""
     tasks = dev_photos(5)
     warm = [
         episode("p0", [5], "YG9X2G"),
@@ -269,6 +286,7 @@ def test_moved_counts_changed_greedy_episodes_and_the_successes_they_turned(tmp_
     (tmp_path / "now.jsonl").write_text("\n".join(now) + "\n")
     assert es.moved(tmp_path / "warm.jsonl", tmp_path / "now.jsonl", tasks) == {
         "tasks": 5, "changed": 4, "acted": 3, "won": 1, "lost": 1, "graded_warm": 0.4, "graded_now": 0.4,
+        "graded_gain_se": pytest.approx(math.sqrt(0.5 / 5)),  # differences 0, +1, -1, 0, 0
     }  # fmt: skip
 
 

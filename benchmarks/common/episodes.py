@@ -9,6 +9,7 @@ whether training moved the greedy policy, each photo's sampled scores, and how s
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,24 +27,28 @@ def moved(warm_episodes: Path, episodes: Path, tasks: Sequence[Task]) -> dict:
     differ from the warm start's in any sampled token, how many in what they did (`acted`: a call, a record or
     the answer; a policy that only learned to stop before `</answer>` changes every episode's tokens and none of
     its acts), how many turned a miss into a success or back (tasks.success of the answers), and the graded
-    reward of both over all tasks (what a near miss gained)."""
+    reward of both over all tasks (what a near miss gained) with the standard error of their paired difference."""
     warm, now = _by_task(warm_episodes), _by_task(episodes)
     changed = [t for t in tasks if _sampled(warm[t.task_id]) != _sampled(now[t.task_id])]
     acted = [t for t in changed if _acts(warm[t.task_id]) != _acts(now[t.task_id])]
     flips = [success(t, now[t.task_id].answer) - success(t, warm[t.task_id].answer) for t in changed]
     won, lost = flips.count(1), flips.count(-1)
-    graded = {
-        f"graded_{name}": mean([reward_for(t, played[t.task_id].answer, kind="graded") for t in tasks])
-        for name, played in (("warm", warm), ("now", now))
-    }
+    warm_graded, now_graded = ([_graded(t, played) for t in tasks] for played in (warm, now))
+    diffs = [b - a for a, b in zip(warm_graded, now_graded, strict=True)]
     return {
         "tasks": len(tasks),
         "changed": len(changed),
         "acted": len(acted),
         "won": won,
         "lost": lost,
-        **graded,
+        "graded_warm": mean(warm_graded),
+        "graded_now": mean(now_graded),
+        "graded_gain_se": statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) >= 2 else math.nan,
     }
+
+
+def _graded(task: Task, played: dict[str, Episode]) -> float:
+    return reward_for(task, played[task.task_id].answer, kind="graded")
 
 
 def _by_task(path: Path) -> dict[str, Episode]:

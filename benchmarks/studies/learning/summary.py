@@ -17,7 +17,8 @@ control" the same of the reward minus its seed's control's, step by step (the co
 from the untrained warm start, so the difference leaves out which photos came up); the dev gain is "outside the
 spread" when the mean over seeds of final dev success minus the warm start's exceeds the seeds' spread of it. The
 table marks it (*) only when it also exceeds twice the evaluation's own standard error (`_flip_se`): two seeds
-that each win the same one photo of 49 have no spread, and decide nothing.
+that each win the same one photo of 49 have no spread, and decide nothing. The graded (token F1) dev gain gets
+the same mark by the same rule, with the paired standard error over tasks of each seed's graded difference.
 The sampled dev evaluation (several episodes per photo at the training temperature) is compared photo by photo:
 each seed's mean over photos of its score minus the warm start's, with the standard error of that mean over the
 photos (the two evaluations' sampling noise and the photos' together).
@@ -213,8 +214,8 @@ def choose_temperature(explored: Mapping[float, Mapping]) -> dict:
 
 
 def spread(values: Sequence[float]) -> float:
-    """Sample standard deviation over seeds; NaN for fewer than two."""
-    return statistics.stdev(values) if len(values) >= 2 else math.nan
+    """Sample standard deviation over seeds; NaN for fewer than two, or where one is NaN (a record without it)."""
+    return statistics.stdev(values) if len(values) >= 2 and not any(map(math.isnan, values)) else math.nan
 
 
 def over_control(records: Sequence[Mapping], controls: Mapping[int, Sequence[float]]) -> dict:
@@ -249,6 +250,8 @@ def mode_summary(
     dev = [r["eval"]["success_rate"] for r in records]
     gain = _mean(dev) - warm_success
     se = _flip_se([r["eval"].get("vs_warm", {}) for r in records])
+    graded = [_graded_gain(r["eval"].get("vs_warm", {})) for r in records]
+    graded_se = _mean_se([r["eval"].get("vs_warm", {}).get("graded_gain_se", math.nan) for r in records])
     return {
         "seeds": len(records),
         "reward_first": _mean(first), "reward_first_spread": spread(first),
@@ -261,7 +264,8 @@ def mode_summary(
         "gain_beyond_noise": bool(gain > spread(dev) and gain > 2 * se),
         "dev_changed": [r["eval"].get("vs_warm", {}).get("changed", math.nan) for r in records],
         "dev_acted": [r["eval"].get("vs_warm", {}).get("acted", math.nan) for r in records],
-        "dev_graded_gain": [_graded_gain(r["eval"].get("vs_warm", {})) for r in records],
+        "dev_graded_gain": graded, "dev_graded_gain_se": graded_se,
+        "graded_gain_beyond_noise": bool(_mean(graded) > spread(graded) and _mean(graded) > 2 * graded_se),
         "sampled_tokens_per_step": _mean([x for t in trained for x in t["sampled_tokens"]]),
         "step_s": _mean([x for t in trained for x in t["step_s"]]),
         "zero_variance_share": _share(trained),
@@ -273,7 +277,11 @@ def _flip_se(moves: Sequence[Mapping]) -> float:
     """The evaluation's standard error of the mean over seeds of dev success gains: per seed, the same photos
     before and after, so only the photos that flipped vary, sqrt(won + lost) / photos (the paired difference's
     normal approximation); NaN where a record did not keep them."""
-    per_seed = [math.sqrt(m["won"] + m["lost"]) / m["tasks"] if "won" in m else math.nan for m in moves]
+    return _mean_se([math.sqrt(m["won"] + m["lost"]) / m["tasks"] if "won" in m else math.nan for m in moves])
+
+
+def _mean_se(per_seed: Sequence[float]) -> float:
+    """The standard error of a mean over seeds of independent estimates with these standard errors."""
     return math.sqrt(sum(se * se for se in per_seed)) / len(per_seed) if per_seed else math.nan
 
 
@@ -330,7 +338,7 @@ def table(report: Mapping) -> str:
         "mode | seeds | reward first5 -> last5 (spread) | rises | control first5 -> last5 | over control first5"
         " -> last5 (spread) | seeds rising | dev success (spread) | gain | dev episodes acted otherwise (tokens) per seed"
         " | dev graded gain"
-        " per seed | tokens/step",
+        " per seed (se of their mean) | tokens/step",
     ]
     for mode, m in report["modes"].items():
         lines.append(
@@ -342,7 +350,8 @@ def table(report: Mapping) -> str:
             f"{m['dev_success']:.3f} ({m['dev_success_spread']:.3f}) | {m['dev_gain']:+.3f}"
             f"{' *' if m.get('gain_beyond_noise') else ''}"
             f" (se {m['dev_gain_se']:.3f}) | {_changed_cell(m)} | "
-            f"{' '.join(f'{g:+.3f}' for g in m['dev_graded_gain'])} | {m['sampled_tokens_per_step']:.0f}"
+            f"{' '.join(f'{g:+.3f}' for g in m['dev_graded_gain'])}{' *' if m['graded_gain_beyond_noise'] else ''}"
+            f" ({m['dev_graded_gain_se']:.3f}) | {m['sampled_tokens_per_step']:.0f}"
         )
     return "\n".join(lines + sampled_table(report.get("sampled", {})))
 
