@@ -263,3 +263,20 @@ def test_a_policy_folder_refuses_episodes_of_other_weights_or_settings(tmp_path)
         claim(folder, str(policy), ["rollout.max_turns=8"])
     claim(tmp_path / "work" / "expert", EXPERT, [])
     claim(tmp_path / "work" / "expert", EXPERT, [])
+
+
+def test_an_episodes_file_is_read_by_task_and_refused_when_it_is_not_corpus_qa_dev(tmp_path):
+    """`--episodes NAME=FILE` tabulates another evaluation's episodes: they come back by task id under NAME, and a
+    file with an episode of a task outside corpus_qa dev (another split's evaluation), a missing file or a spec
+    without a name exits with a message instead of scoring the wrong questions."""
+    from benchmarks.studies.research.bench import episodes_file
+    from training.metrics import save_rollouts
+
+    path = tmp_path / "eval.episodes.jsonl"
+    save_rollouts(path, [episode(search("Answer.md"), answer="Tulsa")])
+    name, episodes = episodes_file(f"rl-s0={path}", [corpus_task()])
+    assert name == "rl-s0" and list(episodes) == ["corpus-q1"] and episodes["corpus-q1"].answer == "Tulsa"
+    for spec in (f"rl-s0={path}", f"={path}", "rl-s0", f"rl-s0={tmp_path / 'missing.jsonl'}"):
+        others = [] if spec == f"rl-s0={path}" else [corpus_task()]
+        with pytest.raises(SystemExit):
+            episodes_file(spec, others)

@@ -4,13 +4,16 @@
     python -m benchmarks.studies.research.bench --policy conductor-default --policy runs/x/model --n 300
     python -m benchmarks.studies.research.bench --policy conductor-default --n 12 --recorded   # tabulate only
     python -m benchmarks.studies.research.bench --policy expert --n 72   # the scripted expert SFT imitates
+    python -m benchmarks.studies.research.bench --n 72 --episodes warm=W.episodes.jsonl --episodes rl=R.episodes.jsonl
 
 Every policy plays the first n questions of corpus_qa dev (HotpotQA dev, 300 questions, its pages and every other
 question's pages as one searched corpus) as `conductor eval --task corpus_qa --split dev` plays them: greedy, the
 tools in this process, the shipped recipe's budgets (rollout.max_turns=8, max_new_tokens=192; `--set` changes
 them). Questions run in chunks (`--chunk`; one tool session for the run, the policy loaded per chunk); each chunk's
 episodes are kept in runs/bench_research/<policy>/ as they finish, so an interrupted run plays only the
-questions it has no episode of, and a policy's folder refuses other settings. Each episode becomes a record
+questions it has no episode of, and a policy's folder refuses other settings. `--episodes NAME=FILE` tabulates
+episodes played elsewhere (a study's greedy `conductor eval --task corpus_qa --split dev` with the same budgets)
+under NAME, after the played policies. Each episode becomes a record
 (records.py: answer, EM, F1, searches, reads, hop 1 and hop 2 read, the failure category); the table (summary.py) gives per policy
 answer rate, EM, F1, calls per question, both supporting pages read, tool error rate and the categories, and for
 two or more policies the paired F1 difference of each against the first over the questions both played. Power:
@@ -23,15 +26,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from benchmarks import ROOT
 from benchmarks.common.chunks import claim, folder_name, play_chunks, recorded
 from benchmarks.studies.research.records import record, supporting_pages
 from benchmarks.studies.research.summary import format_table, paired, power, summarise
+from main_agent.types import Episode
 from training import tasks as task_data
 from training.evaluate import load_eval_config
+from training.metrics import load_episodes
 from training.tasks import Task
 from training.tasks.corpus_qa import write_corpus
 
@@ -51,15 +56,30 @@ def play(policy: str, tasks: Sequence[Task], folder: Path, *, chunk: int, sets: 
     play_chunks([(f"q{c[0][0]:04d}+{len(c)}", [t for _, t in c]) for c in parts], folder, cfg=cfg)
 
 
-def records_of(tasks: Sequence[Task], folder: Path, corpus: Path) -> list[dict]:
-    """The records of the questions of `tasks` that `folder` has episodes of, in task order; `corpus` holds the
-    split's pages (`write_corpus`)."""
-    episodes = recorded(folder)
+def records_of(tasks: Sequence[Task], episodes: Mapping[str, Episode], corpus: Path) -> list[dict]:
+    """The records of the questions of `tasks` that `episodes` (by task id) has, in task order; `corpus` holds
+    the split's pages (`write_corpus`)."""
     out = []
     for task in [t for t in tasks if t.task_id in episodes]:
         pages = {p: (corpus / SPLIT / p).read_text(encoding="utf-8") for p in supporting_pages(task)}
         out.append(record(task, episodes[task.task_id], pages=pages))
     return out
+
+
+def episodes_file(spec: str, every: Sequence[Task]) -> tuple[str, dict[str, Episode]]:
+    """NAME=FILE: the name and the episodes of FILE by task id; exits when FILE is missing or holds an episode
+    of a task that is not a corpus_qa dev question (another split's or family's evaluation)."""
+    name, sep, path = spec.partition("=")
+    if not (sep and name and path):
+        sys.exit(f"--episodes: {spec!r} is not NAME=FILE")
+    if not Path(path).is_file():
+        sys.exit(f"--episodes: {path} is not a file")
+    episodes = {e.task_id: e for e in load_episodes(Path(path))}
+    if strays := sorted(set(episodes) - {t.task_id for t in every}):
+        sys.exit(
+            f"--episodes: {path} has {len(strays)} episodes of tasks not in {FAMILY} {SPLIT}, e.g. {strays[0]}"
+        )
+    return name, episodes
 
 
 def results(policies: Sequence[str], record_sets: Sequence[list[dict]], *, n: int, available: int) -> dict:
@@ -81,9 +101,11 @@ def results(policies: Sequence[str], record_sets: Sequence[list[dict]], *, n: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policy", action="append", default=[], help="built-in name or checkpoint; repeat")
     parser.add_argument(
-        "--policy", action="append", required=True, help="built-in name or checkpoint; repeat"
-    )
+        "--episodes", action="append", default=[], metavar="NAME=FILE",
+        help="also tabulate an evaluation's corpus_qa dev episodes under NAME (same budgets); repeat",
+    )  # fmt: skip
     parser.add_argument(
         "--n", type=int, default=12, help="the first n questions of corpus_qa dev (300 in all)"
     )
@@ -93,19 +115,24 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_research")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_research.json")
     args = parser.parse_args()
+    if not args.policy and not args.episodes:
+        parser.error("name a --policy to play or an --episodes file to tabulate")
     every = task_data.load_family(FAMILY, SPLIT)
     if not 0 < args.n <= len(every):
         sys.exit(f"--n must be 1..{len(every)} (corpus_qa {SPLIT} has {len(every)} questions)")
     tasks, sets = every[: args.n], [*RECIPE_SETS, *args.sets]
     write_corpus([SPLIT], args.work / "corpus")
-    record_sets = []
+    sources = []
     for policy in args.policy:
         folder = args.work / folder_name(policy)
         if not args.recorded:
             claim(folder, policy, sets)
             play(policy, tasks, folder, chunk=args.chunk, sets=sets)
-        record_sets.append(records_of(tasks, folder, args.work / "corpus"))
-    found = results(args.policy, record_sets, n=args.n, available=len(every))
+        sources.append((policy, recorded(folder)))
+    sources += [episodes_file(spec, every) for spec in args.episodes]
+    record_sets = [records_of(tasks, episodes, args.work / "corpus") for _, episodes in sources]
+    names = [name for name, _ in sources]
+    found = results(names, record_sets, n=args.n, available=len(every))
     found |= {
         "settings": sets,
         "command": " ".join(["python -m benchmarks.studies.research.bench", *sys.argv[1:]]),
@@ -113,7 +140,7 @@ def main() -> None:
     print(f"\n## corpus_qa dev, first {args.n} questions\n{found['table']}")
     for policy, diff in found["paired_vs_first"].items():
         print(
-            f"{policy} - {args.policy[0]}: F1 {diff['f1_diff']:+.3f} +- {diff['f1_diff_se']:.3f} "
+            f"{policy} - {names[0]}: F1 {diff['f1_diff']:+.3f} +- {diff['f1_diff_se']:.3f} "
             f"(n {diff['n_shared']})"
         )
     p = found["power"]
