@@ -112,19 +112,21 @@ def test_a_child_that_does_not_close_in_time_is_killed(tmp_path: Path, monkeypat
     assert calls == [None, 0.5, None] and child.returncode == -signal.SIGKILL
 
 
-SWALLOWED = """
-import os, pathlib, signal, sys, time
-from conductor.stopping import raise_if_stopped, stop_like_ctrl_c
+START_UP = """
+import contextlib, pathlib, sys, time
+from conductor.stopping import held, raise_if_stopped, stop_like_ctrl_c
 
-out = pathlib.Path(sys.argv[1])
+out, way = pathlib.Path(sys.argv[1]), sys.argv[2]
 stop_like_ctrl_c()
 try:
-    try:  # a library that catches KeyboardInterrupt, as vLLM's engine start-up does
+    with held() if way == "held" else contextlib.nullcontext():
         (out / "started").write_text("")
-        time.sleep(30)
-    except KeyboardInterrupt:
-        pass
-    (out / "went on").write_text("")
+        try:  # a library that catches KeyboardInterrupt, as vLLM's engine start-up does
+            time.sleep(3 if way == "held" else 30)
+        except KeyboardInterrupt:
+            if way == "held":  # and one an interrupt leaves waiting, as vLLM's handshake does
+                time.sleep(600)
+        (out / "went on").write_text("")
     raise_if_stopped()
     time.sleep(600)  # training, had the stop been lost
 except KeyboardInterrupt:
@@ -132,43 +134,15 @@ except KeyboardInterrupt:
 """
 
 
-def test_a_stop_a_library_swallowed_is_raised_again_after_it(tmp_path: Path) -> None:
-    """A SIGTERM caught by a library (vLLM's start-up handshake) is not lost: raise_if_stopped, called after that
-    library returns, stops the command as the SIGTERM would have."""
-    command = run(textwrap.dedent(SWALLOWED), str(tmp_path))
+@pytest.mark.parametrize("way", ["swallowed", "held"])
+def test_a_stop_during_a_start_up_stops_the_command_once_it_is_over(tmp_path: Path, way: str) -> None:
+    """A SIGTERM during a library's start-up is not lost: one the library swallowed, or one `held()` kept from
+    interrupting a start-up that would then hang (vLLM's handshake waits 10 minutes), stops the command at
+    `raise_if_stopped` once the start-up returned."""
+    command = run(textwrap.dedent(START_UP), str(tmp_path), way)
     started(tmp_path)
     command.send_signal(signal.SIGTERM)
     assert command.wait(timeout=30) == 130 and (tmp_path / "went on").exists()
-
-
-HELD = """
-import pathlib, sys, time
-from conductor.stopping import held, raise_if_stopped, stop_like_ctrl_c
-
-out = pathlib.Path(sys.argv[1])
-stop_like_ctrl_c()
-try:
-    with held():  # a start-up that an interrupt would leave waiting, as vLLM's handshake does
-        (out / "started").write_text("")
-        try:
-            time.sleep(3)
-        except KeyboardInterrupt:
-            time.sleep(600)
-        (out / "up").write_text("")
-    raise_if_stopped()
-    time.sleep(600)  # training, had the stop been lost
-except KeyboardInterrupt:
-    sys.exit(130)
-"""
-
-
-def test_a_stop_during_a_held_block_waits_for_its_end_then_stops(tmp_path: Path) -> None:
-    """A SIGTERM inside `held()` does not interrupt the block (an interrupted vLLM start-up hangs for 10
-    minutes): the block finishes and `raise_if_stopped` after it stops the command."""
-    command = run(textwrap.dedent(HELD), str(tmp_path))
-    started(tmp_path)
-    command.send_signal(signal.SIGTERM)
-    assert command.wait(timeout=30) == 130 and (tmp_path / "up").exists()
 
 
 def test_held_runs_the_block_as_it_is_off_the_main_thread() -> None:
