@@ -133,10 +133,51 @@ def test_record_counts_calls_and_marks_each_hop_read():
     assert got["category"] in CATEGORIES
 
 
-def rec(task_id: str, f1: float, *, category: str = "right", hops: tuple[bool, bool] = (True, True)) -> dict:
+def rec(
+    task_id: str,
+    f1: float,
+    *,
+    category: str = "right",
+    hops: tuple[bool, bool] = (True, True),
+    second: str | None = None,
+) -> dict:
     return {"task_id": task_id, "f1": f1, "em": float(f1 == 1.0), "answer": "a", "calls": 2, "searches": 1,
             "reads": 1, "invalid_calls": 0, "two_hop": True, "hop1_read": hops[0], "hop2_read": hops[1],
-            "tool_errors": 1, "tool_results": 4, "category": category}  # fmt: skip
+            "second_search": second, "tool_errors": 1, "tool_results": 4, "category": category}  # fmt: skip
+
+
+def searched(query: str) -> Turn:
+    hits = {"hits": [{"id": "d_0", "url": url("Other.md"), "title": "Other"}]}
+    result = ToolResult("search", True, "hits", None, 1.0, 0, 0, False, hits)
+    return Turn([1], [0.0], [], "", "", [ToolCall("search", {"query": query}, "")], [result], [], 0, 0.0, 0.0)
+
+
+def test_the_second_search_is_told_apart_by_where_its_query_came_from():
+    """A second search holding an answer a read returned before it is `from_read` (a bridge followed); one that
+    repeats the first query (case and spaces aside) is `copied`; a read's "not in the page" is no answer to
+    follow; no second search is None. The summary gives the share of questions with one and the kinds' shares."""
+    q = "Where did the band first perform?"
+    kind = {
+        "from_read": episode(
+            searched(q), read("Bridge.md", "Tinted Windows"), searched("Tinted Windows first")
+        ),
+        "copied": episode(
+            searched(q),
+            read("Bridge.md", "Tinted Windows"),
+            searched("  where did the BAND  first perform? "),
+        ),
+        "other": episode(searched(q), read("Bridge.md", "not in the page"), searched("not in the page band")),
+        None: episode(searched(q), read("Bridge.md", "Tinted Windows")),
+    }
+    assert {k: record(corpus_task(), e, pages=PAGES)["second_search"] for k, e in kind.items()} == {
+        k: k for k in kind
+    }
+    got = summarise([rec("a", 0, second="from_read"), rec("b", 0, second="copied"), rec("c", 0)])
+    assert (got["second_search"], got["second_from_read"], got["second_copied"]) == (
+        pytest.approx(2 / 3),
+        0.5,
+        0.5,
+    )
 
 
 def test_summary_leaves_infra_failures_out_of_scores_and_counts_both_pages_read():

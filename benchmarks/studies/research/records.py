@@ -24,6 +24,10 @@ The category is the first of these that holds, in this order:
     not_retrieved         the answer page was not read and no search showed it
 Each check assumes the ones before it failed, so each miss has exactly one category: the latest stage of
 search -> read -> page_qa's answer -> final answer that went wrong.
+
+The second search, where there is one, is what a bridge needs written from the first read: `from_read` when its
+query holds an answer a read returned before it (not "not in the page"), `copied` when it repeats the first
+query (case and spaces aside), else `other`; None without a second search.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections.abc import Mapping, Sequence
 
 from conductor.answers import exact_match, token_f1
 from main_agent.types import Episode, ToolResult
+from subagents.page_qa import NOT_FOUND
 from training.evaluate import CALL_ERRORS
 from training.rewards import contains_evidence
 from training.tasks import Task
@@ -71,6 +76,23 @@ def _read_answers(episode: Episode) -> list[str]:
     return [str((r.payload or {}).get("answer") or "") for r in _ok(episode, "page_qa")]
 
 
+def second_search(episode: Episode) -> str | None:
+    """How the episode's second search came about (see the module docstring), or None without one."""
+    queries, answers = [], []
+    for turn in episode.turns:
+        for call, result in zip(turn.calls, turn.results, strict=False):
+            if call.name == "search" and result.ok:
+                queries.append(" ".join(str(call.arguments.get("query", "")).lower().split()))
+            if len(queries) == 2:
+                if any(a.lower() in queries[1] for a in answers):
+                    return "from_read"
+                return "copied" if queries[1] == queries[0] else "other"
+            if call.name == "page_qa" and result.ok:
+                answer = str((result.payload or {}).get("answer") or "")
+                answers += [answer] if answer and answer != NOT_FOUND else []
+    return None
+
+
 def record(task: Task, episode: Episode, *, pages: Mapping[str, str]) -> dict:
     """The record of `episode` played on `task`; `pages` maps each supporting page's file name to its text."""
     assert episode.task_id == task.task_id, f"episode of {episode.task_id} given task {task.task_id}"
@@ -104,6 +126,7 @@ def record(task: Task, episode: Episode, *, pages: Mapping[str, str]) -> dict:
         "hop1_read": len(support) > 0 and support[0] in read,
         "hop2_read": len(support) > 1 and support[1] in read,
         "read_answers": _read_answers(episode),
+        "second_search": second_search(episode),
         "stop_reason": episode.stop_reason,
         "category": category(episode, answer=answer, gold=gold, read=read, shown=shown, **facts),
     }

@@ -1,7 +1,8 @@
 """The research benchmark's maths over per-question records (records.py): one policy's table, two policies'
 paired F1 difference, and the questions a paired comparison needs. Pure; no files.
 
-    summarise(records) -> dict          answer rate, EM, F1, calls, both pages read, tool errors, categories
+    summarise(records) -> dict          answer rate, EM, F1, calls, both pages read, second searches, tool
+                                        errors, categories
     paired(a, b) -> dict                mean F1 difference b - a over the shared questions, its standard error
     questions_needed(d, sd_diff) -> int n = ((z_0.975 + z_0.8) * sd_diff / d)^2, rounded up
     power(record_sets) -> dict          that n for d = 0.05, sd_diff from what was recorded (or assumed)
@@ -33,9 +34,11 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def summarise(records: Sequence[dict]) -> dict:
-    """One policy's measures over its records; scores over the episodes the tools did not fail."""
+    """One policy's measures over its records; scores over the episodes the tools did not fail. `second_search`
+    is the share of questions with one; `second_from_read` and `second_copied` shares of those (records.py)."""
     scored = [r for r in records if r["category"] != "infra_failed"]
     two_hop = [r for r in scored if r["two_hop"]]
+    seconds = [r["second_search"] for r in scored if r["second_search"] is not None]
     return {
         "n": len(records),
         "n_infra_failed": len(records) - len(scored),
@@ -50,11 +53,18 @@ def summarise(records: Sequence[dict]) -> dict:
         "hop1_read": _mean([float(r["hop1_read"]) for r in two_hop]),
         "hop2_read": _mean([float(r["hop2_read"]) for r in two_hop]),
         "both_read": _mean([float(r["hop1_read"] and r["hop2_read"]) for r in two_hop]),
+        "second_search": _mean([float(r["second_search"] is not None) for r in scored]),
+        "second_from_read": _share(seconds, "from_read"),
+        "second_copied": _share(seconds, "copied"),
         "tool_error_rate": _ratio(
             sum(r["tool_errors"] for r in scored), sum(r["tool_results"] for r in scored)
         ),
         "categories": {name: Counter(r["category"] for r in records)[name] for name in CATEGORIES},
     }
+
+
+def _share(kinds: Sequence[str], kind: str) -> float:
+    return _mean([float(k == kind) for k in kinds])
 
 
 def _se(values: Sequence[float]) -> float:
@@ -147,5 +157,8 @@ _SHOWN = (
     "hop1_read",
     "hop2_read",
     "both_read",
+    "second_search",
+    "second_from_read",
+    "second_copied",
     "tool_error_rate",
 )
