@@ -91,10 +91,13 @@ class VLLMPolicy:
             raise_if_stopped()
         except KeyboardInterrupt:
             engine.shutdown()
-            # its __del__ would shut it down again at interpreter exit, with vLLM's modules gone: noise
-            del engine
+            del engine  # as below
             raise
-        return cls(engine, tokenizer, cfg=cfg, version=version)
+        policy = cls(engine, tokenizer, cfg=cfg, version=version)
+        # An exception kept by a module vLLM imported during start-up keeps this frame alive through its traceback:
+        # the engine must not stay one of its locals, or it outlives `aclose` (see there).
+        del engine
+        return policy
 
     async def sample(self, prompt_ids: list[int], *, max_new_tokens: int) -> Sample:
         from vllm import SamplingParams
@@ -138,7 +141,11 @@ class VLLMPolicy:
             raise PolicyError(f"vLLM could not reload weights from {folder}: {exc!r}") from exc
 
     async def aclose(self) -> None:
-        self.engine.shutdown()
+        if self.engine is None:  # closed already
+            return
+        engine, self.engine = self.engine, None
+        engine.shutdown()  # the last reference goes with this frame: vLLM's __del__ shuts it down again now,
+        # not at interpreter exit, where it fails on modules already torn down ("Exception ignored in ...")
 
 
 def engine_failure(exc: Exception) -> bool:

@@ -6,7 +6,9 @@ server speaking vLLM's completions and dev-mode protocol stands in for `vllm ser
 
 from __future__ import annotations
 
+import asyncio
 import os
+import weakref
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 from main_agent.openai_policy import OpenAIPolicy
 from main_agent.policy import PolicyError, SamplingConfig
 from main_agent.transformers_policy import TransformersPolicy, load_model
+from main_agent.vllm_policy import VLLMPolicy
 from tests.fake_openai_server import serve
 from tests.fake_vllm_server import completions_app
 from tests.fakes import ByteChatTokenizer, fake_tool_server
@@ -276,3 +279,22 @@ async def test_a_workers_vllm_sampler_starts_once_reloads_in_place_and_takes_str
     sampler.streamed(2)
     assert sampler.version == 2 and sampler.policy.version == 2
     await sampler.aclose()
+
+
+def test_closing_a_vllm_policy_shuts_its_engine_down_once_and_lets_it_go() -> None:
+    """`VLLMPolicy.aclose` shuts the engine down once (a second close is a no-op) and drops it, so vLLM's own
+    `__del__` runs then and not at interpreter exit, where it fails with "Exception ignored" on every command."""
+
+    class Engine:
+        shutdowns = 0
+
+        def shutdown(self) -> None:
+            Engine.shutdowns += 1
+
+    engine = Engine()
+    gone = weakref.ref(engine)
+    policy = VLLMPolicy(engine, ByteChatTokenizer(), cfg=SamplingConfig())
+    del engine
+    asyncio.run(policy.aclose())
+    asyncio.run(policy.aclose())
+    assert Engine.shutdowns == 1 and gone() is None
