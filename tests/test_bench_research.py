@@ -3,14 +3,18 @@ the table's measures, the paired difference and the power calculation (pure; the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
 from benchmarks.common.chunks import EXPERT, claim
+from benchmarks.studies.research.bench import episodes_file
 from benchmarks.studies.research.records import CATEGORIES, record, supporting_pages
+from benchmarks.studies.research.second_search_reward import compare
 from benchmarks.studies.research.summary import detectable, paired, power, questions_needed, summarise
 from main_agent.types import Episode, ToolCall, ToolResult, Turn
+from training.metrics import save_rollouts
 from training.tasks import Task
 from training.tasks.task import TaskMeta
 
@@ -310,8 +314,6 @@ def test_an_episodes_file_is_read_by_task_and_refused_when_it_is_not_corpus_qa_d
     """`--episodes NAME=FILE` tabulates another evaluation's episodes: they come back by task id under NAME, and a
     file with an episode of a task outside corpus_qa dev (another split's evaluation), a missing file or a spec
     without a name exits with a message instead of scoring the wrong questions."""
-    from benchmarks.studies.research.bench import episodes_file
-    from training.metrics import save_rollouts
 
     path = tmp_path / "eval.episodes.jsonl"
     save_rollouts(path, [episode(search("Answer.md"), answer="Tulsa")])
@@ -321,3 +323,28 @@ def test_an_episodes_file_is_read_by_task_and_refused_when_it_is_not_corpus_qa_d
         others = [] if spec == f"rl-s0={path}" else [corpus_task()]
         with pytest.raises(SystemExit):
             episodes_file(spec, others)
+
+
+def test_second_search_reward_compares_kinds_within_a_group_not_across_questions(tmp_path):
+    """The within-group difference is taken only over groups (a question at a step) that drew both kinds, so an
+    easy question where every episode chained does not count as chaining's win; the overall means mix them."""
+
+    q = "Where did the band first perform?"
+
+    def played(task: str, kind: str, reward: float) -> Episode:
+        second = searched("Tinted Windows first" if kind == "from_read" else q)
+        chained = episode(searched(q), read("Bridge.md", "Tinted Windows"), second)
+        return dataclasses.replace(chained, task_id=task, reward=reward)
+
+    save_rollouts(tmp_path / "rollouts" / "step_1.jsonl", [
+        played("easy", "from_read", 1.0), played("easy", "from_read", 1.0),
+        played("hard", "from_read", 0.5), played("hard", "copied", 0.0), played("hard", "copied", 0.0),
+    ])  # fmt: skip
+    save_rollouts(tmp_path / "rollouts" / "step_2.jsonl", [
+        played("hard", "from_read", 0.0), played("hard", "copied", 0.25),
+    ])  # fmt: skip
+    found = compare(tmp_path)
+    assert found["within_groups"] == 2 and found["within_mean"] == pytest.approx((0.5 - 0.25) / 2)
+    assert (found["within_better"], found["within_worse"]) == (1, 1)
+    assert found["mean_reward"]["from_read"] == pytest.approx(2.5 / 4) and found["episodes"]["copied"] == 3
+    assert found["per_step"][1] == {"from_read": 3, "copied": 2}
