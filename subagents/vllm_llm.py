@@ -62,8 +62,7 @@ class VLLMLLM:
             raise_if_stopped()
         except KeyboardInterrupt:
             self.engine.shutdown()
-            # its __del__ would shut it down again at interpreter exit, with vLLM's modules gone: noise
-            del self.engine
+            del self.engine  # as in `aclose`
             raise
         self.requests = itertools.count()
 
@@ -98,4 +97,7 @@ class VLLMLLM:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
     async def aclose(self) -> None:
-        self.engine.shutdown()
+        if self.engine is None:  # closed already
+            return
+        engine, self.engine = self.engine, None
+        engine.shutdown()  # dropped now, so vLLM's __del__ runs here and not at interpreter exit (as the policy's)

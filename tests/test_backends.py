@@ -7,6 +7,7 @@ import base64
 import importlib.util
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from subagents.backends import build_llm
 from subagents.llm import BackendConfig, BackendError, Message, batch_for
 from subagents.openai_llm import OpenAILLM, served_model
 from subagents.transformers_llm import TransformersLLM
+from subagents.vllm_llm import VLLMLLM
 from tests.fake_openai_server import Script, create_openai_app, serve, unused_port
 
 PNG = base64.b64decode(
@@ -443,3 +445,21 @@ async def test_scored_replies_equal_their_full_forward_log_probs(tiny_policy: Pa
         assert score == pytest.approx(expected, abs=1e-3), (reply, score, expected)
     assert await llm.score(messages, []) == []
     await llm.aclose()
+
+
+def test_closing_the_vllm_backend_shuts_its_engine_down_once_and_lets_it_go() -> None:
+    """The sub-agents' vLLM backend closes as the policy's does: its engine shut down once (a second close is a
+    no-op) and dropped, so vLLM's `__del__` does not run again at interpreter exit and fail there."""
+
+    class Engine:
+        shutdowns = 0
+
+        def shutdown(self) -> None:
+            Engine.shutdowns += 1
+
+    llm = VLLMLLM.__new__(VLLMLLM)  # only its engine matters here: building a real one needs vLLM and a model
+    llm.engine = Engine()
+    gone = weakref.ref(llm.engine)
+    asyncio.run(llm.aclose())
+    asyncio.run(llm.aclose())
+    assert Engine.shutdowns == 1 and gone() is None
