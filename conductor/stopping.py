@@ -4,6 +4,7 @@
                                   KeyboardInterrupt as Ctrl-C does
     with held(): ...              a SIGTERM during the block waits for its end (vLLM's engine start-up)
     raise_if_stopped()            after it: the held stop, raised
+    started(start, close)         start() held; if a stop came meanwhile, close(what it started) and stop
     only_stops(error)             whether a task group's error is the stop and nothing else
     wait_or_stop(child)           a child command's exit code; stopped as the parent is, with time to close
 
@@ -20,8 +21,12 @@ import logging
 import signal
 import subprocess
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 CLOSE_S = 60.0
 """How long a stopped child may take to close before it is killed: a vLLM engine's shutdown and a checkpoint's
@@ -70,6 +75,19 @@ def raise_if_stopped() -> None:
     having closed what the block opened."""
     if STOPPED.is_set():
         raise KeyboardInterrupt
+
+
+def started(start: Callable[[], T], close: Callable[[T], object]) -> T:
+    """What `start()` returns, a SIGTERM held meanwhile (`held`); if one came, `close` it and raise the stop. For
+    vLLM's engines. The result is never left a local of this frame: a module vLLM imports during start-up keeps an
+    exception whose traceback keeps the calling frames, and an engine referenced from one outlives its owner's
+    `aclose` until interpreter exit, where vLLM's `__del__` fails ("Exception ignored in ...")."""
+    with held():
+        box = [start()]
+    if STOPPED.is_set():
+        close(box.pop())
+        raise KeyboardInterrupt
+    return box.pop()
 
 
 def wait_or_stop(child: subprocess.Popen) -> int:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Literal
 
 from conductor.models import VLLM_CPU_KV_CACHE_BYTES
-from conductor.stopping import held, raise_if_stopped
+from conductor.stopping import started
 from main_agent.policy import WORKER_EXTENSION, PolicyError, Sample, SamplingConfig, finish_sample
 
 logger = logging.getLogger(__name__)
@@ -85,19 +85,14 @@ class VLLMPolicy:
             weight_transfer_config=None if weight_transfer is None else {"backend": weight_transfer},
         )
         logger.info("starting a vLLM engine on %s (%s)", folder, "cuda" if on_gpu else "cpu")
-        with held():  # a SIGTERM inside vLLM's start-up handshake is swallowed and hangs it for 10 minutes
-            engine = AsyncLLM.from_engine_args(args)
-        try:
-            raise_if_stopped()
-        except KeyboardInterrupt:
-            engine.shutdown()
-            del engine  # as below
-            raise
-        policy = cls(engine, tokenizer, cfg=cfg, version=version)
-        # An exception kept by a module vLLM imported during start-up keeps this frame alive through its traceback:
-        # the engine must not stay one of its locals, or it outlives `aclose` (see there).
-        del engine
-        return policy
+        # held: a SIGTERM inside vLLM's start-up handshake is swallowed and hangs it for 10 minutes. No local
+        # of this frame holds the engine (see `started`).
+        return cls(
+            started(lambda: AsyncLLM.from_engine_args(args), close=lambda e: e.shutdown()),
+            tokenizer,
+            cfg=cfg,
+            version=version,
+        )
 
     async def sample(self, prompt_ids: list[int], *, max_new_tokens: int) -> Sample:
         from vllm import SamplingParams

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from conductor.stopping import held, raise_if_stopped
+from conductor.stopping import started
 from subagents.llm import (
     BackendConfig,
     BackendError,
@@ -56,14 +56,10 @@ class VLLMLLM:
             kv_cache_memory_bytes=models.VLLM_CPU_KV_CACHE_BYTES if cpu else None,
             enforce_eager=cpu,
         )
-        with held():  # a SIGTERM inside vLLM's start-up handshake is swallowed and hangs it for 10 minutes
-            self.engine = vllm.AsyncLLMEngine.from_engine_args(args)
-        try:
-            raise_if_stopped()
-        except KeyboardInterrupt:
-            self.engine.shutdown()
-            del self.engine  # as in `aclose`
-            raise
+        # held: a SIGTERM inside vLLM's start-up handshake is swallowed and hangs it for 10 minutes
+        self.engine = started(
+            lambda: vllm.AsyncLLMEngine.from_engine_args(args), close=lambda e: e.shutdown()
+        )
         self.requests = itertools.count()
 
     async def generate(self, messages: list[Message], *, max_new_tokens: int) -> Generation:
