@@ -65,6 +65,24 @@ def test_degenerate_group_gives_exact_zeros(credit: str, normalize_std: bool) ->
     assert group_advantages([same, same, same], cfg) == [[0.0, 0.0]] * 3
 
 
+@pytest.mark.parametrize("baseline", ["turn_index", "anchor"])
+def test_contested_shaping_trains_nothing_where_every_answer_scored_alike(baseline: str) -> None:
+    """shaping="contested": a group whose final rewards are equal gets 0.0 on every turn, though its episodes
+    made different numbers of rewarded calls (with "every_group" the busier episode's turns get A > 0)."""
+    alike = [episode(0.0, (0.05, "a"), (0.05, "b"), (0.1, "c")), episode(0.0, (0.05, "a"))]
+    shaped = group_advantages(alike, CreditConfig(mode="turn", baseline=baseline))  # type: ignore[arg-type]
+    assert shaped[0][0] > 0.0
+    contested = CreditConfig(mode="turn", baseline=baseline, shaping="contested")  # type: ignore[arg-type]
+    assert group_advantages(alike, contested) == [[0.0, 0.0, 0.0], [0.0]]
+
+
+def test_contested_shaping_keeps_the_turn_rewards_where_answers_differ() -> None:
+    """shaping="contested" changes nothing in a group whose final rewards differ: the worked example's numbers."""
+    contested = CreditConfig(mode="turn", gamma=1.0, shaping="contested")
+    assert group_advantages(GROUP, contested) == group_advantages(GROUP, TURN)
+    assert group_advantages(GROUP, contested) == approx_rows([[0.45, 0.5], [-0.45, -0.5, 0.0]])
+
+
 def test_group_of_one_episode_is_rejected_at_run_time() -> None:
     """A group shrunk to one episode (the others invalid) must be dropped by the caller, not scored 0."""
     with pytest.raises(ValueError, match="at least 2 episodes"):
@@ -79,6 +97,7 @@ def test_group_of_one_episode_is_rejected_at_run_time() -> None:
         ({"min_anchor_group": 1}, "min_anchor_group"),
         ({"mode": "token"}, "mode"),
         ({"baseline": "value"}, "baseline"),
+        ({"shaping": "always"}, "shaping"),
     ],
 )
 def test_config_rejects_bad_values(kwargs: dict[str, object], message: str) -> None:

@@ -20,6 +20,8 @@ Turn credit (`mode="turn"`):
         equals turn (i,t)'s anchor, itself included, when at least `min_anchor_group` such turns exist; otherwise
         (or when the anchor is None) the "turn_index" baseline.
     A_{i,t} = G_{i,t} - b_{i,t}          [/ (std of all A_{.,.} of the group + eps) when normalize_std]
+    shaping "contested": a group whose final rewards R are all equal gets A = 0 on every turn, as outcome
+        credit gives it; the turn rewards then only break ties between episodes whose answers scored differently.
 
 Branch credit (`mode="branch"`, per-call Monte Carlo values from exact replays; VinePPO's estimate, made cheap
 by frozen, cached tools):
@@ -81,6 +83,11 @@ class CreditConfig:
     min_anchor_group: int = 2
     """Fewest turns that must share an anchor for the anchor baseline to be used; smaller sets fall back to the
     turn-index baseline. At least 2, since a set of one would always give A = 0."""
+    shaping: Literal["every_group", "contested"] = "every_group"
+    """Turn credit only: which groups the turn rewards train in. "contested": only groups whose final rewards
+    differ. In a group where every answer scored alike the turn rewards are the whole signal, and Adam moves the
+    weights as far for their few hundredths as for a right answer: the research recipe's turn runs learned to
+    read 6-10 pages and stop answering that way (docs/learning.md, "Turn credit farmed its shaping")."""
 
     branch_k: int = 2
     """Branch credit: continuations sampled from each state around a chosen turn (before it and after it)."""
@@ -102,6 +109,8 @@ class CreditConfig:
             raise ValueError(f"gamma must be in (0, 1], got {self.gamma}")
         if self.min_anchor_group < 2:
             raise ValueError(f"min_anchor_group must be >= 2, got {self.min_anchor_group}")
+        if self.shaping not in ("every_group", "contested"):
+            raise ValueError(f"shaping must be 'every_group' or 'contested', got {self.shaping!r}")
 
 
 @dataclass(frozen=True)
@@ -193,6 +202,8 @@ def returns_to_go(episode: EpisodeCredit, gamma: float) -> list[float]:
 
 def turn_advantages(episodes: Sequence[EpisodeCredit], cfg: CreditConfig) -> list[list[float]]:
     """A_{i,t} = G_{i,t} - b_{i,t} with the turn-index or anchor baseline (see the module docstring)."""
+    if cfg.shaping == "contested" and len({episode.final_reward for episode in episodes}) == 1:
+        return [[0.0] * len(episode.turns) for episode in episodes]
     returns = [returns_to_go(episode, cfg.gamma) for episode in episodes]
     by_index: defaultdict[int, list[float]] = defaultdict(list)
     by_anchor: defaultdict[str, list[float]] = defaultdict(list)
