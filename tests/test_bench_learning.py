@@ -211,6 +211,21 @@ def test_a_stage_never_takes_a_run_trained_with_other_settings(tmp_path: Path, m
     assert bl.run_name("turn", 2, 1.0) == "turn-s2" and bl.run_name("turn", 2, 1.15) == "turn-s2-t1.15"
 
 
+@pytest.mark.parametrize("recipe", list(lr.RECIPES))
+def test_every_credit_kind_makes_a_train_config_and_only_the_pair_runs_by_default(recipe: str) -> None:
+    """Each kind's settings load on every recipe's config (a typo in a kind would fail only hours into a study);
+    "turn-contested" is the anchor turn credit with the shaping confined to groups whose answers differ; a study
+    runs outcome and turn unless `--credits` names more, so the recorded studies' tables keep their rows."""
+    from training.config import load_train_config
+
+    configs = {
+        kind: load_train_config(lr.RECIPES[recipe].config, sets).credit for kind, sets in lr.CREDITS.items()
+    }
+    assert configs["turn-contested"] == dataclasses.replace(configs["turn"], shaping="contested")
+    assert configs["turn"].shaping == "every_group" and configs["outcome"].mode == "outcome"
+    assert lr.DEFAULT_CREDITS == ("outcome", "turn")
+
+
 def test_a_run_with_a_temperature_in_its_name_logs_under_its_whole_name(tmp_path: Path, monkeypatch) -> None:
     """The log of run "turn-s0-t1.15" is turn-s0-t1.15.log, not turn-s0-t1.log (shared with "turn-s0-t1.3")."""
 

@@ -71,6 +71,7 @@ from benchmarks.studies.learning.recipes import (
     CONTROL,
     COOLER,
     CREDITS,
+    DEFAULT_CREDITS,
     EXPLORE,
     RECIPES,
     SAMPLES,
@@ -367,7 +368,7 @@ def main() -> None:
     parser.add_argument("--cells", nargs="+", help="sweep cells (default: all of the recipe's)")
     parser.add_argument("--temperatures", nargs="+", type=float, default=list(TEMPERATURES),
                         help="sampling temperatures the exploration stage measures")  # fmt: skip
-    parser.add_argument("--credits", nargs="+", default=list(CREDITS), choices=list(CREDITS))
+    parser.add_argument("--credits", nargs="+", default=list(DEFAULT_CREDITS), choices=list(CREDITS))
     parser.add_argument(
         "--eval-n", type=int, help="dev tasks per evaluation, the first ones (default: the recipe's)"
     )

@@ -16,7 +16,12 @@ BASE = ("reward_kind=graded", "save_every=5", "keep_last=1")
 CREDITS = {
     "outcome": ("credit.mode=outcome",),
     "turn": ("credit.mode=turn", "credit.baseline=anchor"),
+    # turn credit whose turn rewards train only where the final rewards differ: the research recipe's "turn" runs
+    # trained on the shaping alone in steps without a right answer (docs/learning.md); it shares their controls
+    "turn-contested": ("credit.mode=turn", "credit.baseline=anchor", "credit.shaping=contested"),
 }
+DEFAULT_CREDITS = ("outcome", "turn")
+"""The credit modes a study runs unless `--credits` names others (the recorded studies' pair)."""
 SWEEP = {  # cell -> its settings; every cell plays 8 episodes a step
     "full-lr1e-5": ("lr=1e-5",),
     "full-lr3e-5": ("lr=3e-5",),
