@@ -147,7 +147,8 @@ def rec(
 ) -> dict:
     return {"task_id": task_id, "f1": f1, "em": float(f1 == 1.0), "answer": "a", "calls": 2, "searches": 1,
             "reads": 1, "invalid_calls": 0, "two_hop": True, "hop1_read": hops[0], "hop2_read": hops[1],
-            "second_search": second, "tool_errors": 1, "tool_results": 4, "category": category}  # fmt: skip
+            "second_search": second, "tool_errors": 1, "tool_results": 4, "category": category,
+            "repeated_calls": 0, "stop_reason": "answer"}  # fmt: skip
 
 
 def searched(query: str) -> Turn:
@@ -182,6 +183,27 @@ def test_the_second_search_is_told_apart_by_where_its_query_came_from():
         0.5,
         0.5,
     )
+
+
+def test_a_call_repeated_in_tool_and_arguments_is_counted_and_so_is_running_out_of_turns():
+    """A call whose tool and arguments (case and spaces aside) an earlier call made counts as repeated, the first
+    of them not. The summary averages the repeats
+    and gives the share of questions that reached the turn limit."""
+    q = "Where did the band first perform?"
+    again = episode(
+        searched(q),
+        read("Bridge.md", "Tinted Windows"),
+        searched(" where did the BAND first perform?"),
+        searched(q),
+    )
+    assert record(corpus_task(), again, pages=PAGES)["repeated_calls"] == 2
+    assert (
+        record(corpus_task(), episode(searched(q), read("Bridge.md", "x")), pages=PAGES)["repeated_calls"]
+        == 0
+    )
+    looped = rec("b", 0) | {"repeated_calls": 3, "stop_reason": "max_turns"}
+    got = summarise([rec("a", 0), looped])
+    assert (got["repeated_calls_per_question"], got["out_of_turns"]) == (1.5, 0.5)
 
 
 def test_summary_leaves_infra_failures_out_of_scores_and_counts_both_pages_read():

@@ -27,7 +27,10 @@ search -> read -> page_qa's answer -> final answer that went wrong.
 
 The second search, where there is one, is what a bridge needs written from the first read: `from_read` when its
 query holds an answer a read returned before it (not "not in the page"), `copied` when it repeats the first
-query (case and spaces aside), else `other`; None without a second search.
+query (case and spaces aside), else `other`; None without a second search. A repeated call is one whose tool
+and arguments an earlier call of the episode had already made (`training.rewards.call_key`: case and spaces of
+its strings aside): the tools answer it the same, so it reads
+nothing new (a copied second search is one; a greedy policy that repeats itself runs out of turns).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from conductor.answers import exact_match, token_f1
 from main_agent.types import Episode, ToolResult
 from subagents.page_qa import NOT_FOUND
 from training.evaluate import CALL_ERRORS
-from training.rewards import contains_evidence
+from training.rewards import call_key, contains_evidence
 from training.tasks import Task
 
 CATEGORIES = (
@@ -93,6 +96,16 @@ def second_search(episode: Episode) -> str | None:
     return None
 
 
+def repeated_calls(episode: Episode) -> int:
+    """Calls whose tool and arguments an earlier call of the episode had already made (see the module docstring)."""
+    seen, repeats = set(), 0
+    for call in (c for turn in episode.turns for c in turn.calls):
+        key = call_key(call.name, call.arguments)
+        repeats += key in seen
+        seen.add(key)
+    return repeats
+
+
 def record(task: Task, episode: Episode, *, pages: Mapping[str, str]) -> dict:
     """The record of `episode` played on `task`; `pages` maps each supporting page's file name to its text."""
     assert episode.task_id == task.task_id, f"episode of {episode.task_id} given task {task.task_id}"
@@ -127,6 +140,7 @@ def record(task: Task, episode: Episode, *, pages: Mapping[str, str]) -> dict:
         "hop2_read": len(support) > 1 and support[1] in read,
         "read_answers": _read_answers(episode),
         "second_search": second_search(episode),
+        "repeated_calls": repeated_calls(episode),
         "stop_reason": episode.stop_reason,
         "category": category(episode, answer=answer, gold=gold, read=read, shown=shown, **facts),
     }

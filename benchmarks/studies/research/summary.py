@@ -35,7 +35,8 @@ def _mean(values: Sequence[float]) -> float:
 
 def summarise(records: Sequence[dict]) -> dict:
     """One policy's measures over its records; scores over the episodes the tools did not fail. `second_search`
-    is the share of questions with one; `second_from_read` and `second_copied` shares of those (records.py)."""
+    is the share of questions with one; `second_from_read` and `second_copied` shares of those (records.py);
+    `out_of_turns` the share that reached the turn limit without an answer."""
     scored = [r for r in records if r["category"] != "infra_failed"]
     two_hop = [r for r in scored if r["two_hop"]]
     seconds = [r["second_search"] for r in scored if r["second_search"] is not None]
@@ -50,6 +51,8 @@ def summarise(records: Sequence[dict]) -> dict:
         "searches_per_question": _mean([float(r["searches"]) for r in scored]),
         "reads_per_question": _mean([float(r["reads"]) for r in scored]),
         "invalid_calls_per_question": _mean([float(r["invalid_calls"]) for r in scored]),
+        "repeated_calls_per_question": _mean([float(r["repeated_calls"]) for r in scored]),
+        "out_of_turns": _mean([float(r["stop_reason"] == "max_turns") for r in scored]),
         "hop1_read": _mean([float(r["hop1_read"]) for r in two_hop]),
         "hop2_read": _mean([float(r["hop2_read"]) for r in two_hop]),
         "both_read": _mean([float(r["hop1_read"] and r["hop2_read"]) for r in two_hop]),
@@ -154,6 +157,8 @@ _SHOWN = (
     "searches_per_question",
     "reads_per_question",
     "invalid_calls_per_question",
+    "repeated_calls_per_question",
+    "out_of_turns",
     "hop1_read",
     "hop2_read",
     "both_read",
