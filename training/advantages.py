@@ -86,8 +86,8 @@ class CreditConfig:
     shaping: Literal["every_group", "contested"] = "every_group"
     """Turn credit only: which groups the turn rewards train in. "contested": only groups whose final rewards
     differ. In a group where every answer scored alike the turn rewards are the whole signal, and Adam moves the
-    weights as far for their few hundredths as for a right answer: the research recipe's turn runs learned to
-    read 6-10 pages and stop answering that way (docs/learning.md, "Turn credit farmed its shaping")."""
+    weights as far for their few hundredths as for a right answer: a turn run of the research recipe learned to
+    read 6-10 pages a question and stop answering that way (docs/learning.md, "Turn credit farmed its shaping")."""
 
     branch_k: int = 2
     """Branch credit: continuations sampled from each state around a chosen turn (before it and after it)."""

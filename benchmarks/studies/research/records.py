@@ -29,8 +29,8 @@ The second search, where there is one, is what a bridge needs written from the f
 query holds an answer a read returned before it (not "not in the page"), `copied` when it repeats the first
 query (case and spaces aside), else `other`; None without a second search. A repeated call is one whose tool
 and arguments an earlier call of the episode had already made (`training.rewards.call_key`: case and spaces of
-its strings aside): the tools answer it the same, so it reads
-nothing new (a copied second search is one; a greedy policy that repeats itself runs out of turns).
+its strings aside): the tools answer it the same, so it reads nothing new (a copied second search is one; a
+greedy policy that repeats itself runs out of turns).
 """
 
 from __future__ import annotations
