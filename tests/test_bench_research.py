@@ -185,10 +185,15 @@ def test_the_second_search_is_told_apart_by_where_its_query_came_from():
     )
 
 
+def refused(query: str) -> Turn:
+    result = ToolResult("search", False, "error", "invalid_args", 1.0, 0, 0, False, None)
+    return Turn([1], [0.0], [], "", "", [ToolCall("search", {"query": query}, "")], [result], [], 0, 0.0, 0.0)
+
+
 def test_a_call_repeated_in_tool_and_arguments_is_counted_and_so_is_running_out_of_turns():
     """A call whose tool and arguments (case and spaces aside) an earlier call made counts as repeated, the first
-    of them not. The summary averages the repeats
-    and gives the share of questions that reached the turn limit."""
+    of them not, as the turn reward counts it: a refused call made again is malformed, not a repeat. The summary
+    averages the repeats and gives the share of questions that reached the turn limit."""
     q = "Where did the band first perform?"
     again = episode(
         searched(q),
@@ -201,6 +206,7 @@ def test_a_call_repeated_in_tool_and_arguments_is_counted_and_so_is_running_out_
         record(corpus_task(), episode(searched(q), read("Bridge.md", "x")), pages=PAGES)["repeated_calls"]
         == 0
     )
+    assert record(corpus_task(), episode(refused(""), refused("")), pages=PAGES)["repeated_calls"] == 0
     looped = rec("b", 0) | {"repeated_calls": 3, "stop_reason": "max_turns"}
     got = summarise([rec("a", 0), looped])
     assert (got["repeated_calls_per_question"], got["out_of_turns"]) == (1.5, 0.5)

@@ -27,9 +27,10 @@ search -> read -> page_qa's answer -> final answer that went wrong.
 
 The second search, where there is one, is what a bridge needs written from the first read: `from_read` when its
 query holds an answer a read returned before it (not "not in the page"), `copied` when it repeats the first
-query (case and spaces aside), else `other`; None without a second search. A repeated call is one whose tool
-and arguments an earlier call of the episode had already made (`training.rewards.call_key`: case and spaces of
-its strings aside): the tools answer it the same, so it reads nothing new (a copied second search is one; a
+query (case and spaces aside), else `other`; None without a second search. A repeated call is one the turn
+reward counts as a repeat (`training.step.turn_facts`): its tool and arguments, case and spaces of its strings
+aside, an earlier call of the episode had already made, and the tool did not refuse its arguments (a refused call
+is malformed instead). The tools answer it the same, so it reads nothing new (a copied second search is one; a
 greedy policy that repeats itself runs out of turns).
 """
 
@@ -41,7 +42,8 @@ from conductor.answers import exact_match, token_f1
 from main_agent.types import Episode, ToolResult
 from subagents.page_qa import NOT_FOUND
 from training.evaluate import CALL_ERRORS
-from training.rewards import call_key, contains_evidence
+from training.rewards import contains_evidence
+from training.step import turn_facts
 from training.tasks import Task
 
 CATEGORIES = (
@@ -96,14 +98,9 @@ def second_search(episode: Episode) -> str | None:
     return None
 
 
-def repeated_calls(episode: Episode) -> int:
-    """Calls whose tool and arguments an earlier call of the episode had already made (see the module docstring)."""
-    seen, repeats = set(), 0
-    for call in (c for turn in episode.turns for c in turn.calls):
-        key = call_key(call.name, call.arguments)
-        repeats += key in seen
-        seen.add(key)
-    return repeats
+def repeated_calls(episode: Episode, task: Task) -> int:
+    """Calls the turn reward counts as repeats (see the module docstring)."""
+    return sum(facts.n_repeated for facts in turn_facts(episode, task))
 
 
 def record(task: Task, episode: Episode, *, pages: Mapping[str, str]) -> dict:
@@ -140,7 +137,7 @@ def record(task: Task, episode: Episode, *, pages: Mapping[str, str]) -> dict:
         "hop2_read": len(support) > 1 and support[1] in read,
         "read_answers": _read_answers(episode),
         "second_search": second_search(episode),
-        "repeated_calls": repeated_calls(episode),
+        "repeated_calls": repeated_calls(episode, task),
         "stop_reason": episode.stop_reason,
         "category": category(episode, answer=answer, gold=gold, read=read, shown=shown, **facts),
     }
