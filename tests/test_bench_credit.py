@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks.studies.credit import scores as cs
-from benchmarks.studies.credit.bench import MODES, recorded_lines, report
+from benchmarks.studies.credit.bench import MODES, Options, recorded_lines, recorded_ns, report
 from benchmarks.studies.credit.pool import pool
 from benchmarks.studies.credit.stages import (
     Records,
@@ -374,3 +374,19 @@ def test_a_paired_difference_resamples_both_estimators_on_the_same_episodes() ->
     assert value == pytest.approx(2.0) and low == pytest.approx(2.0) and high == pytest.approx(2.0)
     with pytest.raises(ValueError):
         cs.paired_difference(cs.spearman, right, wrong[:2])
+
+
+def test_a_run_of_one_n_still_tables_the_other_n_recorded_with_its_settings(tmp_path: Path) -> None:
+    """`--n-items 2` alone must not drop N = 1's row from the results file: every N whose folder was recorded
+    with the same settings is scored; a folder of other settings, or one with no episodes yet, is not."""
+    cfg = TrainConfig()
+    opts = Options("plate_audit", [2], 12, 64, 2, 10, tmp_path, work=tmp_path / "work")
+    for n in (1, 2, 4):
+        opts.folder(n, cfg)[0].mkdir(parents=True)
+    for n in (1, 2):
+        (opts.folder(n, cfg)[0] / "episodes.jsonl").write_text("", encoding="utf-8")
+    (tmp_path / "plate_audit-n8-0123456789").mkdir()  # N = 8 under other settings
+    (tmp_path / "plate_audit-n8-0123456789" / "episodes.jsonl").write_text("", encoding="utf-8")
+    assert recorded_ns(opts, cfg) == {1, 2}
+    other = Options("plate_audit", [2], 24, 64, 2, 10, tmp_path, work=tmp_path / "work")
+    assert recorded_ns(other, cfg) == set()

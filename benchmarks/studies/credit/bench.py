@@ -316,6 +316,17 @@ class Options:
         return self.records / f"{self.family}-n{n}-{digest}", settings
 
 
+def recorded_ns(opts: Options, cfg: TrainConfig) -> set[int]:
+    """The N whose records under `opts.records` were sampled with these settings: a run that samples one N
+    still tables the others, so its results file never drops a row another run made."""
+    ns = set()
+    for folder in opts.records.glob(f"{opts.family}-n*-*"):
+        n = folder.name.removeprefix(f"{opts.family}-n").split("-")[0]
+        if n.isdigit() and opts.folder(int(n), cfg)[0] == folder and (folder / "episodes.jsonl").exists():
+            ns.add(int(n))
+    return ns
+
+
 def weights_sha(policy: str) -> str:
     """SHA-256 over the policy's weight files (an adapter's after its base's): which policy a record was
     sampled from."""
@@ -414,13 +425,14 @@ def main() -> None:
         work=ROOT / "runs" / f"bench_credit{suffix}" / "work",
     )  # fmt: skip
     load = functools.partial(task_data.load_family, args.family, args.split, data_dir=cfg.run.data_dir)
-    tasks = {n: load(limit=args.episodes // cfg.group_size, items=n) for n in args.n_items}
+    ns = sorted(set(args.n_items) | recorded_ns(opts, cfg))
+    tasks = {n: load(limit=args.episodes // cfg.group_size, items=n) for n in ns}
     start = time.monotonic()
     if not args.recorded:
         asyncio.run(sample(opts, cfg, tasks))
     scored = (
         report(n, tasks[n], opts.folder(n, cfg)[0], cfg, truth_turns=args.truth_turns, draws=args.draws)
-        for n in args.n_items
+        for n in ns
     )
     rows = [r for r in scored if r is not None]
     if not rows:
