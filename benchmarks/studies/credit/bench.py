@@ -318,7 +318,8 @@ class Options:
 
 def recorded_ns(opts: Options, cfg: TrainConfig) -> set[int]:
     """The N whose records under `opts.records` were sampled with these settings: a run that samples one N
-    still tables the others, so its results file never drops a row another run made."""
+    still tables the others, so its results file keeps their rows. A folder whose digest predates a config
+    field (its settings.json lacks it) is not found (docs/credit.md, "N = 2 resumed on a fresh machine")."""
     ns = set()
     for folder in opts.records.glob(f"{opts.family}-n*-*"):
         n = folder.name.removeprefix(f"{opts.family}-n").split("-")[0]
