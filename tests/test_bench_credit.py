@@ -3,6 +3,7 @@ scripted policy whose first call decides the outcome (so the true advantage of e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -390,3 +391,23 @@ def test_a_run_of_one_n_still_tables_the_other_n_recorded_with_its_settings(tmp_
     assert recorded_ns(opts, cfg) == {1, 2}
     other = Options("plate_audit", [2], 24, 64, 2, 10, tmp_path, work=tmp_path / "work")
     assert recorded_ns(other, cfg) == set()
+
+
+def test_a_folder_recorded_before_a_config_field_existed_is_still_found(tmp_path: Path) -> None:
+    """Records sampled before a config field was added keep their older digest: the same settings still find
+    them when the field they lack holds its default now, and do not when it was set to anything else, when
+    another setting differs, or when the folder holds a field the config no longer has."""
+    cfg = TrainConfig()
+    opts = Options("plate_audit", [1], 12, 64, 2, 10, tmp_path, work=tmp_path / "work")
+    path, settings = opts.folder(1, cfg)
+    older = json.loads(json.dumps(settings, default=str))
+    del older["config"]["credit"]["shaping"], older["config"]["task_ids"]
+    folder = tmp_path / "plate_audit-n1-0123456789"
+    folder.mkdir()
+    (folder / "settings.json").write_text(json.dumps({**older, "policy_sha256": "ab"}), encoding="utf-8")
+    (folder / "episodes.jsonl").write_text("", encoding="utf-8")
+    assert opts.folder(1, cfg)[0] == folder and recorded_ns(opts, cfg) == {1}
+    assert opts.folder(1, dataclasses.replace(cfg, task_ids=("x",)))[0] != folder
+    assert opts.folder(1, dataclasses.replace(cfg, lr=2e-5))[0] != folder
+    (folder / "settings.json").write_text(json.dumps({**older, "gone": 1}), encoding="utf-8")
+    assert opts.folder(1, cfg)[0] == path != folder

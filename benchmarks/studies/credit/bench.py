@@ -308,18 +308,49 @@ class Options:
     """The tool server's scratch folder (pages, clips): under runs/, never among the records."""
 
     def folder(self, n: int, cfg: TrainConfig) -> tuple[Path, dict]:
-        """Where one N's records live, named by a digest of every setting but the replays, and those settings."""
+        """Where one N's records live, named by a digest of every setting but the replays, and those settings.
+        A folder recorded before a config field existed has another digest; it is still this N's folder when its
+        settings.json differs only by fields it lacks that hold their default now (`same_but_added`)."""
         # not --replays: raising it adds continuations to the same folder's states
         settings = {"n": n, "episodes": self.episodes, "truth_turns": self.truth_turns}
         settings["config"] = config_to_dict(cfg)
         digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:10]
-        return self.records / f"{self.family}-n{n}-{digest}", settings
+        exact = self.records / f"{self.family}-n{n}-{digest}"
+        if exact.exists():
+            return exact, settings
+        current = json.loads(json.dumps(settings, default=str))  # as settings.json holds it
+        defaults = json.loads(json.dumps(config_to_dict(TrainConfig()), default=str))
+        for older in sorted(self.records.glob(f"{self.family}-n{n}-*")):
+            path = older / "settings.json"
+            if path.exists():
+                recorded = json.loads(path.read_text(encoding="utf-8"))
+                recorded.pop("policy_sha256", None)
+                if same_but_added(recorded, current, {**current, "config": defaults}):
+                    return older, settings
+        return exact, settings
+
+
+def same_but_added(recorded: dict, current: dict, defaults: dict) -> bool:
+    """`recorded` holds `current`'s settings, but for keys added since (absent from `recorded`) whose current
+    value is their default: what a field added to the config at its default leaves as it was."""
+    if recorded.keys() - current.keys():
+        return False  # a field removed since: the settings are not comparable
+    for key, value in current.items():
+        if key not in recorded:
+            if value != defaults.get(key):
+                return False
+        elif isinstance(value, dict) and isinstance(recorded[key], dict):
+            if not same_but_added(recorded[key], value, defaults.get(key) or {}):
+                return False
+        elif recorded[key] != value:
+            return False
+    return True
 
 
 def recorded_ns(opts: Options, cfg: TrainConfig) -> set[int]:
     """The N whose records under `opts.records` were sampled with these settings: a run that samples one N
-    still tables the others, so its results file keeps their rows. A folder whose digest predates a config
-    field (its settings.json lacks it) is not found (docs/credit.md, "N = 2 resumed on a fresh machine")."""
+    still tables the others, so its results file keeps their rows, with folders recorded before a config field
+    existed (Options.folder)."""
     ns = set()
     for folder in opts.records.glob(f"{opts.family}-n*-*"):
         n = folder.name.removeprefix(f"{opts.family}-n").split("-")[0]
