@@ -82,11 +82,11 @@ def doc(file: str) -> str:
     return handle_for("page", f"corpus/train/{file}")
 
 
-async def play(task: Task, tools=handler, *, chain: bool = True, mistakes: float = 0.0) -> Episode:
+async def play(task: Task, tools=handler, *, chain: bool = True) -> Episode:
     tokenizer = ByteChatTokenizer()
     client = ToolClient("http://tools", transport=fake_tool_server(tools), deadline_s=5.0)
     async with client:
-        policy = OraclePolicy(task, tokenizer, chain=chain, mistakes=mistakes)
+        policy = OraclePolicy(task, tokenizer, chain=chain)
         return await rollout(
             rollout_task(task, TOOLS), policy, client, tokenizer, CFG, on_turn=policy.observe
         )
@@ -150,26 +150,6 @@ async def test_corpus_oracle_reads_one_page_of_a_one_page_question():
         [],
     ]
     assert episode.answer == "France"
-
-
-async def refusing_a_search_without_query(name: str, arguments: dict[str, object]) -> dict[str, object]:
-    """`handler`, but a search without `query` is refused as the real server words it."""
-    if name == "search" and "query" not in arguments:
-        message = "query: Field required; question: Extra inputs are not permitted"
-        error = {"kind": "invalid_args", "message": message}
-        return {**ok_result(f"error (invalid_args): {message}"), "ok": False, "error": error}
-    return await handler(name, arguments)
-
-
-async def test_the_corpus_oracles_deliberate_mistake_is_a_search_with_question_for_query():
-    """With `mistakes` = 1 the corpus expert's first call is a search written with page_qa's `question` (the
-    refused calls of v19 and v20 on research_corpus), untrained; the tool refuses it and the expert goes on with
-    the plan it follows without the mistake, its own turns all trained."""
-    episode = await play(HOTPOT, refusing_a_search_without_query, chain=False, mistakes=1.0)
-    plain = await play(HOTPOT, refusing_a_search_without_query, chain=False)
-    assert calls(episode) == [[("search", {"question": HOTPOT.question})], *calls(plain)]
-    assert [t.trained for t in episode.turns] == [False] + [True] * len(plain.turns)
-    assert episode.tool_errors == 1 and plain.tool_errors == 0 and episode.answer == plain.answer == "France"
 
 
 async def test_an_unchained_corpus_oracle_reads_the_top_hit_of_a_two_page_question_and_answers():
@@ -284,14 +264,13 @@ def test_a_session_searches_one_corpus() -> None:
 async def test_research_corpus_expert_through_the_real_tool_server(tmp_path, smollm2_path) -> None:
     """Two research_corpus questions through the in-process tool server (real BM25 over examples/corpus, real
     page_qa on the built-in model, file:// reads): the expert's search finds the source page and page_qa reads
-    it by its handle; each episode ends with an answer. The second opens with the deliberate mistake (a search
-    with `question`), which the real search refuses naming `query`: its only error."""
+    it by its handle without error; each episode ends with an answer."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path, local_files_only=True)
     questions = task_data.load_family("research_corpus", "dev", limit=2)
     async with tool_session(questions, work_dir=tmp_path, access=ToolAccess()) as (client, ready):
-        experts = {t.task_id: OraclePolicy(t, tokenizer, mistakes=float(i)) for i, t in enumerate(ready)}
+        experts = {t.task_id: OraclePolicy(t, tokenizer) for t in ready}
         groups = await play_tasks(
             ready,
             lambda task: experts[task.task_id],
@@ -301,11 +280,7 @@ async def test_research_corpus_expert_through_the_real_tool_server(tmp_path, smo
             max_concurrent=2,
             on_turn_for=lambda task: experts[task.task_id].observe,
         )
-    for mistaken, (task, (episode,)) in enumerate(zip(ready, groups, strict=True)):
+    for task, (episode,) in zip(ready, groups, strict=True):
         read = [c.arguments["url"] for t in episode.turns for c in t.calls if c.name == "page_qa"]
         assert read and read[0] == handle_for("page", "corpus/" + task.meta.page_paths[0]), read
-        assert episode.tool_errors == mistaken and episode.stop_reason == "answer", episode.turns[
-            -1
-        ].completion_text
-    refused = groups[1][0].turns[0]
-    assert not refused.trained and "query: Field required" in refused.observation_text
+        assert episode.tool_errors == 0 and episode.stop_reason == "answer", episode.turns[-1].completion_text

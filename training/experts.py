@@ -8,10 +8,9 @@ real tool server, the demonstrations SFT imitates (training/sft.py) and the benc
   demonstrates, it does not compete), but by default writes it only when an observation showed it, so no
   demonstration teaches stating what no tool showed; otherwise it answers its own reading, which then fails the
   success filter. `trust_reference=True` answers the reference regardless (more data, less honest). With
-  `mistakes` > 0 the plate and corpus experts sometimes make a mistake first (a zoom before find_text, or on r2
-  rather than r1; a search written with `question` for `query`), marked untrained (`Turn.trained`): the
-  demonstration shows the refusal and the recovery, or the read without a plate and the retry, and the loss
-  never teaches the mistake.
+  `mistakes` > 0 the plate experts sometimes make a mistake first (a zoom before find_text, or on r2 rather than
+  r1), marked untrained (`Turn.trained`): the demonstration shows the refusal and the recovery, or the read
+  without a plate and the retry, and the loss never teaches the mistake.
 - `play_experts` plays one expert per task; `worth_imitating` says which of their episodes a policy should copy.
 """
 

@@ -180,8 +180,7 @@ class SFTConfig:
     """The oracle answers the reference even when no observation showed it (see the module docstring)."""
     mistakes: float = 0.0
     """Probability that the expert makes its family's mistake where one is offered (`mistake_reply`: plates
-    zoom on a region before find_text, or on r2 right after it; corpus_qa searches with `question` for `query`
-    at its first turn), untrained, so that the demonstration shows the
+    zoom on a region before find_text, or on r2 right after it), untrained, so that the demonstration shows the
     recovery a refused call needs, or the retry a read without a plate needs (`OraclePolicy`). 0: none."""
     chain: bool = True
     """corpus_qa's expert on a question with two supporting pages: search again with what the first read

@@ -65,12 +65,7 @@ FAMILIES = {
 GRADED = {plates.NAME: plates.graded_reward, plate_audit.NAME: plate_audit.graded_reward}
 """The graded score of the families whose own reward is exact; `reward_for(..., kind="graded")` uses it."""
 
-MISTAKES = {
-    plates.NAME: plates.mistake_reply,
-    plate_audit.NAME: plate_audit.mistake_reply,
-    corpus_qa.NAME: corpus_qa.mistake_reply,
-    research_corpus.NAME: research_corpus.mistake_reply,  # the same expert (never trained on: the real test's)
-}
+MISTAKES = {plates.NAME: plates.mistake_reply, plate_audit.NAME: plate_audit.mistake_reply}
 """The families whose expert can make a policy's typical mistake where it fits (`mistake_reply(task, turns) ->
 str | None`): refused by the tool, never trained on, it lets a demonstration show the recovery
 (`SFTConfig.mistakes`)."""

@@ -142,9 +142,7 @@ def steps(task: Task) -> list[tuple[str, tuple[int, ...]]]:
 
 def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool, chain: bool = True) -> str:
     """The next call of the question's plan (chained, hop by hop or one step: the module docstring), else the
-    answer. `chain=False` stops a two-page question's chain after its first read (`_one_read`). The plan counts
-    the expert's own turns: a deliberate mistake's (untrained, `mistake_reply`) is not one of its steps."""
-    turns = [turn for turn in turns if turn.trained]
+    answer. `chain=False` stops a two-page question's chain after its first read (`_one_read`)."""
     if not task.meta.hops and len(task.meta.supporting_titles) >= 2:
         return _chained(task, turns, trust_reference) if chain else _one_read(task, turns, trust_reference)
     plan, step = steps(task), len(turns) // 2
@@ -158,13 +156,6 @@ def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool, chain:
             return "\n".join(call_text("page_qa", url=page, question=question) for page in pages)
     reading = [t for t in turns if t.calls and t.calls[0].name == "page_qa"]
     return answer_text(_from_reads(task, reading[-1:], answers, trust_reference))
-
-
-def mistake_reply(task: Task, turns: list[Turn]) -> str | None:
-    """A policy's mistake where one fits, else None: at the first turn, a search written with page_qa's
-    `question` for search's `query`, every refused call of v19's and v20's research_corpus evaluations
-    (docs/plates.md). search refuses it, naming both fields, and the expert searches with the query."""
-    return None if turns else call_text("search", question=task.question)
 
 
 def _chained(task: Task, turns: list[Turn], trust_reference: bool) -> str:

@@ -27,7 +27,6 @@ CORPUS = REPO / "examples" / "corpus"
 reward = multihop.reward
 success = multihop.success
 oracle_reply = corpus_qa.oracle_reply
-mistake_reply = corpus_qa.mistake_reply
 
 
 def load(data_dir: Path, split: str, *, limit: int | None = None) -> list[Task]:
