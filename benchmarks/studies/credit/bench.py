@@ -85,7 +85,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -318,16 +318,26 @@ class Options:
         exact = self.records / f"{self.family}-n{n}-{digest}"
         if exact.exists():
             return exact, settings
-        current = json.loads(json.dumps(settings, default=str))  # as settings.json holds it
-        defaults = json.loads(json.dumps(config_to_dict(TrainConfig()), default=str))
-        for older in sorted(self.records.glob(f"{self.family}-n{n}-*")):
-            path = older / "settings.json"
-            if path.exists():
-                recorded = json.loads(path.read_text(encoding="utf-8"))
-                recorded.pop("policy_sha256", None)
-                if same_but_added(recorded, current, {**current, "config": defaults}):
-                    return older, settings
-        return exact, settings
+        return older_folder(self.records.glob(f"{self.family}-n{n}-*"), settings) or exact, settings
+
+
+def older_folder(folders: Iterable[Path], settings: dict) -> Path | None:
+    """The folder among `folders` whose settings.json holds `settings` but for config fields added since, at
+    their default now (`same_but_added`); None if there is none."""
+    current = json.loads(json.dumps(settings, default=str))  # as settings.json holds it (tuples as lists)
+    defaults = json.loads(json.dumps(config_to_dict(TrainConfig()), default=str))
+    for folder in sorted(folders):
+        path = folder / "settings.json"
+        if not path.exists():
+            continue
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+        recorded.pop("policy_sha256", None)
+        study = {k: v for k, v in recorded.items() if k != "config"}  # n, episodes, truth_turns: exactly
+        if study == {k: v for k, v in current.items() if k != "config"} and same_but_added(
+            recorded.get("config", {}), current["config"], defaults
+        ):
+            return folder
+    return None
 
 
 def same_but_added(recorded: dict, current: dict, defaults: dict) -> bool:
