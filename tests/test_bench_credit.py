@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from benchmarks.studies.credit import scores as cs
-from benchmarks.studies.credit.bench import MODES, Options, recorded_lines, recorded_ns, report
+from benchmarks.studies.credit.bench import MODES, report
+from benchmarks.studies.credit.folders import Options, recorded_lines, recorded_ns
 from benchmarks.studies.credit.pool import pool
 from benchmarks.studies.credit.stages import (
     Records,
