@@ -16,7 +16,7 @@ import torch
 from benchmarks.studies.credit import scores as cs
 from benchmarks.studies.credit.bench import MODES, report
 from benchmarks.studies.credit.folders import Options, recorded_lines, recorded_ns
-from benchmarks.studies.credit.pool import pool
+from benchmarks.studies.credit.pool import plot, pool
 from benchmarks.studies.credit.stages import (
     Records,
     Session,
@@ -343,7 +343,8 @@ async def test_a_resume_draws_again_the_continuations_that_failed_as_infrastruct
 
 async def test_pooled_studies_are_scored_as_one_set_of_episodes(tmp_path: Path) -> None:
     """Two studies of the same N pool into one row: counts add up, the pairs are both studies' episodes in
-    order, every score is the metric of those pooled pairs, and a study pooled alone keeps its own scores."""
+    order, every score is the metric of those pooled pairs, a study pooled alone keeps its own scores, and the
+    pooled rows plot (scores undefined on these episodes plot nothing)."""
     cfg = TrainConfig(task="video_qa", group_size=2, credit=CreditConfig(branch_k=1, branch_turns=1))
     rows = []
     for k in (0, 1):
@@ -362,6 +363,7 @@ async def test_pooled_studies_are_scored_as_one_set_of_episodes(tmp_path: Path) 
         for name in ("spearman", "sign", "pairwise"):
             a, b = alone["modes"][mode][name], rows[0]["modes"][mode][name]
             assert a == b or (math.isnan(a[0]) and math.isnan(b[0]))
+    assert plot([both], tmp_path / "pooled.png").stat().st_size > 0  # undefined (NaN) scores plot nothing
 
 
 def test_a_paired_difference_resamples_both_estimators_on_the_same_episodes() -> None:

@@ -9,7 +9,8 @@ Each result row carries its (estimate, truth) pairs per episode and its truths w
 (bench.report), so nothing is sampled or read from the records. Counts and stage times add up; per-episode
 figures (turns, reward, tokens) are averaged weighted by episodes. Each mode's Spearman is also given over outcome
 credit's on the same episodes, with a paired bootstrap interval (scores.paired_difference), and branch credit's over
-outcome_matched's, outcome credit at branch credit's sampled tokens, where every study has it. A pooled score
+outcome_matched's, outcome credit at branch credit's sampled tokens, where every study has it; the plot shows both
+against N, each mode's Spearman and its paired difference, with their intervals. A pooled score
 answers "how well does this mode's credit track the truth on warm starts of this recipe", not on one warm start:
 its interval includes the spread between the studies only as far as their episodes differ.
 """
@@ -25,7 +26,8 @@ from pathlib import Path
 
 from benchmarks import ROOT
 from benchmarks.studies.credit import scores as cs
-from benchmarks.studies.credit.bench import METRICS, MODES, interval, plot, table
+from benchmarks.studies.credit.bench import METRICS, MODES, interval, table
+from training.plot import save_figure
 
 
 def pool(rows: Sequence[dict], *, draws: int = 1000) -> dict:
@@ -74,6 +76,45 @@ def pool(rows: Sequence[dict], *, draws: int = 1000) -> dict:
         "pairs": pairs,
         "truths": truths,
     }
+
+
+def plot(rows: Sequence[dict], out: Path) -> Path:
+    """Two panels against N, each point with its 95 % interval: every mode's Spearman with the truth, and each
+    mode's paired difference over outcome credit's (branch credit's also over outcome_matched's, dashed: the
+    same sampled tokens). A difference whose interval holds 0 decides nothing at that N."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    from matplotlib import pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    ns = [r["n"] for r in rows]
+    for k, mode in enumerate(MODES):
+        color = f"C{k}"
+        _line(left, rows, lambda r, m=mode: r["modes"].get(m, {}).get("spearman"), k, mode, color)
+        _line(right, rows, lambda r, m=mode: r["spearman_over_outcome"].get(m), k, f"{mode} - outcome", color)
+        if mode in ("branch", "branch_all"):
+            over = lambda r, m=mode: r["spearman_over_matched"].get(m)  # noqa: E731
+            _line(right, rows, over, k + 0.5, f"{mode} - outcome_matched", color, ls="--")
+    for ax, title in ((left, "Spearman with the truth"), (right, "paired difference (Spearman)")):
+        ax.axhline(0.0, color="grey", lw=0.8, ls=":")
+        ax.set(xscale="log", xlim=(min(ns) / 1.3, max(ns) * 1.3), xticks=ns, xticklabels=[str(n) for n in ns])
+        ax.set(xlabel="N (items per episode)", ylim=(-1.05, 1.05), title=title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small")
+    return save_figure(fig, out)
+
+
+def _line(ax, rows: Sequence[dict], value, k: float, label: str, color: str, ls: str = "-") -> None:
+    """One mode's [value, low, high] at each N that has it, offset beside the other modes."""
+    points = [(r["n"], v) for r in rows if (v := value(r)) is not None and v[0] == v[0]]  # NaN: undefined
+    if not points:
+        return
+    xs = [n * 1.04 ** (k - 2.5) for n, _ in points]
+    err = [[v[0] - v[1] for _, v in points], [v[2] - v[0] for _, v in points]]
+    ax.errorbar(
+        xs, [v[0] for _, v in points], yerr=err, marker="o", capsize=3, label=label, color=color, ls=ls
+    )
 
 
 def main() -> None:
