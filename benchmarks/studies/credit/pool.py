@@ -94,8 +94,16 @@ def plot(rows: Sequence[dict], out: Path) -> Path:
         _line(left, rows, lambda r, m=mode: r["modes"].get(m, {}).get("spearman"), k, mode, color)
         _line(right, rows, lambda r, m=mode: r["spearman_over_outcome"].get(m), k, f"{mode} - outcome", color)
         if mode in ("branch", "branch_all"):
-            over = lambda r, m=mode: r["spearman_over_matched"].get(m)  # noqa: E731
-            _line(right, rows, over, k + 0.5, f"{mode} - outcome_matched", color, ls="--")
+            matched = f"{mode} - outcome_matched"
+            _line(
+                right,
+                rows,
+                lambda r, m=mode: r["spearman_over_matched"].get(m),
+                k + 0.5,
+                matched,
+                color,
+                "--",
+            )
     for ax, title in ((left, "Spearman with the truth"), (right, "paired difference (Spearman)")):
         ax.axhline(0.0, color="grey", lw=0.8, ls=":")
         ax.set(xscale="log", xlim=(min(ns) / 1.3, max(ns) * 1.3), xticks=ns, xticklabels=[str(n) for n in ns])
