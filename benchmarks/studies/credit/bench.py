@@ -263,32 +263,36 @@ def plot(rows: Sequence[dict], out: Path) -> Path:
     from matplotlib import pyplot as plt
 
     fig, axes = plt.subplots(1, len(METRICS), figsize=(12, 3.6))
-    ns = [r["n"] for r in rows]
     for ax, name in zip(axes, METRICS, strict=True):
         for k, mode in enumerate(MODES):
-            scored = [r for r in rows if mode in r["modes"]]
-            if not scored:
-                continue
-            v = [r["modes"][mode][name] for r in scored]
-            xs = [r["n"] * 1.04 ** (k - 2.5) for r in scored]  # modes side by side at each N
-            err = [[a[0] - a[1] for a in v], [a[2] - a[0] for a in v]]
-            ax.errorbar(xs, [a[0] for a in v], yerr=err, marker="o", capsize=3, label=mode)
-        ax.axhline(0.5 if name != "spearman" else 0.0, color="grey", lw=0.8, ls=":")
-        ax.set(
-            xscale="log",
-            xlim=(
-                min(ns) / 1.3,
-                max(ns) * 1.3,
-            ),  # set, not autoscaled: a metric undefined at every N plots nothing
-            xticks=ns,
-            xticklabels=[str(n) for n in ns],
-            xlabel="N (items per episode)",
-            ylim=(-1.05, 1.05) if name == "spearman" else (-0.05, 1.05),
-            title=name,
-        )
-        ax.grid(alpha=0.3)
+            errorbars(ax, rows, lambda r, m=mode, x=name: r["modes"].get(m, {}).get(x), k, mode, f"C{k}")
+        spearman = name == "spearman"
+        n_axis(ax, [r["n"] for r in rows], title=name, ylim=(-1.05, 1.05) if spearman else (-0.05, 1.05))
+        ax.axhline(0.0 if spearman else 0.5, color="grey", lw=0.8, ls=":")
     axes[0].legend(fontsize="small")
     return save_figure(fig, out)
+
+
+def errorbars(ax, rows: Sequence[dict], value, k: float, label: str, color: str, ls: str = "-") -> None:
+    """`value(row)`'s [value, low, high] at each N that has it (None or NaN: nothing), offset beside the other
+    modes so that their intervals do not overlap."""
+    points = [(r["n"], v) for r in rows if (v := value(r)) is not None and not math.isnan(v[0])]
+    if not points:
+        return
+    xs = [n * 1.04 ** (k - 2.5) for n, _ in points]
+    err = [[v[0] - v[1] for _, v in points], [v[2] - v[0] for _, v in points]]
+    ax.errorbar(
+        xs, [v[0] for _, v in points], yerr=err, marker="o", capsize=3, label=label, color=color, ls=ls
+    )
+
+
+def n_axis(ax, ns: list[int], *, title: str, ylim: tuple[float, float]) -> None:
+    """N on a log axis with a tick at each N, the limits set rather than autoscaled (a metric undefined at
+    every N plots nothing)."""
+    ticks = dict(xticks=ns, xticklabels=[str(n) for n in ns])
+    ax.set(xscale="log", xlim=(min(ns) / 1.3, max(ns) * 1.3), **ticks, xlabel="N (items per episode)")
+    ax.set(ylim=ylim, title=title)
+    ax.grid(alpha=0.3)
 
 
 async def sample(opts: Options, cfg: TrainConfig, tasks: dict[int, list[Task]]) -> None:

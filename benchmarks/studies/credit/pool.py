@@ -18,6 +18,7 @@ its interval includes the spread between the studies only as far as their episod
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from benchmarks import ROOT
 from benchmarks.studies.credit import scores as cs
-from benchmarks.studies.credit.bench import METRICS, MODES, interval, table
+from benchmarks.studies.credit.bench import METRICS, MODES, errorbars, interval, n_axis, table
 from training.plot import save_figure
 
 
@@ -88,41 +89,24 @@ def plot(rows: Sequence[dict], out: Path) -> Path:
     from matplotlib import pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    ns = [r["n"] for r in rows]
     for k, mode in enumerate(MODES):
         color = f"C{k}"
-        _line(left, rows, lambda r, m=mode: r["modes"].get(m, {}).get("spearman"), k, mode, color)
-        _line(right, rows, lambda r, m=mode: r["spearman_over_outcome"].get(m), k, f"{mode} - outcome", color)
+        errorbars(left, rows, lambda r, m=mode: r["modes"].get(m, {}).get("spearman"), k, mode, color)
+        over = f"{mode} - outcome"
+        errorbars(right, rows, lambda r, m=mode: r["spearman_over_outcome"].get(m), k, over, color)
         if mode in ("branch", "branch_all"):
-            matched = f"{mode} - outcome_matched"
-            _line(
-                right,
-                rows,
-                lambda r, m=mode: r["spearman_over_matched"].get(m),
-                k + 0.5,
-                matched,
-                color,
-                "--",
-            )
+            at_tokens = functools.partial(_over_matched, mode=mode)
+            errorbars(right, rows, at_tokens, k + 0.5, f"{mode} - outcome_matched", color, "--")
     for ax, title in ((left, "Spearman with the truth"), (right, "paired difference (Spearman)")):
+        n_axis(ax, [r["n"] for r in rows], title=title, ylim=(-1.05, 1.05))
         ax.axhline(0.0, color="grey", lw=0.8, ls=":")
-        ax.set(xscale="log", xlim=(min(ns) / 1.3, max(ns) * 1.3), xticks=ns, xticklabels=[str(n) for n in ns])
-        ax.set(xlabel="N (items per episode)", ylim=(-1.05, 1.05), title=title)
-        ax.grid(alpha=0.3)
         ax.legend(fontsize="x-small")
     return save_figure(fig, out)
 
 
-def _line(ax, rows: Sequence[dict], value, k: float, label: str, color: str, ls: str = "-") -> None:
-    """One mode's [value, low, high] at each N that has it, offset beside the other modes."""
-    points = [(r["n"], v) for r in rows if (v := value(r)) is not None and v[0] == v[0]]  # NaN: undefined
-    if not points:
-        return
-    xs = [n * 1.04 ** (k - 2.5) for n, _ in points]
-    err = [[v[0] - v[1] for _, v in points], [v[2] - v[0] for _, v in points]]
-    ax.errorbar(
-        xs, [v[0] for _, v in points], yerr=err, marker="o", capsize=3, label=label, color=color, ls=ls
-    )
+def _over_matched(row: dict, *, mode: str) -> list[float] | None:
+    """A branch mode's paired Spearman over outcome_matched's (the same sampled tokens), where the row has it."""
+    return row["spearman_over_matched"].get(mode)
 
 
 def main() -> None:
