@@ -117,7 +117,8 @@ async def test_the_study_scores_known_advantages_and_resumes_without_sampling(tm
     """2 tasks x 2 episodes x 2 turns, 6 replays a state: every stage recorded, every continuation after turn 0
     ends as the episode did (so turn 1's truth is exactly 0); outcome credit cannot order two turns of an
     episode (pairwise exactly 1/2), branch_all can; outcome and turn credit spend the episodes' tokens, branch
-    more. A second run samples nothing: every stage resumes from its records."""
+    more. A second run samples nothing: every stage resumes from its records. Without its truth stage the
+    records score nothing (no row of undefined scores)."""
     policy = ScriptedPolicy(decided_by_the_first_call(random.Random(0)))
     cfg = TrainConfig(task="video_qa", group_size=2, credit=CreditConfig(branch_k=2, branch_turns=1))
     async with ToolClient("http://tools", transport=fake_tool_server()) as tools:
@@ -154,6 +155,8 @@ async def test_the_study_scores_known_advantages_and_resumes_without_sampling(tm
     assert spent["outcome"] == spent["turn"] == spent["anchor"] < spent["branch"] <= spent["branch_all"]
     assert spent["outcome"] < spent["outcome_matched"]
     assert row["truth"]["replays_per_state"] == 6 and row["truth"]["sampled_tokens_per_episode"] > 0
+    (tmp_path / "truth.jsonl").unlink()
+    assert report(1, TASKS, tmp_path, cfg, truth_turns=0, draws=50) is None
 
 
 async def test_with_a_sample_of_turns_branch_all_branches_around_exactly_the_scored_turns(

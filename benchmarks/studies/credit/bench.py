@@ -162,7 +162,8 @@ def true_advantage(
 def report(
     n: int, tasks: Sequence[Task], folder: Path, cfg: TrainConfig, *, truth_turns: int, draws: int
 ) -> dict | None:
-    """One N's scores from its records: the groups recorded in every stage, the turns whose truth is recorded."""
+    """One N's scores from its records: the groups recorded in every stage, the turns whose truth is recorded;
+    None before any (a study stopped ahead of its truth stage has nothing to score yet)."""
     lines = {
         name: Records(folder / f"{name}.jsonl").read()
         for name in ("episodes", "branch", "branch_all", "matched", "truth")
@@ -192,6 +193,8 @@ def report(
             truths += [a for _, a in scored]
             for mode in modes:
                 pairs[mode].append([(advantages[mode][i][t], a[0]) for t, a in scored])
+    if not truths:
+        return None
     episodes = [e for g in kept for e in groups[g]]
     spent = sum(sampled_tokens(e, 0) for e in episodes)
     extra = {m: sum(branch[m][g]["stats"]["sampled_tokens"] for g in kept) for m in branch}
@@ -375,6 +378,8 @@ def main() -> None:
         for n in ns
     )
     rows = [r for r in scored if r is not None]
+    if waiting := sorted(set(ns) - {r["n"] for r in rows}):
+        print(f"no truth recorded yet for N = {', '.join(map(str, waiting))}: not tabled")
     if not rows:
         sys.exit(f"nothing recorded under {records} for these settings")
     results = ROOT / "benchmarks" / "results"
