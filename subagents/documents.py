@@ -1,7 +1,8 @@
 """Local documents: the readable text of HTML, Markdown, plain text and PDF files, and a folder's persistent index.
 
-`read_document` turns one file into a `Document` (title, the URL page_qa opens it with, text); `pdf_text` is
-shared with page_qa so a PDF hit reads the same whether it is indexed or opened. `read_folder` extracts every
+`read_document` turns one file into a `Document` (title, the URL page_qa opens it with, text);
+`extract_page` turns a fetched body into a `PageText` by its media type for page_qa, with the same HTML and PDF
+extraction, so a hit reads the same whether it is indexed or opened. `read_folder` extracts every
 candidate file of a folder, or, given a `cache_dir`, reuses what it extracted last time while no file changed:
 
     <cache_dir>/documents.json   {"format", "fingerprint", "folder", "documents": [{title, url, text}, ...]}
@@ -35,6 +36,8 @@ import trafilatura
 from pypdf.errors import PyPdfError
 from trafilatura.settings import Document as Extracted
 
+from subagents.errors import ToolFailure
+
 logger = logging.getLogger(__name__)
 
 SUFFIXES = frozenset({".html", ".htm", ".txt", ".md", ".pdf"})
@@ -43,6 +46,10 @@ HTML_SUFFIXES = frozenset({".html", ".htm"})
 # so every indexed file can also be opened.
 MAX_FILE_BYTES = 5_000_000
 FORMAT = 1  # of documents.json; bump when extraction changes so stale caches are rebuilt
+HTML_TYPES = frozenset({"text/html", "application/xhtml+xml"})
+MARKDOWN_TYPES = frozenset({"text/markdown", "text/x-markdown"})  # read as the same page's HTML would be
+PDF_TYPE = "application/pdf"  # what servers send and what file:// URLs of *.pdf are guessed as (mimetypes)
+MAX_TITLE_CHARS = 200  # page titles past this are boilerplate-stuffed; the policy needs only a label
 
 Progress = Callable[[int, int], None]
 """`progress(done, total)`: called after each file extracted (never on a cache hit)."""
@@ -177,8 +184,10 @@ def _file_text(raw: bytes, suffix: str) -> tuple[str, str]:
     return plain_text(raw)
 
 
-def html_text(raw: bytes) -> tuple[str, str]:
-    """Title and main text of an HTML file (trafilatura); ("", "") when it has none."""
+def html_text(raw: bytes | str) -> tuple[str, str]:
+    """Title and main text of an HTML file (trafilatura); ("", "") when it has none. Given bytes, trafilatura
+    detects their encoding itself. One parse gives text and metadata; the text equals
+    trafilatura.extract(output_format="txt")."""
     doc = trafilatura.bare_extraction(raw, output_format="python", include_comments=False, with_metadata=True)
     if doc is None:
         return "", ""
@@ -246,3 +255,64 @@ def pdf_text(raw: bytes) -> tuple[str, str]:
     title = reader.metadata.title if reader.metadata is not None else None
     pages = [page.extract_text().strip() for page in reader.pages]
     return (title or "").strip(), "\n\n".join(page for page in pages if page)
+
+
+# ---------------------------------------------------------------- a fetched page (page_qa)
+
+
+@dataclass(frozen=True)
+class PageText:
+    """The readable part of a page: its title ("" when unknown) and main text (never empty)."""
+
+    title: str
+    text: str
+
+
+def extract_page(body: bytes, content_type: str) -> PageText:
+    """Title and main text of a fetched body: HTML through trafilatura, PDF through pypdf (text layer only),
+    Markdown without its marks (`markdown_text`: the same text as the page's HTML), other text/* as it is.
+
+    Raises ToolFailure(unsupported_media) for other media types and for pages with no readable text.
+    """
+    media, charset = parse_content_type(content_type)
+    looks_html = not media and body.lstrip()[:1] == b"<"  # servers that send no type: sniff the first byte
+    if media in HTML_TYPES or looks_html:
+        title, text = html_text(_decode(body, charset) if charset else body)
+        page = PageText(title=title[:MAX_TITLE_CHARS], text=text)
+    elif media == PDF_TYPE or (not media and body.startswith(b"%PDF-")):
+        page = _extract_pdf(body)
+    elif media in MARKDOWN_TYPES:
+        page = PageText(*markdown_text(_decode(body, charset)))
+    elif media.startswith("text/") or not media:
+        page = PageText(title="", text=_decode(body, charset).strip())
+    else:
+        raise ToolFailure("unsupported_media", f"page_qa reads HTML, PDF and plain text pages, not {media}")
+    if not page.text:
+        raise ToolFailure(
+            "unsupported_media", "no readable text on this page (empty, or it needs JavaScript to render)"
+        )
+    return page
+
+
+def parse_content_type(content_type: str) -> tuple[str, str | None]:
+    """`text/html; charset=UTF-8` -> ("text/html", "UTF-8")."""
+    media, _, params = content_type.partition(";")
+    match = re.search(r"charset\s*=\s*[\"']?([\w.:-]+)", params, re.IGNORECASE)
+    return media.strip().lower(), match.group(1) if match else None
+
+
+def _decode(body: bytes, charset: str | None) -> str:
+    try:
+        return body.decode(charset or "utf-8", errors="replace")
+    except LookupError:  # an unknown charset name in the header: UTF-8 is the web's majority encoding
+        return body.decode("utf-8", errors="replace")
+
+
+def _extract_pdf(body: bytes) -> PageText:
+    try:
+        title, text = pdf_text(body)
+    except PyPdfError as exc:  # damaged, truncated by the fetch cap, or password-protected
+        raise ToolFailure("unsupported_media", f"cannot read this PDF: {exc}") from exc
+    if not text:
+        raise ToolFailure("unsupported_media", "this PDF has no text layer (a scan?); page_qa does no OCR")
+    return PageText(title=title[:MAX_TITLE_CHARS], text=text)

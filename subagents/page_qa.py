@@ -1,6 +1,7 @@
 """page_qa: read one web page and answer a question about it, with a quote that occurs verbatim on the page.
 
-    fetch (rt.fetcher, SSRF-safe) -> main text (trafilatura; pypdf for PDFs) -> paragraph-aware chunks
+    fetch (rt.fetcher, SSRF-safe) -> main text (documents.extract_page: trafilatura; pypdf for PDFs)
+    -> paragraph-aware chunks
     -> BM25 over the chunks (bm25s, one tiny index per page) -> the frozen model answers from the top chunks
     -> the quote, chosen here and never by the model (a 135M model paraphrases and invents): the sentence of
        those chunks holding the answer (or sharing most words with it), from the page
@@ -31,15 +32,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
-import trafilatura
 from pydantic import BaseModel, ConfigDict, Field
-from pypdf.errors import PyPdfError
-from trafilatura.settings import Document as Extracted
 
 from conductor.settings import ConfigError
 from subagents import spans
 from subagents.common import Runtime, ToolFailure, ToolResponse, bm25_terms, guarded, truncate
-from subagents.documents import markdown_text, pdf_text
+from subagents.documents import extract_page
 from subagents.llm import LLM, BackendError, Message
 
 logger = logging.getLogger(__name__)
@@ -50,10 +48,6 @@ DESCRIPTION = (
     "Read one web page and answer a question about it: a short answer plus a verbatim supporting quote."
 )
 
-HTML_TYPES = frozenset({"text/html", "application/xhtml+xml"})
-MARKDOWN_TYPES = frozenset({"text/markdown", "text/x-markdown"})  # read as the same page's HTML would be
-PDF_TYPE = "application/pdf"  # what servers send and what file:// URLs of *.pdf are guessed as (mimetypes)
-MAX_TITLE_CHARS = 200  # page titles past this are boilerplate-stuffed; the policy needs only a label
 SYSTEM_PROMPT = (
     "Answer the question using only the page text. Reply with a short answer of a few words. "
     "If the page text does not say, reply: not in the page."
@@ -128,14 +122,6 @@ class Config:
     """"extract": how many spans are scored and how the answer is picked among them (`[page_qa.extract]`)."""
     align_min_f1: float = 0.5
     """"align": the least token F1 between the model's answer and a page span for the span to be the answer."""
-
-
-@dataclass(frozen=True)
-class PageText:
-    """The readable part of a page: its title ("" when unknown) and main text (never empty)."""
-
-    title: str
-    text: str
 
 
 @dataclass(frozen=True)
@@ -269,68 +255,6 @@ def prepare(body: bytes, content_type: str, *, question: str, cfg: Config) -> Pr
     order = rank_chunks(["\n".join(chunk) for chunk in chunks], question, top_k=cfg.top_k)
     logger.debug("page %r: %d chars, %d chunks, showing %s", page.title, len(text), len(chunks), order)
     return Prepared(title=page.title, text=text, top=[chunks[i] for i in order])
-
-
-def extract_page(body: bytes, content_type: str) -> PageText:
-    """Title and main text of a fetched body: HTML through trafilatura, PDF through pypdf (text layer only),
-    Markdown without its marks (documents.markdown_text: the same text as the page's HTML), other text/* as it is.
-
-    Raises ToolFailure(unsupported_media) for other media types and for pages with no readable text.
-    """
-    media, charset = parse_content_type(content_type)
-    looks_html = not media and body.lstrip()[:1] == b"<"  # servers that send no type: sniff the first byte
-    if media in HTML_TYPES or looks_html:
-        page = _extract_html(body, charset)
-    elif media == PDF_TYPE or (not media and body.startswith(b"%PDF-")):
-        page = _extract_pdf(body)
-    elif media in MARKDOWN_TYPES:
-        page = PageText(*markdown_text(_decode(body, charset)))
-    elif media.startswith("text/") or not media:
-        page = PageText(title="", text=_decode(body, charset).strip())
-    else:
-        raise ToolFailure("unsupported_media", f"page_qa reads HTML, PDF and plain text pages, not {media}")
-    if not page.text:
-        raise ToolFailure(
-            "unsupported_media", "no readable text on this page (empty, or it needs JavaScript to render)"
-        )
-    return page
-
-
-def parse_content_type(content_type: str) -> tuple[str, str | None]:
-    """`text/html; charset=UTF-8` -> ("text/html", "UTF-8")."""
-    media, _, params = content_type.partition(";")
-    match = re.search(r"charset\s*=\s*[\"']?([\w.:-]+)", params, re.IGNORECASE)
-    return media.strip().lower(), match.group(1) if match else None
-
-
-def _decode(body: bytes, charset: str | None) -> str:
-    try:
-        return body.decode(charset or "utf-8", errors="replace")
-    except LookupError:  # an unknown charset name in the header: UTF-8 is the web's majority encoding
-        return body.decode("utf-8", errors="replace")
-
-
-def _extract_html(body: bytes, charset: str | None) -> PageText:
-    # One parse gives text and metadata; the text equals trafilatura.extract(output_format="txt").
-    # Without a declared charset trafilatura detects the encoding of the raw bytes itself.
-    html: bytes | str = _decode(body, charset) if charset else body
-    doc = trafilatura.bare_extraction(
-        html, output_format="python", include_comments=False, with_metadata=True
-    )
-    if doc is None:
-        return PageText(title="", text="")
-    assert isinstance(doc, Extracted), type(doc)  # as_dict=False returns the Document object
-    return PageText(title=(doc.title or "")[:MAX_TITLE_CHARS], text=(doc.text or "").strip())
-
-
-def _extract_pdf(body: bytes) -> PageText:
-    try:
-        title, text = pdf_text(body)
-    except PyPdfError as exc:  # damaged, truncated by the fetch cap, or password-protected
-        raise ToolFailure("unsupported_media", f"cannot read this PDF: {exc}") from exc
-    if not text:
-        raise ToolFailure("unsupported_media", "this PDF has no text layer (a scan?); page_qa does no OCR")
-    return PageText(title=title[:MAX_TITLE_CHARS], text=text)
 
 
 def split_chunks(text: str, chunk_chars: int) -> list[list[str]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 from benchmarks.studies.reader import bench as reader
 from benchmarks.studies.reader import items as reader_items
 from benchmarks.studies.reader import rules
-from subagents import page_qa
+from subagents import documents
 
 
 def test_the_splits_hold_their_answers_and_share_no_question(shared_data: Path, tmp_path: Path) -> None:
@@ -45,7 +45,7 @@ def test_a_markdown_report_page_reads_as_its_html(shared_data: Path, tmp_path: P
     title, _, text = md.partition("\n\n")
     html.write_text(reader_items.multihop.page_html((title.removeprefix("# "), [text.strip()])))
     assert reader.page_text(tmp_path / item.page) == reader.page_text(html)
-    assert page_qa.extract_page(html.read_bytes(), "text/html").title == title.removeprefix("# ")
+    assert documents.extract_page(html.read_bytes(), "text/html").title == title.removeprefix("# ")
 
 
 def test_the_rule_chosen_from_records_is_what_page_qa_would_answer() -> None:

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from conductor.settings import ConfigError
-from subagents import page_qa, spans
+from subagents import documents, page_qa, spans
 from subagents.common import Runtime, ToolFailure, approx_tokens
 from subagents.fetch import FetchConfig, FetchedPage, Fetcher
 from subagents.llm import BackendError, Generation, Message, cannot_score_error
@@ -114,7 +114,7 @@ async def ask(
 
 def test_extract_html_keeps_article_drops_navigation() -> None:
     """trafilatura's main text holds the article paragraphs and the <title>, not the nav or footer."""
-    extracted = page_qa.extract_page(HTML.encode(), "text/html; charset=utf-8")
+    extracted = documents.extract_page(HTML.encode(), "text/html; charset=utf-8")
     assert extracted.title == "Visiting Paris"
     assert ANSWER_PARAGRAPH in extracted.text
     assert "About" not in extracted.text and "Copyright" not in extracted.text
@@ -123,7 +123,7 @@ def test_extract_html_keeps_article_drops_navigation() -> None:
 def test_charset_from_content_type_is_used() -> None:
     """A Latin-1 body declared as such decodes correctly (no mojibake)."""
     body = "Le café est ouvert.\nLa crème brûlée coûte six euros.".encode("latin-1")
-    assert "crème brûlée" in page_qa.extract_page(body, "text/plain; charset=ISO-8859-1").text
+    assert "crème brûlée" in documents.extract_page(body, "text/plain; charset=ISO-8859-1").text
 
 
 MARKDOWN = """# Visiting **Paris**
@@ -142,8 +142,8 @@ MARKDOWN_AS_HTML = """<html><head><title>Visiting Paris</title></head><body><art
 def test_markdown_reads_as_the_same_page_in_html() -> None:
     """A Markdown page loses its marks (headings, emphasis, links, code, bullets as "- ") and its leading
     heading is its title, so it reads exactly as the same page written in HTML."""
-    md = page_qa.extract_page(MARKDOWN.encode(), "text/markdown; charset=utf-8")
-    html = page_qa.extract_page(MARKDOWN_AS_HTML.encode(), "text/html")
+    md = documents.extract_page(MARKDOWN.encode(), "text/markdown; charset=utf-8")
+    html = documents.extract_page(MARKDOWN_AS_HTML.encode(), "text/html")
     assert md.title == html.title == "Visiting Paris"
     assert page_qa.split_chunks(md.text, 600) == page_qa.split_chunks(html.text, 600)
 
@@ -151,7 +151,7 @@ def test_markdown_reads_as_the_same_page_in_html() -> None:
 def test_plain_text_is_used_as_is() -> None:
     """text/plain pages skip HTML extraction: every line survives, markup-like text included."""
     text = "Line one <b>not html</b>.\nLine two."
-    assert page_qa.extract_page(text.encode(), "text/plain").text == text
+    assert documents.extract_page(text.encode(), "text/plain").text == text
 
 
 @pytest.mark.parametrize(
@@ -164,7 +164,7 @@ def test_plain_text_is_used_as_is() -> None:
 def test_no_readable_text_is_unsupported_media(body: bytes, content_type: str) -> None:
     """An empty (JavaScript-only) page and a non-text body fail with unsupported_media, not an empty answer."""
     with pytest.raises(ToolFailure) as info:
-        page_qa.extract_page(body, content_type)
+        documents.extract_page(body, content_type)
     assert info.value.error.kind == "unsupported_media"
 
 
@@ -253,7 +253,7 @@ async def test_run_answers_from_the_best_chunks() -> None:
     response, llm = await ask("Answer: 330 metres", page(HTML))
     assert response.ok and response.error is None
     assert response.answer == "330 metres"
-    assert response.quote in page_qa.extract_page(HTML.encode(), "text/html").text
+    assert response.quote in documents.extract_page(HTML.encode(), "text/html").text
     assert "330 metres" in response.quote
     assert ANSWER_PARAGRAPH in llm.calls[0][-1].content and "How tall" in llm.calls[0][-1].content
     assert response.url == "http://a.test/p?final" and response.title == "Visiting Paris"
@@ -348,7 +348,7 @@ async def test_extract_answers_with_the_best_scored_span_of_the_page() -> None:
     response = await ask_in("extract", llm)
     assert response.answer == "330 metres" and response.supported
     assert "330 metres" in llm.scored[0] and llm.scored[0][-1] == page_qa.NOT_FOUND
-    text = page_qa.extract_page(HTML.encode(), "text/html").text
+    text = documents.extract_page(HTML.encode(), "text/html").text
     assert response.answer in response.quote and response.quote in text
     assert response.summary() == f'answer: 330 metres | quote: "{ANSWER_PARAGRAPH}" | source: Visiting Paris'
 
@@ -518,13 +518,13 @@ def loopback(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pa
     server.server_close()
 
 
-async def fetch_and_extract(base: str, name: str) -> page_qa.PageText:
+async def fetch_and_extract(base: str, name: str) -> documents.PageText:
     fetcher = Fetcher(FetchConfig(allow_private_cidrs=("127.0.0.0/8",)))
     try:
         fetched = await fetcher.fetch(f"{base}/{name}")
     finally:
         await fetcher.aclose()
-    return await asyncio.to_thread(page_qa.extract_page, fetched.body, fetched.content_type)
+    return await asyncio.to_thread(documents.extract_page, fetched.body, fetched.content_type)
 
 
 def scrapinghub_english(shared: Path, n: int) -> list[tuple[str, str]]:
@@ -580,7 +580,7 @@ async def test_real_smollm2_answers_from_a_real_page(shared_data: Path, smollm2_
         await llm.aclose()
     assert response.ok, response.observation()
     assert "sudan" in response.answer.lower(), response.answer
-    assert response.quote in page_qa.extract_page(source, "text/html").text
+    assert response.quote in documents.extract_page(source, "text/html").text
     assert "Sudan" in response.quote and response.title == "United States to Lift Sudan Sanctions"
     assert response.tokens_read > 10 * response.tokens_returned
 
@@ -600,7 +600,7 @@ async def test_real_smollm2_extracts_a_grounded_span(shared_data: Path, smollm2_
     for idx in (12, 0):  # the hop's supporting paragraph, and one about another subject
         html = multihop.page_html((paragraphs[idx]["title"], [paragraphs[idx]["paragraph_text"]]))
         (root / f"musique-{idx}.html").write_text(html, encoding="utf-8")
-        texts[idx] = page_qa.extract_page(html.encode(), "text/html").text  # the page as page_qa reads it
+        texts[idx] = documents.extract_page(html.encode(), "text/html").text  # the page as page_qa reads it
     llm = build_llm(BackendConfig())
     fetcher = Fetcher(FetchConfig(allow_private_cidrs=("127.0.0.0/8",)))
     rt = Runtime(llm=llm, fetcher=fetcher, state=None, count_tokens=llm.count_tokens)  # type: ignore[arg-type]

@@ -331,10 +331,10 @@ def test_index_dir_is_per_folder_and_base_url_under_conductor_home(
 def test_page_qa_reads_a_pdf_as_a_fetched_page_and_from_its_file_url(mixed: Path) -> None:
     """page_qa's extraction reads application/pdf bodies (what a server sends and what file://*.pdf is guessed
     as), so a PDF search hit can be opened and quoted; a damaged PDF is unsupported_media, not a crash."""
-    page = page_qa.extract_page((mixed / "basalt.pdf").read_bytes(), "application/pdf")
+    page = documents.extract_page((mixed / "basalt.pdf").read_bytes(), "application/pdf")
     assert page.title == "Columnar basalt" and PDF_LINES[1] in page.text
     with pytest.raises(ToolFailure) as failure:
-        page_qa.extract_page(b"%PDF-1.4\nnot really", "application/pdf")
+        documents.extract_page(b"%PDF-1.4\nnot really", "application/pdf")
     assert failure.value.error.kind == "unsupported_media"
 
 

@@ -52,7 +52,7 @@ from benchmarks import ROOT
 from benchmarks.studies.reader import items as reader_items
 from benchmarks.studies.reader.items import Item
 from conductor.models import DEFAULT_MODEL
-from subagents import page_qa, spans
+from subagents import documents, page_qa, spans
 from subagents.backends import build_llm
 from subagents.common import Runtime
 from subagents.fetch import FetchConfig, Fetcher
@@ -80,7 +80,7 @@ def items(data: Path, pages: Path, splits: list[str], *, n: int) -> list[Item]:
 
 def page_text(path: Path) -> str:
     """The page's text as page_qa reads it."""
-    return page_qa.extract_page(path.read_bytes(), CONTENT_TYPES[path.suffix.lstrip(".")]).text
+    return documents.extract_page(path.read_bytes(), CONTENT_TYPES[path.suffix.lstrip(".")]).text
 
 
 class SharedGenerations:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from subagents import page_qa, spans
+from subagents import documents, spans
 from training.rewards import normalize_answer
 from training.tasks import multihop, research_corpus
 
@@ -168,7 +168,7 @@ def corpus(pages: Path) -> Iterator[Pair]:
     for path in sorted(research_corpus.CORPUS.glob("*.html")):
         (pages / "corpus").mkdir(parents=True, exist_ok=True)
         (pages / "corpus" / path.name).write_bytes(path.read_bytes())
-        texts[path.name] = page_qa.extract_page(path.read_bytes(), "text/html").text
+        texts[path.name] = documents.extract_page(path.read_bytes(), "text/html").text
     for task in research_corpus.load(Path(), "dev"):
         source = task.meta.page_paths[0]
         if not holds(texts[source], task.reference):

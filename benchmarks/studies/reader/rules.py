@@ -6,7 +6,7 @@
 
 Stage 1 (the model; resumable, one JSON line a question in runs/reader_rules/<model>/<split>.jsonl, not
 committed, ~1.5 MB): for every question of both splits (reader_items), the page as page_qa reads it (the file
-bench_reader serves, read with page_qa.extract_page by its suffix's media type), its top chunks and sentences,
+bench_reader serves, read with documents.extract_page by its suffix's media type), its top chunks and sentences,
 up to SUPERSET candidates (spans.candidates, with kind and sentence rank) plus "not in the page", each scored by
 the model's log-probability as the whole reply under three prompts: the question's (page_qa.build_prompt), the
 page's without the question (page_qa.prior_prompt) and the system prompt alone (no page, no question). A line is
