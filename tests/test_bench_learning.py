@@ -15,6 +15,7 @@ from benchmarks.common import stages
 from benchmarks.studies.learning import bench as bl
 from benchmarks.studies.learning import recipes as lr
 from benchmarks.studies.learning import summary as ls
+from benchmarks.studies.learning import tables as lt
 from main_agent.types import Episode, Turn
 from training.tasks import Task, TaskMeta
 
@@ -258,9 +259,9 @@ def test_summary_table_and_plot_from_records(tmp_path: Path) -> None:
     report = ls.summarise({"success_rate": 0.51}, cells, choice, heat, runs)
     assert list(report["modes"]) == ["outcome"] and report["exploration"]["temperature"] == 1.3
     assert report["sweep"]["full-lr1e-5"]["zero_variance_share"] == 0.5
-    assert "full-lr1e-5 |" in ls.table(report) and "1.3 | 4/16 | 2 |" in ls.table(report)
-    assert ls.table(report).count(" <-") == 2
-    assert ls.plot(report, tmp_path / "curves.png").stat().st_size > 0
+    assert "full-lr1e-5 |" in lt.table(report) and "1.3 | 4/16 | 2 |" in lt.table(report)
+    assert lt.table(report).count(" <-") == 2
+    assert lt.plot(report, tmp_path / "curves.png").stat().st_size > 0
 
 
 def episode(task_id: str, ids: list[int], answer: str, stop_reason: str = "answer") -> str:
@@ -399,7 +400,7 @@ def test_sampled_scores_average_each_photos_samples_and_compare_photo_by_photo(t
         1.0,
     )  # p1: 1 kept
     assert ls.sampled_summary({"cooler": w}, runs, "") == {}  # no gain without the warm start at the runs' T
-    lines = ls.sampled_table(summary)
+    lines = lt.sampled_table(summary)
     assert "T 1.15, 2 per photo" in lines[1] and "over cooler: graded" in lines[1] and "no answer" in lines[1]
     assert lines[2].startswith("warm start (warm) | - | 0.250 |") and lines[3].startswith(
         "warm start (cooler)"

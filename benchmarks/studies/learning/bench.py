@@ -82,12 +82,11 @@ from benchmarks.studies.learning.summary import (
     choose,
     choose_temperature,
     exploration_summary,
-    plot,
     sampled_summary,
     summarise,
-    table,
     training_summary,
 )
+from benchmarks.studies.learning.tables import plot, table
 from conductor.stopping import stop_like_ctrl_c
 from training.checkpoint import find_latest
 from training.tasks import load_family
