@@ -280,9 +280,38 @@ def list_models() -> list[tuple[str, str, str]]:
 
 # KV cache of a vLLM engine on CPU (on GPU `gpu_memory_utilization` sizes it; on CPU that flag would reserve
 # 92 % of the RAM). SmolLM2-135M in float32 holds 30 layers x 2 x 3 KV heads x 64 dims x 4 bytes = 46 KB a
-# token, so 1 GiB is ~23k tokens: 8 sequences of 2k with room to spare. Shared by the policy's and the
-# sub-agents' vLLM engines.
+# token, so 1 GiB is ~23k tokens: 8 sequences of 2k with room to spare. The sub-agents' engine takes this; the
+# policy's takes at least this (`vllm_cpu_kv_cache_bytes`).
 VLLM_CPU_KV_CACHE_BYTES = 1 << 30
+# The most RAM a policy engine's KV cache takes on CPU: the sub-agents' engine, the tool server's models and a
+# trainer share the machine. On 24 GiB it is 4 GiB, what 64 continuations of one state need at once
+# (benchmarks/perf/vllm_cpu.py: 1.3x the tokens/s of 1 GiB, where vLLM queues and preempts sequences).
+VLLM_CPU_KV_RAM_SHARE = 1 / 6
+# Machines with at most this many cores give vLLM's CPU workers every core: vLLM otherwise keeps one for its
+# scheduler process, half of a 2-core machine (benchmarks/perf/vllm_cpu.py: 1.85x the tokens/s with it back).
+VLLM_CPU_ALL_CORES_UP_TO = 4
+
+
+def vllm_cpu_kv_cache_bytes(folder: Path, *, max_model_len: int, sequences: int, dtype: str) -> int:
+    """KV cache bytes for a policy engine on CPU: `sequences` of `max_model_len` tokens at once of the checkpoint
+    in `folder` at `dtype`, at least VLLM_CPU_KV_CACHE_BYTES and at most VLLM_CPU_KV_RAM_SHARE of the RAM."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    per_token = config.num_hidden_layers * 2 * kv_heads * head_dim * (2 if dtype == "bfloat16" else 4)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    need = sequences * max_model_len * per_token
+    return int(max(VLLM_CPU_KV_CACHE_BYTES, min(need, ram * VLLM_CPU_KV_RAM_SHARE)))
+
+
+def vllm_cpu_cores() -> None:
+    """Let vLLM's CPU workers use every core of a small machine (VLLM_CPU_ALL_CORES_UP_TO), unless the caller's
+    environment says otherwise; read by the engine processes started after this call."""
+    if (os.cpu_count() or 1) <= VLLM_CPU_ALL_CORES_UP_TO and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        logger.info("vLLM on CPU: every core for its workers (none kept for its scheduler)")
 
 
 def default_device() -> str:

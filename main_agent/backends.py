@@ -37,7 +37,8 @@ def load_policy(
 
     In process (`transformers`) the weights go to `device` ("auto": cuda when visible); `lora_rank` > 0 adds
     fresh LoRA adapters to a dense model (training); `max_batch` episodes share one generate. A vLLM engine
-    (`vllm`) reads the checkpoint folder itself with `max_model_len` (at most the model's context): dense weights
+    (`vllm`) reads the checkpoint folder itself with `max_model_len` (at most the model's context; on CPU its KV
+    cache sized for `max_batch` sequences of it at once): dense weights
     only, so an adapter is sampled from its merged copy (`merged_checkpoint`); a server (`server`) serves its
     own copy, so only the tokenizer is loaded here. `seed` seeds the engines' and servers' sampling.
     """
@@ -101,7 +102,7 @@ def build_policy(
         return TransformersPolicy(model, tokenizer, cfg=sampling, max_batch=max_batch, version=version)
     return build_reloadable(
         backend, tokenizer, sampling, folder=folder, version=version, seed=seed, max_model_len=max_model_len,
-        dtype=dtype, weight_transfer=weight_transfer,
+        dtype=dtype, concurrent=max_batch, weight_transfer=weight_transfer,
     )  # fmt: skip
 
 
@@ -115,11 +116,12 @@ def build_reloadable(
     seed: int = 0,
     max_model_len: int = 4096,
     dtype: Literal["float32", "bfloat16"] = "float32",
+    concurrent: int = 8,
     weight_transfer: Literal["nccl", "ipc"] | None = None,
 ) -> ReloadablePolicy:
     """The policy `backend` samples with at `version`, whose weights reload from a folder (`reload_weights`):
-    "vllm" starts an engine on the dense checkpoint in `folder` (`max_model_len`, `dtype`, and `weight_transfer`
-    for a GPU weight push); "server" talks to `sampling.url`, whose weights the caller loads. `seed` seeds the
+    "vllm" starts an engine on the dense checkpoint in `folder` (`max_model_len`, `dtype`, `concurrent`: the
+    sequences it samples at once, and `weight_transfer` for a GPU weight push); "server" talks to `sampling.url`, whose weights the caller loads. `seed` seeds the
     engines' and servers' sampling."""
     if backend == "server":
         assert sampling.url is not None  # SamplingConfig checks it
@@ -132,6 +134,6 @@ def build_reloadable(
 
         return VLLMPolicy.start(
             folder, tokenizer, cfg=sampling, seed=seed, max_model_len=max_model_len, version=version,
-            dtype=dtype, weight_transfer=weight_transfer,
+            dtype=dtype, concurrent=concurrent, weight_transfer=weight_transfer,
         )  # fmt: skip
     raise ValueError(f"unknown sampling backend {backend!r}; expected transformers, vllm or server")

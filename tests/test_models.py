@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -104,3 +105,47 @@ async def test_a_candidate_reader_loads_generates_and_scores(name: str) -> None:
         assert len(scores) == 3 and all(-1e4 < s < 0 for s in scores), scores
     finally:
         await llm.aclose()
+
+
+def _llama_config(folder: Path, **sizes: int) -> Path:
+    from transformers import LlamaConfig
+
+    LlamaConfig(**sizes).save_pretrained(folder)
+    return folder
+
+
+def test_a_cpu_policy_engine_holds_its_sequences_between_the_floor_and_its_share_of_ram(
+    tmp_path: Path,
+) -> None:
+    """The KV cache fits `sequences` full contexts at the checkpoint's size per token (SmolLM2-135M's 46 KB in
+    float32, half in bfloat16), never below the 1 GiB floor nor above VLLM_CPU_KV_RAM_SHARE of the RAM."""
+    folder = _llama_config(
+        tmp_path, num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3
+    )
+    one = models.vllm_cpu_kv_cache_bytes(folder, max_model_len=2176, sequences=1, dtype="float32")
+    assert one == models.VLLM_CPU_KV_CACHE_BYTES
+    need = 30 * 2 * 3 * 64 * 4 * 2176 * 24
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    expected = max(models.VLLM_CPU_KV_CACHE_BYTES, min(need, int(ram * models.VLLM_CPU_KV_RAM_SHARE)))
+    assert (
+        models.vllm_cpu_kv_cache_bytes(folder, max_model_len=2176, sequences=24, dtype="float32") == expected
+    )
+    half = models.vllm_cpu_kv_cache_bytes(folder, max_model_len=2176, sequences=48, dtype="bfloat16")
+    assert half == models.vllm_cpu_kv_cache_bytes(folder, max_model_len=2176, sequences=24, dtype="float32")
+    huge = models.vllm_cpu_kv_cache_bytes(folder, max_model_len=2176, sequences=10**6, dtype="float32")
+    assert huge == int(ram * models.VLLM_CPU_KV_RAM_SHARE)
+
+
+def test_a_small_machine_gives_vllm_every_core_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On at most VLLM_CPU_ALL_CORES_UP_TO cores no core is kept for vLLM's scheduler; a larger machine keeps
+    vLLM's default, and a value the user set is never overwritten."""
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    models.vllm_cpu_cores()
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    models.vllm_cpu_cores()
+    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    models.vllm_cpu_cores()
+    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"

@@ -59,7 +59,7 @@ class SamplerSettings:
     folder: Path
     """Where the weights an engine or a server loads are written, one `v<version>/` at a time."""
     max_batch: int
-    """Episodes whose turns one in-process generate batches."""
+    """Episodes whose turns one in-process generate batches; the sequences an engine's CPU KV cache is sized for."""
     seed: int
     """Seeds an engine's or a server's sampling."""
     max_model_len: int
@@ -166,7 +166,7 @@ class Sampler:
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # read by this process's engine processes
         return build_reloadable(
             s.backend, self.tokenizer, s.sampling, folder=folder, version=version, seed=s.seed,
-            max_model_len=s.max_model_len, dtype=s.dtype, weight_transfer=s.weight_transfer,
+            max_model_len=s.max_model_len, dtype=s.dtype, concurrent=s.max_batch, weight_transfer=s.weight_transfer,
         )  # fmt: skip
 
     async def load_state(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
