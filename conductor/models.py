@@ -285,10 +285,10 @@ def list_models() -> list[tuple[str, str, str]]:
 VLLM_CPU_KV_CACHE_BYTES = 1 << 30
 # The most RAM a policy engine's KV cache takes on CPU: the sub-agents' engine, the tool server's models and a
 # trainer share the machine. On 24 GiB it is 4 GiB, what 64 continuations of one state need at once
-# (benchmarks/perf/vllm_cpu.py: 1.3x the tokens/s of 1 GiB, where vLLM queues and preempts sequences).
+# (benchmarks/perf/vllm_cpu.py: 1.28x the tokens/s of 1 GiB, where vLLM queues and preempts sequences).
 VLLM_CPU_KV_RAM_SHARE = 1 / 6
 # Machines with at most this many cores give vLLM's CPU workers every core: vLLM otherwise keeps one for its
-# scheduler process, half of a 2-core machine (benchmarks/perf/vllm_cpu.py: 1.85x the tokens/s with it back).
+# scheduler process, half of a 2-core machine (benchmarks/perf/vllm_cpu.py: 1.82x the tokens/s with it back).
 VLLM_CPU_ALL_CORES_UP_TO = 4
 
 

@@ -121,8 +121,8 @@ def build_reloadable(
 ) -> ReloadablePolicy:
     """The policy `backend` samples with at `version`, whose weights reload from a folder (`reload_weights`):
     "vllm" starts an engine on the dense checkpoint in `folder` (`max_model_len`, `dtype`, `concurrent`: the
-    sequences it samples at once, and `weight_transfer` for a GPU weight push); "server" talks to `sampling.url`, whose weights the caller loads. `seed` seeds the
-    engines' and servers' sampling."""
+    sequences it samples at once, and `weight_transfer` for a GPU weight push); "server" talks to `sampling.url`,
+    whose weights the caller loads. `seed` seeds the engines' and servers' sampling."""
     if backend == "server":
         assert sampling.url is not None  # SamplingConfig checks it
         policy = OpenAIPolicy(sampling.url, sampling.model, tokenizer, cfg=sampling, seed=seed)
