@@ -307,9 +307,11 @@ async def sample(opts: Options, cfg: TrainConfig, tasks: dict[int, list[Task]]) 
     draws = recorded_lines([opts.folder(n, cfg)[0] for n in opts.n_items])
     # the truth samples a state's `replays` continuations at once: a vLLM engine's KV cache is sized for all of
     # them; transformers keeps max_concurrent_episodes to a generate (64 full contexts in one batch: ~6 GB)
-    batch = max(cfg.max_concurrent_episodes, opts.replays) if cfg.sampling.backend == "vllm" else None
+    batch = cfg.max_concurrent_episodes
+    if cfg.sampling.backend == "vllm":
+        batch = max(batch, opts.replays)
     policy, tokenizer = load_policy(
-        cfg.run.policy, cfg.sampling, device=cfg.device, max_batch=batch or cfg.max_concurrent_episodes,
+        cfg.run.policy, cfg.sampling, device=cfg.device, max_batch=batch,
         seed=cfg.run.seed + draws, max_model_len=max_model_len(cfg),
     )  # fmt: skip
     every = [t for n in opts.n_items for t in tasks[n]]
