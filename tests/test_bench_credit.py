@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from benchmarks.studies.credit import scores as cs
-from benchmarks.studies.credit.bench import MODES, report
+from benchmarks.studies.credit.bench import tabled, whole
 from benchmarks.studies.credit.folders import Options, recorded_lines, recorded_ns
 from benchmarks.studies.credit.pool import plot, pool
+from benchmarks.studies.credit.report import MODES, report
 from benchmarks.studies.credit.stages import (
     Records,
     Session,
@@ -155,8 +156,28 @@ async def test_the_study_scores_known_advantages_and_resumes_without_sampling(tm
     assert spent["outcome"] == spent["turn"] == spent["anchor"] < spent["branch"] <= spent["branch_all"]
     assert spent["outcome"] < spent["outcome_matched"]
     assert row["truth"]["replays_per_state"] == 6 and row["truth"]["sampled_tokens_per_episode"] > 0
+    assert row["truth"]["states"] == [6, 6] and tabled([row], [1], partial=False) == [row]
     (tmp_path / "truth.jsonl").unlink()
     assert report(1, TASKS, tmp_path, cfg, truth_turns=0, draws=50) is None
+
+
+async def test_a_truth_cut_short_is_counted_and_left_out_of_the_table(tmp_path: Path) -> None:
+    """A study stopped in its truth stage scores the turns recorded so far, but its row says how many of the
+    states it needs are recorded, and the table leaves it out unless asked for a partial look; an N without any
+    truth is left out either way."""
+    policy = ScriptedPolicy(decided_by_the_first_call(random.Random(0)))
+    cfg = TrainConfig(task="video_qa", group_size=2, credit=CreditConfig(branch_k=2, branch_turns=1))
+    async with ToolClient("http://tools", transport=fake_tool_server()) as tools:
+        session = Session(cfg, policy, policy.tokenizer, tools, await tools.tools())
+        await run_stages(TASKS, session, tmp_path, replays=6, truth_turns=0)
+    truth = tmp_path / "truth.jsonl"
+    first = [line for line in truth.read_text(encoding="utf-8").splitlines() if line][:4]
+    truth.write_text("\n".join(first) + "\n", encoding="utf-8")  # the study stopped after 4 of its 6 states
+    row = report(1, TASKS, tmp_path, cfg, truth_turns=0, draws=20)
+    assert row is not None and row["truth"]["states"] == [4, 6] and 0 < row["turns_scored"] < 8
+    assert not whole(row)
+    assert tabled([row], [1, 2], partial=False) == []
+    assert tabled([row], [1, 2], partial=True) == [row]
 
 
 async def test_with_a_sample_of_turns_branch_all_branches_around_exactly_the_scored_turns(

@@ -4,6 +4,7 @@ one fixed policy, scored against Monte Carlo advantages from exact replays (Vine
     python -m benchmarks.studies.credit.bench             # the committed warm start; N 1 2 4 8; 24 episodes;
                                                           # 16 replays
     python -m benchmarks.studies.credit.bench --recorded  # the table and plot of the records; nothing sampled
+                                                          # (an N whose truth is not whole: with --partial)
     python -m benchmarks.studies.credit.bench --policy conductor-default --n-items 1 2 --episodes 2 \\
         --group-size 2 --replays 2 --tag smoke            # the smoke run (docs/credit.md)
 
@@ -77,158 +78,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import functools
 import json
 import math
-import statistics
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks import ROOT
-from benchmarks.studies.credit import scores as cs
 from benchmarks.studies.credit.folders import Options, claim, recorded_lines, recorded_ns, weights_sha
-from benchmarks.studies.credit.stages import (
-    Records,
-    Session,
-    State,
-    matched_rewards,
-    run_stages,
-    truth_plan,
-    truth_rewards,
-    usable,
-)
+from benchmarks.studies.credit.report import METRICS, MODES, report
+from benchmarks.studies.credit.stages import Session, run_stages
 from conductor.stopping import stop_like_ctrl_c
-from main_agent.types import Episode
 from training import tasks as task_data
-from training.advantages import BranchValues, EpisodeCredit, branch_advantages, group_advantages
-from training.branching import sampled_tokens
 from training.config import TrainConfig, config_to_dict, load_train_config, with_device_sizes
 from training.play import tool_session
 from training.plot import save_figure
-from training.step import episode_credits, score
 from training.tasks import Task
 
 CONFIG = ROOT / "examples" / "train_audit.toml"
-MODES = ("outcome", "turn", "anchor", "branch", "branch_all", "outcome_matched")
-"""Every mode a row may score; outcome_matched only where its stage is recorded for every group scored."""
-METRICS = {"spearman": cs.spearman, "sign": cs.sign_agreement, "pairwise": cs.pairwise_accuracy}
 WARM_START = "benchmarks/studies/credit/warm_start"  # SmolLM2 + a committed LoRA adapter: resumes anywhere
-
-
-# ---------------------------------------------------------------- scoring
-
-
-def mode_advantages(
-    group: Sequence[Episode], cfg: TrainConfig, branches: dict[str, dict], more: Sequence[float] | None
-) -> dict[str, list]:
-    """Every mode's advantages [episode][turn] of one scored group, by the functions training calls; with `more`
-    (the final rewards of the group's matched episodes), outcome_matched: outcome credit in the group that
-    large, on the group's own episodes."""
-    credits = episode_credits(group)
-    credit = cfg.credit
-    outcome = dataclasses.replace(credit, mode="outcome")
-    out = {
-        "outcome": group_advantages(credits, outcome),
-        "turn": group_advantages(credits, dataclasses.replace(credit, mode="turn", baseline="turn_index")),
-        "anchor": group_advantages(credits, dataclasses.replace(credit, mode="turn", baseline="anchor")),
-    }
-    for mode, line in branches.items():
-        values = [
-            [BranchValues(v["turn"], tuple(v["before"]), tuple(v["after"])) for v in vs]
-            for vs in line["values"]
-        ]
-        out[mode] = branch_advantages(credits, values, normalize_std=credit.normalize_std)
-    if more is not None:
-        larger = [*credits, *(EpisodeCredit(r, ()) for r in more)]
-        out["outcome_matched"] = group_advantages(larger, outcome)[: len(group)]
-    return out
-
-
-def true_advantage(
-    group: Sequence[Episode], g: int, i: int, t: int, truth: dict[State, list[float]]
-) -> tuple[float, float] | None:
-    """(V(after t) - V(before t), its standard error); None when a state has no continuation recorded."""
-    before = truth.get((g, i, t) if t else (g, 0, 0), [])
-    last = t + 1 == len(group[i].turns)
-    after = [group[i].reward] if last else truth.get((g, i, t + 1), [])
-    if not before or not after:
-        return None
-    return statistics.fmean(after) - statistics.fmean(before), cs.truth_error(after, before, exact_after=last)
-
-
-def report(
-    n: int, tasks: Sequence[Task], folder: Path, cfg: TrainConfig, *, truth_turns: int, draws: int
-) -> dict | None:
-    """One N's scores from its records: the groups recorded in every stage, the turns whose truth is recorded;
-    None before any (a study stopped ahead of its truth stage has nothing to score yet)."""
-    lines = {
-        name: Records(folder / f"{name}.jsonl").read()
-        for name in ("episodes", "branch", "branch_all", "matched", "truth")
-    }
-    groups = {
-        r["group"]: [Episode.from_json(json.dumps(e)) for e in r["episodes"]] for r in lines["episodes"]
-    }
-    branch = {mode: {r["group"]: r for r in lines[mode]} for mode in ("branch", "branch_all")}
-    truth = truth_rewards(lines["truth"])
-    kept = [g for g in sorted(groups) if usable(groups[g]) and all(g in b for b in branch.values())]
-    if not kept:
-        return None
-    more = matched_rewards(lines["matched"])
-    modes = [m for m in MODES if m != "outcome_matched" or all(g in more for g in kept)]
-    every = [groups.get(g, []) for g in range(len(tasks))]
-    chosen = truth_plan(every, tasks, turns=truth_turns, seed=cfg.run.seed)
-    pairs: dict[str, list[list[tuple[float, float]]]] = {mode: [] for mode in modes}
-    truths: list[tuple[float, float]] = []
-    for g in kept:
-        for e in groups[g]:
-            score(e, tasks[g], cfg.turn_rewards, cfg.reward_kind)
-        advantages = mode_advantages(groups[g], cfg, {m: branch[m][g] for m in branch}, more.get(g))
-        for i in range(len(groups[g])):
-            scored = [
-                (t, a) for t in chosen.get((g, i), []) if (a := true_advantage(groups[g], g, i, t, truth))
-            ]
-            truths += [a for _, a in scored]
-            for mode in modes:
-                pairs[mode].append([(advantages[mode][i][t], a[0]) for t, a in scored])
-    if not truths:
-        return None
-    episodes = [e for g in kept for e in groups[g]]
-    spent = sum(sampled_tokens(e, 0) for e in episodes)
-    extra = {m: sum(branch[m][g]["stats"]["sampled_tokens"] for g in kept) for m in branch}
-    extra["outcome_matched"] = sum(r["sampled_tokens"] for r in lines["matched"] if r["group"] in kept)
-    values = [a for a, _ in truths]
-    return {
-        "n": n,
-        "groups": len(kept),
-        "episodes": len(episodes),
-        "turns_scored": len(truths),
-        "turns_nonzero": sum(abs(a) > cs.TIE for a, _ in truths),
-        "mean_turns": statistics.fmean(len(e.turns) for e in episodes),
-        "mean_reward": statistics.fmean(e.reward for e in episodes),
-        "truth": {
-            "mean_abs": statistics.fmean(abs(v) for v in values) if values else float("nan"),
-            "mean_se": statistics.fmean(se for _, se in truths) if truths else float("nan"),
-            "noise_share": cs.noise_share(truths),
-            "replays_per_state": statistics.fmean(len(r) for r in truth.values()) if truth else 0.0,
-            "sampled_tokens_per_episode": sum(r["sampled_tokens"] for r in lines["truth"]) / len(episodes),
-        },
-        "modes": {
-            mode: {
-                **{name: cs.estimate(metric, pairs[mode], draws=draws) for name, metric in METRICS.items()},
-                "sampled_tokens_per_episode": (spent + extra.get(mode, 0)) / len(episodes),
-            }
-            for mode in modes
-        },
-        "stage_s": {name: sum(r["elapsed_s"] for r in rows) for name, rows in lines.items()},
-        "pairs": pairs,  # what the scores are computed from, so that rows of several studies pool (pool.py)
-        "truths": truths,
-    }
-
-
-# ---------------------------------------------------------------- table, plot, command line
 
 
 def interval(value: list[float]) -> str:
@@ -252,10 +122,16 @@ def table(rows: Sequence[dict]) -> str:
             f"({r['turns_nonzero']} with a truth not 0), {r['mean_turns']:.1f} turns/ep, "
             f"reward {r['mean_reward']:.2f}; |A| {t['mean_abs']:.3f}, se {t['mean_se']:.3f}, noise share "
             f"{t['noise_share']:.2f}, {t['replays_per_state']:.0f} replays/state, "
-            f"{t['sampled_tokens_per_episode']:.0f} tokens/ep; stages (min): "
+            f"{t['sampled_tokens_per_episode']:.0f} tokens/ep{states(t)}; stages (min): "
             + ", ".join(f"{k} {v / 60:.1f}" for k, v in st.items())
         )
     return "\n".join(lines)
+
+
+def states(truth: dict) -> str:
+    """ ", 10 of 46 states" where the row's truth is not whole; nothing where it is (or the row is pooled)."""
+    done, needed = truth.get("states", (0, 0))
+    return f", {done} of {needed} states" if done < needed else ""
 
 
 def plot(rows: Sequence[dict], out: Path) -> Path:
@@ -333,6 +209,25 @@ async def sample(opts: Options, cfg: TrainConfig, tasks: dict[int, list[Task]]) 
         await policy.aclose()
 
 
+def tabled(rows: list[dict], ns: list[int], *, partial: bool) -> list[dict]:
+    """The rows to table: an N whose truth is whole, or with `partial` any N with a truth recorded; each N left
+    out (or tabled partial) named."""
+    if waiting := sorted(set(ns) - {r["n"] for r in rows}):
+        print(f"no truth recorded yet for N = {', '.join(map(str, waiting))}: not tabled")
+    for r in [r for r in rows if not whole(r)]:
+        done, needed = r["truth"]["states"]
+        left = "a partial look" if partial else "not tabled (--partial tables it)"
+        print(f"N = {r['n']}: {done} of the truth's {needed} states recorded: {left}")
+    return [r for r in rows if partial or whole(r)]
+
+
+def whole(row: dict) -> bool:
+    """Every state its scored turns need has its truth recorded (a row of older results, without the count,
+    was written whole)."""
+    done, needed = row["truth"].get("states", (0, 0))
+    return done == needed
+
+
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
@@ -349,6 +244,7 @@ def arguments() -> argparse.Namespace:
     add("--draws", type=int, default=1000, help="bootstrap resamples")
     add("--recorded", action="store_true", help="sample nothing: score what is recorded")
     add("--tag", default="", help="names the records and results apart")
+    add("--partial", action="store_true", help="table an N whose truth is not whole yet too")
     return parser.parse_args()
 
 
@@ -382,11 +278,9 @@ def main() -> None:
         report(n, tasks[n], opts.folder(n, cfg)[0], cfg, truth_turns=args.truth_turns, draws=args.draws)
         for n in ns
     )
-    rows = [r for r in scored if r is not None]
-    if waiting := sorted(set(ns) - {r["n"] for r in rows}):
-        print(f"no truth recorded yet for N = {', '.join(map(str, waiting))}: not tabled")
+    rows = tabled([r for r in scored if r is not None], ns, partial=args.partial)
     if not rows:
-        sys.exit(f"nothing recorded under {records} for these settings")
+        sys.exit(f"no N to table under {records} for these settings")
     results = ROOT / "benchmarks" / "results"
     png = plot(rows, results / f"bench_credit{suffix}.png")
     print("\n" + table(rows) + f"\n\nplot: {png}\nwall time now: {(time.monotonic() - start) / 60:.1f} min")

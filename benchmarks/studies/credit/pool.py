@@ -6,7 +6,7 @@ scored turns of all of them scored again as one set, with bootstrap intervals ov
                                                    # -> benchmarks/results/bench_credit_pooled.{json,png}
 
 Each result row carries its (estimate, truth) pairs per episode and its truths with their standard errors
-(bench.report), so nothing is sampled or read from the records. Counts and stage times add up; per-episode
+(report.py), so nothing is sampled or read from the records. Counts and stage times add up; per-episode
 figures (turns, reward, tokens) are averaged weighted by episodes. Each mode's Spearman is also given over outcome
 credit's on the same episodes, with a paired bootstrap interval (scores.paired_difference), and branch credit's over
 outcome_matched's, outcome credit at branch credit's sampled tokens, where every study has it; the plot shows both
@@ -27,7 +27,8 @@ from pathlib import Path
 
 from benchmarks import ROOT
 from benchmarks.studies.credit import scores as cs
-from benchmarks.studies.credit.bench import METRICS, MODES, errorbars, interval, n_axis, table
+from benchmarks.studies.credit.bench import errorbars, interval, n_axis, table
+from benchmarks.studies.credit.report import METRICS, MODES
 from training.plot import save_figure
 
 
