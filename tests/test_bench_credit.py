@@ -16,7 +16,7 @@ import torch
 from benchmarks.studies.credit import scores as cs
 from benchmarks.studies.credit.bench import tabled, whole
 from benchmarks.studies.credit.folders import Options, recorded_lines, recorded_ns
-from benchmarks.studies.credit.pool import plot, pool
+from benchmarks.studies.credit.pool import plot, pool, with_trends
 from benchmarks.studies.credit.report import MODES, report
 from benchmarks.studies.credit.stages import (
     Records,
@@ -402,6 +402,27 @@ def test_a_paired_difference_resamples_both_estimators_on_the_same_episodes() ->
     assert value == pytest.approx(2.0) and low == pytest.approx(2.0) and high == pytest.approx(2.0)
     with pytest.raises(ValueError):
         cs.paired_difference(cs.spearman, right, wrong[:2])
+
+
+def test_a_trend_is_how_much_a_lead_grows_from_shorter_to_longer_chains() -> None:
+    """Two estimators alike on the shorter chains and one ordering every turn right against one reversing them
+    on the longer: the lead grows by 2 on every draw (a point interval). The same lead on both: 0. Each set is
+    resampled on its own, so sets of different sizes are fine, but estimators on different episodes within a set
+    are refused. `with_trends` gives every N past the shortest each mode's trend over outcome credit."""
+    truth = [[(0.0, 0.1), (0.0, 0.5)], [(0.0, -0.2), (0.0, 0.3)], [(0.0, 0.0), (0.0, 0.4)]]
+    right = [[(t, t) for _, t in ep] for ep in truth]
+    wrong = [[(-t, t) for _, t in ep] for ep in truth]
+    assert cs.trend(cs.spearman, (right, right), (right, wrong), draws=50) == pytest.approx([2.0, 2.0, 2.0])
+    assert cs.trend(cs.spearman, (right, wrong), (right[:2], wrong[:2]), draws=50) == pytest.approx([0, 0, 0])
+    with pytest.raises(ValueError):
+        cs.trend(cs.spearman, (right, wrong[:2]), (right, wrong))
+    rows = [
+        {"n": 1, "pairs": {"outcome": right, "turn": right}, "spearman_over_outcome": {"turn": [0.0] * 3}},
+        {"n": 2, "pairs": {"outcome": wrong, "turn": right}, "spearman_over_outcome": {"turn": [2.0] * 3}},
+    ]
+    trended = with_trends(rows, draws=20)
+    assert "trend_over_outcome" not in trended[0]
+    assert trended[1]["trend_over_outcome"]["turn"] == pytest.approx([2.0, 2.0, 2.0])
 
 
 def test_a_run_of_one_n_still_tables_the_other_n_recorded_with_its_settings(tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ Each result row carries its (estimate, truth) pairs per episode and its truths w
 figures (turns, reward, tokens) are averaged weighted by episodes. Each mode's Spearman is also given over outcome
 credit's on the same episodes, with a paired bootstrap interval (scores.paired_difference), and branch credit's over
 outcome_matched's, outcome credit at branch credit's sampled tokens, where every study has it; the plot shows both
-against N, each mode's Spearman and its paired difference, with their intervals. A pooled score
+against N, each mode's Spearman and its paired difference, with their intervals; and how much each mode's lead
+over outcome grew from the shortest N to each longer one (scores.trend). A pooled score
 answers "how well does this mode's credit track the truth on warm starts of this recipe", not on one warm start:
 its interval includes the spread between the studies only as far as their episodes differ.
 """
@@ -80,6 +81,24 @@ def pool(rows: Sequence[dict], *, draws: int = 1000) -> dict:
     }
 
 
+def with_trends(rows: list[dict], *, draws: int = 1000) -> list[dict]:
+    """Each row past the shortest N gets, per mode, how much its Spearman's lead over outcome credit's grew
+    from the shortest N (`scores.trend`: the thesis that per-call credit helps more on longer chains)."""
+    first = rows[0]["pairs"] if rows else {}
+    for r in rows[1:]:
+        r["trend_over_outcome"] = {
+            m: cs.trend(
+                cs.spearman,
+                (first[m], first["outcome"]),
+                (r["pairs"][m], r["pairs"]["outcome"]),
+                draws=draws,
+            )
+            for m in r["spearman_over_outcome"]
+            if m in first
+        }
+    return rows
+
+
 def plot(rows: Sequence[dict], out: Path) -> Path:
     """Two panels against N, each point with its 95 % interval: every mode's Spearman with the truth, and each
     mode's paired difference over outcome credit's (branch credit's also over outcome_matched's, dashed: the
@@ -127,7 +146,7 @@ def main() -> None:
                     " and the flags that made it"
                 )
             by_n.setdefault(row["n"], []).append(row)
-    rows = [pool(by_n[n], draws=args.draws) for n in sorted(by_n)]
+    rows = with_trends([pool(by_n[n], draws=args.draws) for n in sorted(by_n)], draws=args.draws)
     png = plot(rows, args.out.with_suffix(".png"))
     print(table(rows))
     for r in rows:
@@ -135,6 +154,11 @@ def main() -> None:
             f"  N = {r['n']}, Spearman over outcome's (paired bootstrap over episodes): "
             + ", ".join(f"{m} {interval(v)}" for m, v in r["spearman_over_outcome"].items())
         )
+        if "trend_over_outcome" in r:
+            print(
+                f"           its change from N = {rows[0]['n']} (longer minus shorter): "
+                + ", ".join(f"{m} {interval(v)}" for m, v in r["trend_over_outcome"].items())
+            )
         if r["spearman_over_matched"]:
             print(
                 "           over outcome_matched's (the same sampled tokens): "

@@ -14,6 +14,8 @@ TIE are ties (advantages are differences of means, so "equal" ones can differ by
                          draw, its 2.5th and 97.5th percentiles over the draws where it is defined
     paired_difference(metric, a, b)   metric(a) - metric(b) for two estimators on the same episodes, with the
                          interval of the same resampling applied to both
+    trend(metric, shorter, longer)   how much more a leads b on longer chains: the paired difference on the
+                         longer chains' episodes minus that on the shorter ones', each set resampled on its own
 
 Episodes are the unit of resampling because turns of one episode are not independent; episodes of one group share
 a baseline, so the intervals are, if anything, a little narrow.
@@ -126,16 +128,53 @@ def paired_difference(
         )
     if not a:
         return [math.nan, math.nan, math.nan]
+    values = _paired_draws(metric, a, b, random.Random(seed), draws)
+    return [metric(a) - metric(b), *_interval(values)]
+
+
+def trend(
+    metric: Callable[[Sequence[Pairs]], float],
+    shorter: tuple[Sequence[Pairs], Sequence[Pairs]],
+    longer: tuple[Sequence[Pairs], Sequence[Pairs]],
+    *,
+    draws: int = 1000,
+    seed: int = 0,
+) -> list[float]:
+    """[value, low, high] of how much more estimator a leads estimator b on longer chains: the paired
+    difference metric(a) - metric(b) on `longer`'s episodes minus the same on `shorter`'s. The two are different
+    episodes, so each draw resamples each set on its own (paired within it) and the interval holds both sets'
+    noise; an interval holding 0 shows no trend."""
+    (a, b), (c, d) = shorter, longer
+    if len(a) != len(b) or len(c) != len(d):
+        raise ValueError("a trend compares two estimators on the same episodes within each set")
+    if not a or not c:
+        return [math.nan, math.nan, math.nan]
     rng = random.Random(seed)
+    near, far = _paired_draws(metric, a, b, rng, draws), _paired_draws(metric, c, d, rng, draws)
+    values = [y - x for x, y in zip(near, far, strict=True)]
+    return [(metric(c) - metric(d)) - (metric(a) - metric(b)), *_interval(values)]
+
+
+def _paired_draws(
+    metric: Callable[[Sequence[Pairs]], float],
+    a: Sequence[Pairs],
+    b: Sequence[Pairs],
+    rng: random.Random,
+    draws: int,
+) -> list[float]:
+    """metric(a) - metric(b) on `draws` resamples of the episodes, each drawn once for both (NaN where
+    undefined)."""
     values = []
     for _ in range(draws):
         picked = [rng.randrange(len(a)) for _ in a]
-        value = metric([a[i] for i in picked]) - metric([b[i] for i in picked])
-        if not math.isnan(value):
-            values.append(value)
-    values.sort()
-    interval = [_quantile(values, 0.025), _quantile(values, 0.975)] if values else [math.nan, math.nan]
-    return [metric(a) - metric(b), *interval]
+        values.append(metric([a[i] for i in picked]) - metric([b[i] for i in picked]))
+    return values
+
+
+def _interval(values: Sequence[float]) -> list[float]:
+    """The 2.5th and 97.5th percentiles of the defined values; NaN, NaN when none is."""
+    defined = sorted(v for v in values if not math.isnan(v))
+    return [_quantile(defined, 0.025), _quantile(defined, 0.975)] if defined else [math.nan, math.nan]
 
 
 def _quantile(ordered: Sequence[float], q: float) -> float:
