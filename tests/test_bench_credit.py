@@ -161,15 +161,19 @@ async def test_the_study_scores_known_advantages_and_resumes_without_sampling(tm
     assert report(1, TASKS, tmp_path, cfg, truth_turns=0, draws=50) is None
 
 
-async def test_a_truth_cut_short_is_counted_and_left_out_of_the_table(tmp_path: Path) -> None:
-    """A study stopped in its truth stage scores the turns recorded so far, but its row says how many of the
-    states it needs are recorded, and the table leaves it out unless asked for a partial look; an N without any
-    truth is left out either way."""
+async def test_a_truth_cut_short_is_counted_and_left_out_of_the_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each state recorded says how many of those the truth needs are whole. A study stopped in its truth stage
+    scores the turns recorded so far, but its row says how many of the states it needs are recorded, and the
+    table leaves it out unless asked for a partial look; an N without any truth is left out either way."""
     policy = ScriptedPolicy(decided_by_the_first_call(random.Random(0)))
     cfg = TrainConfig(task="video_qa", group_size=2, credit=CreditConfig(branch_k=2, branch_turns=1))
     async with ToolClient("http://tools", transport=fake_tool_server()) as tools:
         session = Session(cfg, policy, policy.tokenizer, tools, await tools.tools())
         await run_stages(TASKS, session, tmp_path, replays=6, truth_turns=0)
+    progress = [line for line in capsys.readouterr().out.splitlines() if "truth state" in line]
+    assert len(progress) == 6 and "(6 of 6 whole)" in progress[-1]
     truth = tmp_path / "truth.jsonl"
     first = [line for line in truth.read_text(encoding="utf-8").splitlines() if line][:4]
     truth.write_text("\n".join(first) + "\n", encoding="utf-8")  # the study stopped after 4 of its 6 states

@@ -204,12 +204,16 @@ async def truth_stage(
     replays: int,
 ) -> None:
     """`replays` continuations of every state the scored turns need, a state recorded as it finishes; a state
-    recorded with fewer gets the rest (a line of its own), so a study raises its replays without redoing any."""
+    recorded with fewer gets the rest (a line of its own), so a study raises its replays without redoing any.
+    Each state recorded prints a line: how far the stage is, and its sampling rate (a study runs for hours)."""
     have = replayed_so_far(records.read())
     reward_of = rewarded(s.cfg.turn_rewards, s.cfg.reward_kind)
     at_once = asyncio.Semaphore(max(1, s.cfg.max_concurrent_episodes // replays))
+    needed = truth_states(groups, chosen)
+    done = sum(have.get(st, 0) >= replays for st in needed)
 
     async def one(state: State) -> None:
+        nonlocal done
         g, i, replayed = state
         async with at_once:
             played = await asyncio.gather(*(
@@ -219,12 +223,20 @@ async def truth_stage(
                 ) for _ in range(replays - have.get(state, 0))
             ))  # fmt: skip
         ok = [e for e in played if e.stop_reason != "infra_failed"]
-        records.append({
+        line = records.append({
             "state": list(state), "rewards": [reward_of(tasks[g], e) for e in ok],
             "sampled_tokens": sum(sampled_tokens(e, replayed) for e in played), "infra_failed": len(played) - len(ok),
         })  # fmt: skip
+        done += len(ok) + have.get(state, 0) >= replays
+        tokens, wall = line["sampled_tokens"], line["elapsed_s"]
+        print(
+            f"{records.path.parent.name}: truth state {state} recorded ({done} of {len(needed)} whole): "
+            f"{tokens} tokens, {wall / 60:.1f} min since the previous line ({tokens / max(wall, 1e-9):.0f}/s), "
+            f"{line['infra_failed']} failed as infrastructure",
+            flush=True,
+        )
 
-    await asyncio.gather(*(one(st) for st in truth_states(groups, chosen) if have.get(st, 0) < replays))
+    await asyncio.gather(*(one(st) for st in needed if have.get(st, 0) < replays))
 
 
 def replayed_so_far(lines: Sequence[dict]) -> dict[State, int]:
