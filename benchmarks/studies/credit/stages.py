@@ -282,11 +282,16 @@ async def run_stages(
     rate = sum(sampled_tokens(e, 0) for g in groups for e in g) / max(
         sum(r["elapsed_s"] for r in played), 1e-9
     )
-    have = replayed_so_far(Records(folder / "truth.jsonl").read())
+    lines = Records(folder / "truth.jsonl").read()
+    have = replayed_so_far(lines)
     truth, branch_all = forecast(groups, scored, replays=replays, k=s.cfg.credit.branch_k, have=have)
+    where = "the episodes'"
+    if lines:  # the truth's own rate, once it has one: its long contexts sample slower than the episodes
+        rate = sum(r["sampled_tokens"] for r in lines) / max(sum(r["elapsed_s"] for r in lines), 1e-9)
+        where = "the truth's recorded"
     print(
-        f"{folder.name}: the episodes sampled {rate:.1f} tokens/s; truth will sample ~{truth:.0f} tokens "
-        f"(~{truth / rate / 3600:.1f} h at that rate), branch_all ~{branch_all:.0f}",
+        f"{folder.name}: truth will sample ~{truth:.0f} tokens more (~{truth / rate / 3600:.1f} h at {where} "
+        f"{rate:.1f} tokens/s), branch_all ~{branch_all:.0f}",
         flush=True,
     )
     for k, (mode, around) in enumerate((("branch", None), ("branch_all", scored)), start=1):
