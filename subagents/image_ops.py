@@ -229,29 +229,31 @@ async def stored(image_id: str, cfg: Config, rt: Runtime[ImageStore]) -> Image.I
     chain: list[Request] = []  # the recipes from image_id up to that image, image_id's first
     current = image_id
     for _ in range(cfg.max_recipes + 1):  # a chain is at most a session's recipes long
-        image = rt.state.pixels(rt.session, current)
+        image = rt.state.pixels(rt.session, current, use=current == image_id)
         if image is not None:
             break
         recipe = rt.state.recipe(rt.session, current)
         if recipe is None:
-            image = await attached(current, cfg, rt)
+            image = await attached(current, cfg, rt, use=not chain)
             break
         request = Request.model_validate_json(recipe)
         if request.op == "load":
             changed = "changed at its source since it was loaded: load it again"
-            image = await loaded_again(current, request.image, cfg, rt, recipe=recipe, changed=changed)
+            image = await loaded_again(
+                current, request.image, cfg, rt, recipe=recipe, changed=changed, use=not chain
+            )
             break
         chain.append(request)
         current = request.image
     else:
         raise ToolFailure("internal", f"the recipe of {image_id} is a chain longer than {cfg.max_recipes}")
-    for request in reversed(chain):
+    for k, request in reversed(list(enumerate(chain))):  # only image_id's own (k = 0) is the call's use
         image = await asyncio.to_thread(transform, image, request, cfg)
-        rt.state.put(rt.session, image, derivation(request), request.model_dump_json())
+        rt.state.put(rt.session, image, derivation(request), request.model_dump_json(), use=k == 0)
     return image
 
 
-async def attached(image_id: str, cfg: Config, rt: Runtime[ImageStore]) -> Image.Image:
+async def attached(image_id: str, cfg: Config, rt: Runtime[ImageStore], *, use: bool = True) -> Image.Image:
     """An image attached to the session under `image_id`, loaded (its bytes must still be the ones attached);
     invalid_args naming the session's images, those in the store and those attached, otherwise."""
     ref = rt.handles.get(rt.session, image_id)
@@ -259,12 +261,19 @@ async def attached(image_id: str, cfg: Config, rt: Runtime[ImageStore]) -> Image
         also = rt.handles.listed(rt.session, "image")
         raise ToolFailure("invalid_args", rt.state.unknown_message(rt.session, image_id, also=also))
     return await loaded_again(
-        image_id, ref.source, cfg, rt, recipe=None, changed="changed since it was attached"
+        image_id, ref.source, cfg, rt, recipe=None, changed="changed since it was attached", use=use
     )
 
 
 async def loaded_again(
-    image_id: str, source: str, cfg: Config, rt: Runtime[ImageStore], *, recipe: str | None, changed: str
+    image_id: str,
+    source: str,
+    cfg: Config,
+    rt: Runtime[ImageStore],
+    *,
+    recipe: str | None,
+    changed: str,
+    use: bool = True,
 ) -> Image.Image:
     """The image `image_id` loaded from `source` (an attachment's, or a load's path or URL) into the store;
     not_found saying it `changed`, never other pixels under the id, if its bytes are not the ones it was made of."""
@@ -273,7 +282,7 @@ async def loaded_again(
     if derived_id(made) != image_id:
         raise ToolFailure("not_found", f"image {image_id} {changed}")
     image = await asyncio.to_thread(decode, data, max_bytes=cfg.max_bytes, max_pixels=cfg.max_input_pixels)
-    rt.state.put(rt.session, image, made, recipe)
+    rt.state.put(rt.session, image, made, recipe, use=use)  # use=False: the root of another image's re-make
     return image
 
 

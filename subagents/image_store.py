@@ -77,10 +77,20 @@ class ImageStore:
         self._known: OrderedDict[str, _Known] = OrderedDict()  # session -> what it knows; least recent first
         self._pixels = 0
 
-    def put(self, session: str, image: Image.Image, derivation: str, recipe: str | None = None) -> str:
+    def put(
+        self,
+        session: str,
+        image: Image.Image,
+        derivation: str,
+        recipe: str | None = None,
+        *,
+        use: bool = True,
+    ) -> str:
         """Store `image` for `session` under the id `derivation` gives (replacing the session's entry of that
         id, if any), made by `recipe` (None: it cannot be made again, only reloaded from where it came from), and
-        return the id, evicting pixels as the bounds require."""
+        return the id, evicting pixels as the bounds require. `use=False`: an image made again on the way to
+        another (a re-make's chain) keeps its place in the session's use order, so what the session lists is
+        what it would be had its pixels stayed, whatever other sessions evicted."""
         check_pixels(image.size, self.max_total_pixels, what="the image to store")
         image_id = derived_id(derivation)
         key = (session, image_id)
@@ -99,23 +109,26 @@ class ImageStore:
             self._sessions.move_to_end(session)
             self._pixels += image.width * image.height
             known = self._session(session)
-            known.ids[image_id] = None
-            known.ids.move_to_end(image_id)
+            if use or image_id not in known.ids:
+                known.ids[image_id] = None
+                known.ids.move_to_end(image_id)
             if recipe is not None:
                 known.recipes[image_id] = recipe
             while len(known.ids) > self.max_recipes:
                 self._forget(session, next(iter(known.ids)))
         return image_id
 
-    def pixels(self, session: str, image_id: str) -> Image.Image | None:
-        """The session's image if its pixels are held (a use), else None."""
+    def pixels(self, session: str, image_id: str, *, use: bool = True) -> Image.Image | None:
+        """The session's image if its pixels are held, else None; a use of it unless `use=False` (an image a
+        re-make starts from)."""
         key = (session, image_id)
         with self._lock:
             image = self._images.get(key)
             if image is not None:
                 self._images.move_to_end(key)
                 self._sessions.move_to_end(session)
-                self._session(session).ids.move_to_end(image_id)
+                if use:
+                    self._session(session).ids.move_to_end(image_id)
             return image
 
     def get(self, session: str, image_id: str) -> Image.Image:

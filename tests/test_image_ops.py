@@ -603,15 +603,16 @@ async def test_an_image_whose_pixels_were_evicted_is_made_again_as_it_was(tmp_pa
     """Other sessions filling the pixel bound never change what an episode observes: a zoom of a crop of a
     loaded file, all three evicted, is made again from its recipe (the file reloaded, the crop and zoom redone)
     with the same id and pixels; find_text's regions outlive the pixels, so `region=` still works; and the
-    response JSON of every call matches a store that never evicted."""
+    response JSON of every call matches a store that never evicted, down to the order a refusal lists the
+    episode's images in (remaking the chain is not a use of the images on the way)."""
     (tmp_path / "p.png").write_bytes(encoded(marked(60, 40)))
     tight = Config(max_total_pixels=60 * 40 * 10)  # room for ~10 photos' worth of pixels over all sessions
 
     async def episode(rt: Runtime[ImageStore], crowd: Runtime[ImageStore] | None) -> list[str]:
         source = await call(rt, tight, op="load", image="p.png")
-        found = await call(rt, tight, op="find_text", image=source.image_id)
         crop = await call(rt, tight, op="crop", image=source.image_id, box=[0, 0, 30, 20])
         zoom = await call(rt, tight, op="zoom", image=crop.image_id, factor=2)
+        found = await call(rt, tight, op="find_text", image=source.image_id)  # the source used after its zoom
         if crowd is not None:  # another episode's images push every pixel of this one out
             for n in range(12):
                 await loaded(crowd, tight, marked(60, 40 + n))
@@ -620,7 +621,9 @@ async def test_an_image_whose_pixels_were_evicted_is_made_again_as_it_was(tmp_pa
         flipped = await call(rt, tight, op="flip", image=zoom.image_id)
         responses = [source, found, crop, zoom, read, flipped]
         assert all(r.ok for r in responses), [r.error for r in responses]
-        return [r.model_dump_json(exclude={"latency_ms", "thumbnail_url"}) for r in responses]
+        refused = await call(rt, tight, op="read", image="img_000000")  # lists the images, most recent first
+        assert not refused.ok and "images here" in refused.error.message
+        return [r.model_dump_json(exclude={"latency_ms", "thumbnail_url"}) for r in [*responses, refused]]
 
     store = image_store(tight)
     crowded = await episode(runtime(store, roots=(str(tmp_path),)), runtime(store, session="other"))
