@@ -23,6 +23,7 @@ import hashlib
 import io
 import threading
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from PIL import Image
@@ -144,16 +145,22 @@ class ImageStore:
             known = self._known.get(session)
             return known.recipes.get(image_id) if known is not None else None
 
-    def held(self, session: str) -> list[str]:
-        """The ids the session can name: pixels held, or a recipe to make them again; most recently used first."""
+    def held(self, session: str, *, reloadable: Collection[str] = ()) -> list[str]:
+        """The ids the session can name: pixels held, a recipe to make them again, or `reloadable` (attached:
+        loaded again from their source); most recently used first. An id keeps its place whether or not its
+        pixels are held, so the order never depends on what other sessions evicted."""
         with self._lock:
             known = self._known.get(session) or _Known()
-            usable = [i for i in known.ids if i in known.recipes or (session, i) in self._images]
+            usable = [
+                i for i in known.ids if i in known.recipes or i in reloadable or (session, i) in self._images
+            ]
             return usable[::-1]
 
     def unknown_message(self, session: str, image_id: str, *, also: list[str] | None = None) -> str:
-        """Why `image_id` is refused, naming the images the session can name (and `also`, e.g. attached ones)."""
-        held = list(dict.fromkeys([*self.held(session), *(also or [])]))[:MAX_LISTED]
+        """Why `image_id` is refused, naming the images the session can name: those it used, most recent
+        first, then `also` (attached ones) it has not used."""
+        also = also or []
+        held = list(dict.fromkeys([*self.held(session, reloadable=set(also)), *also]))[:MAX_LISTED]
         shown = f"images here: {', '.join(held)}" if held else "use the image id the task gave"
         return f"no image {image_id[:40]!r} in this episode; {shown}"
 

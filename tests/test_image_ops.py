@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from conductor.plates import plate_shaped
 from subagents import image_ops, image_text, ocr, pixels
 from subagents.common import Runtime, ToolFailure, approx_tokens
+from subagents.handles import Attachment, Ref, file_key
 from subagents.image_ops import Config, ImageStore, Request, Response, TextBox, image_store
 from subagents.image_store import derived_id
 
@@ -634,6 +635,37 @@ async def test_an_image_whose_pixels_were_evicted_is_made_again_as_it_was(tmp_pa
         store.get("s1", zoom_id).tobytes()
         == marked(60, 40).crop((0, 0, 30, 20)).resize((60, 40), Image.Resampling.LANCZOS).tobytes()
     )
+
+
+async def test_a_refusal_lists_attached_images_in_use_order_whatever_was_evicted(tmp_path: Path) -> None:
+    """An attached photo whose pixels other sessions pushed out keeps its place in a refusal's listing (it is
+    loaded again from its source when named), so the listing is the one a store that never evicted gives: an
+    audit replay's refused call reads the same however crowded the store was when it ran."""
+    photos = [tmp_path / f"p{n}.png" for n in range(2)]
+    for n, path in enumerate(photos):
+        path.write_bytes(encoded(marked(60, 40 + n)))
+    tight = Config(max_total_pixels=60 * 40 * 10)
+
+    async def episode(rt: Runtime[ImageStore], crowd: Runtime[ImageStore] | None) -> str:
+        first, second = (Attachment("image", str(p), file_key(p)) for p in photos)
+        for photo in (first, second):
+            rt.handles.add(rt.session, photo.handle, Ref("image", photo.source))
+        found = await call(rt, tight, op="find_text", image=first.handle)
+        zoom = await call(rt, tight, op="zoom", image=first.handle, factor=2)
+        assert found.ok and zoom.ok
+        if crowd is not None:
+            for n in range(12):
+                await loaded(crowd, tight, marked(60, 50 + n))
+            assert rt.state.pixels(rt.session, first.handle, use=False) is None
+        refused = await call(rt, tight, op="read", image="img_000000")
+        assert refused.error is not None
+        listed = refused.error.message.split("images here: ")[1].split(", ")
+        assert listed == [zoom.image_id, first.handle, second.handle]
+        return refused.error.message
+
+    store = image_store(tight)
+    crowded = await episode(runtime(store, roots=(str(tmp_path),)), runtime(store, session="other"))
+    assert crowded == await episode(runtime(image_store(tight), roots=(str(tmp_path),)), None)
 
 
 async def test_an_evicted_image_is_made_again_only_from_what_it_was_made_of(tmp_path: Path) -> None:
