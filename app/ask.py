@@ -167,11 +167,11 @@ def check_reader_url(opts: AskOptions) -> str:
         raise AskError(f"--reader-url: {exc}") from exc
 
 
-def index_corpus(folder: Path, *, progress: Progress | None = None) -> int:
+def index_corpus(folder: Path, *, progress: Progress | None = None) -> search.Corpus:
     """Build, or reuse while `folder` is unchanged, the persistent search index the in-process tool server then
-    loads (search.index_dir); the number of documents. `progress(done, total)` hears each file extracted (a
-    cached index extracts none). An AskError with the fix for a folder that cannot be read or has nothing to
-    search."""
+    loads (search.index_dir); the index, whose `skipped` files the user is told of. `progress(done, total)`
+    hears each file extracted (a cached index extracts none). An AskError with the fix for a folder that cannot
+    be read or has nothing to search."""
     defaults = search.Config()  # what the in-process server indexes with (ask passes no server TOML)
     try:
         corpus = search.Corpus.build(
@@ -184,7 +184,7 @@ def index_corpus(folder: Path, *, progress: Progress | None = None) -> int:
     if not len(corpus):
         kinds = ", ".join(sorted(SUFFIXES))
         raise AskError(f"--corpus {folder}: no readable documents ({kinds}); give a folder that has some")
-    return len(corpus)
+    return corpus
 
 
 def attachments(opts: AskOptions) -> tuple[Attachment, ...]:

@@ -100,7 +100,8 @@ def ask(
 
 def _index_corpus(opts) -> None:
     """Index the in-process tools' corpus now, or find its index unchanged, so the tool server loads it from the
-    cache; a bar on stderr while a large folder is extracted (display.IndexBar). Errors exit with 2."""
+    cache; a bar on stderr while a large folder is extracted (display.IndexBar), and a line naming the files
+    search cannot find (damaged, empty, too big). Errors exit with 2."""
     from app import ask as assistant
     from app import display
 
@@ -108,12 +109,14 @@ def _index_corpus(opts) -> None:
         return  # the corpus is another server's, or search reads the web
     bar = display.IndexBar()
     try:
-        assistant.index_corpus((opts.corpus or assistant.EXAMPLE_CORPUS).resolve(), progress=bar)
+        corpus = assistant.index_corpus((opts.corpus or assistant.EXAMPLE_CORPUS).resolve(), progress=bar)
     except assistant.AskError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     finally:
         bar.close()
+    if corpus.skipped:  # said even without -v, whose log alone names them
+        typer.echo(f"search corpus: {corpus.summary()}", err=True)
 
 
 def _run_ask(opts, *, json_out: bool, trace: Path | None, imported: float | None = None) -> None:

@@ -12,14 +12,18 @@ editing or touching a file re-extracts the whole folder (extraction is the slow 
 more for a long PDF; BM25 indexing of the cached texts takes well under a second per thousand documents).
 The file is written atomically (temp file + os.replace): a crash or a concurrent build never leaves a torn one.
 
+A file that cannot be indexed (too big, unreadable, a damaged PDF, no text) costs that file only: it is left
+out, named in a warning and in the folder's `skipped` list (stored with the documents), never an error.
+
 Limits: an edit that keeps size and mtime is not seen; a change of extraction code needs `FORMAT` bumped;
-PDFs give only what pypdf extracts (no OCR of scanned pages; multi-column layouts may interleave).
+PDFs give only what pypdf extracts (no OCR of scanned pages; multi-column layouts may interleave), within
+subagents/pdf.py's PdfBudget (pages, characters, seconds).
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
-import io
 import json
 import logging
 import os
@@ -31,12 +35,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-import pypdf
 import trafilatura
-from pypdf.errors import PyPdfError
 from trafilatura.settings import Document as Extracted
 
 from subagents.errors import ToolFailure
+from subagents.pdf import UnreadablePdf, pdf_text
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +48,18 @@ HTML_SUFFIXES = frozenset({".html", ".htm"})
 # A saved news page is ~0.3 MB, a 30-page paper ~2 MB; the cap equals page_qa's fetch cap (FetchConfig.max_bytes),
 # so every indexed file can also be opened.
 MAX_FILE_BYTES = 5_000_000
-FORMAT = 1  # of documents.json; bump when extraction changes so stale caches are rebuilt
+FORMAT = 2  # of documents.json; bump when extraction changes so stale caches are rebuilt (2: skipped files)
 HTML_TYPES = frozenset({"text/html", "application/xhtml+xml"})
 MARKDOWN_TYPES = frozenset({"text/markdown", "text/x-markdown"})  # read as the same page's HTML would be
 PDF_TYPE = "application/pdf"  # what servers send and what file:// URLs of *.pdf are guessed as (mimetypes)
 MAX_TITLE_CHARS = 200  # page titles past this are boilerplate-stuffed; the policy needs only a label
+SHOWN_SKIPPED = 5  # skipped files named in the index's summary line: it stays one readable line
 
 Progress = Callable[[int, int], None]
 """`progress(done, total)`: called after each file extracted (never on a cache hit)."""
+# Codecs Python counts as text encodings that no page is written in: idna, punycode and undefined refuse
+# errors="replace" (a UnicodeError, which was an HTTP 500), the escapes read a page's backslashes as code points.
+NOT_CHARSETS = frozenset({"idna", "punycode", "undefined", "unicode-escape", "raw-unicode-escape"})
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,21 @@ class Document:
     title: str
     url: str
     text: str
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A candidate file left out of the index: its path relative to the folder, and why ("damaged PDF")."""
+
+    path: str
+    reason: str
+
+
+def skipped_files(skipped: Sequence[Skipped]) -> str:
+    """ "1 file skipped: bad.pdf (damaged PDF)", naming the first SHOWN_SKIPPED (the warnings name them all)."""
+    named = ", ".join(f"{s.path} ({s.reason})" for s in skipped[:SHOWN_SKIPPED])
+    more = f" and {len(skipped) - SHOWN_SKIPPED} more" if len(skipped) > SHOWN_SKIPPED else ""
+    return f"{len(skipped)} file{'s' * (len(skipped) != 1)} skipped: {named}{more}"
 
 
 def document_paths(folder: Path, max_docs: int, *, roots: Sequence[str] = ()) -> list[Path]:
@@ -100,23 +122,26 @@ def read_folder(
     base_url: str | None,
     cache_dir: Path | None = None,
     progress: Progress | None = None,
-) -> list[Document]:
-    """The documents of `paths` (files under `folder`): from `cache_dir` when the folder is unchanged, else
-    extracted (reporting to `progress`) and, with a `cache_dir`, stored there for next time."""
+) -> tuple[list[Document], list[Skipped]]:
+    """The documents of `paths` (files under `folder`) and the files skipped: from `cache_dir` when the folder
+    is unchanged, else extracted (reporting to `progress`) and, with a `cache_dir`, stored there for next time."""
     key = fingerprint(folder, paths) if cache_dir is not None else ""
     if cache_dir is not None and (cached := load_cached(cache_dir, key)) is not None:
-        logger.info("search corpus: %d documents of %s from the index at %s", len(cached), folder, cache_dir)
+        found = len(cached[0])
+        logger.info("search corpus: %d documents of %s from the index at %s", found, folder, cache_dir)
         return cached
-    documents = []
+    documents, skipped = [], []
     for done, path in enumerate(paths, 1):
         document = read_document(path, url=document_url(path, folder, base_url=base_url))
-        if document is not None:
+        if isinstance(document, Document):
             documents.append(document)
+        else:
+            skipped.append(Skipped(path.relative_to(folder).as_posix(), document))
         if progress is not None:
             progress(done, len(paths))
     if cache_dir is not None:
-        save_cached(cache_dir, key, folder=folder, documents=documents)
-    return documents
+        save_cached(cache_dir, key, folder=folder, documents=documents, skipped=skipped)
+    return documents, skipped
 
 
 def fingerprint(folder: Path, paths: Sequence[Path]) -> str:
@@ -128,8 +153,9 @@ def fingerprint(folder: Path, paths: Sequence[Path]) -> str:
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
 
 
-def load_cached(cache_dir: Path, key: str) -> list[Document] | None:
-    """The documents stored under `cache_dir` for fingerprint `key`; None when absent, stale or unreadable."""
+def load_cached(cache_dir: Path, key: str) -> tuple[list[Document], list[Skipped]] | None:
+    """The documents and skipped files stored under `cache_dir` for fingerprint `key`; None when absent, stale
+    or unreadable."""
     try:
         stored = json.loads((cache_dir / "documents.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -139,14 +165,17 @@ def load_cached(cache_dir: Path, key: str) -> list[Document] | None:
         return None
     if not isinstance(stored, dict) or stored.get("format") != FORMAT or stored.get("fingerprint") != key:
         return None
-    return [Document(**row) for row in stored["documents"]]
+    return [Document(**row) for row in stored["documents"]], [Skipped(**row) for row in stored["skipped"]]
 
 
-def save_cached(cache_dir: Path, key: str, *, folder: Path, documents: list[Document]) -> None:
-    """Store `documents` under `cache_dir` atomically (temp file in the same folder, then os.replace)."""
+def save_cached(
+    cache_dir: Path, key: str, *, folder: Path, documents: list[Document], skipped: list[Skipped]
+) -> None:
+    """Store `documents` and `skipped` under `cache_dir` atomically (temp file in the same folder, then
+    os.replace)."""
     body: dict[str, Any] = {
         "format": FORMAT, "fingerprint": key, "folder": str(folder.resolve()),
-        "documents": [asdict(d) for d in documents],
+        "documents": [asdict(d) for d in documents], "skipped": [asdict(s) for s in skipped],
     }  # fmt: skip
     cache_dir.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(dir=cache_dir, prefix=".documents-", suffix=".tmp")
@@ -159,21 +188,26 @@ def save_cached(cache_dir: Path, key: str, *, folder: Path, documents: list[Docu
         raise
 
 
-def read_document(path: Path, *, url: str) -> Document | None:
-    """Title and text of one file; None (with a warning) for a file too big, unreadable or without text."""
+def read_document(path: Path, *, url: str) -> Document | str:
+    """Title and text of one file; for a file too big, unreadable, a PDF pypdf cannot read or a file without
+    text, why it is skipped (also logged as a warning)."""
     try:
         if path.stat().st_size > MAX_FILE_BYTES:
-            logger.warning("search corpus: skipping %s (over %d bytes)", path, MAX_FILE_BYTES)
-            return None
+            return _skip(path, f"over {MAX_FILE_BYTES} bytes")
         raw = path.read_bytes()
         title, text = _file_text(raw, path.suffix.lower())
-    except (OSError, PyPdfError) as exc:
-        logger.warning("search corpus: skipping %s (%s)", path, exc)
-        return None
+    except OSError as exc:
+        return _skip(path, f"unreadable: {exc.strerror or exc}")
+    except UnreadablePdf as exc:
+        return _skip(path, exc.reason, detail=str(exc))
     if not text:
-        logger.warning("search corpus: skipping %s (no readable text)", path)
-        return None
+        return _skip(path, "no readable text")
     return Document(title=title or path.stem.replace("_", " "), url=url, text=text)
+
+
+def _skip(path: Path, reason: str, *, detail: str = "") -> str:
+    logger.warning("search corpus: skipping %s (%s)", path, detail or reason)
+    return reason
 
 
 def _file_text(raw: bytes, suffix: str) -> tuple[str, str]:
@@ -247,16 +281,6 @@ def markdown_text(text: str) -> tuple[str, str]:
     return title, "\n".join(blocks).strip()
 
 
-def pdf_text(raw: bytes) -> tuple[str, str]:
-    """A PDF's metadata title ("" when absent) and its pages' text, one page after another.
-
-    Raises pypdf's PyPdfError for a file it cannot parse (damaged, encrypted with a password)."""
-    reader = pypdf.PdfReader(io.BytesIO(raw))
-    title = reader.metadata.title if reader.metadata is not None else None
-    pages = [page.extract_text().strip() for page in reader.pages]
-    return (title or "").strip(), "\n\n".join(page for page in pages if page)
-
-
 # ---------------------------------------------------------------- a fetched page (page_qa)
 
 
@@ -302,17 +326,28 @@ def parse_content_type(content_type: str) -> tuple[str, str | None]:
 
 
 def _decode(body: bytes, charset: str | None) -> str:
+    """`body` in `charset`, or in UTF-8 (the web's majority encoding) where that names no encoding a page is
+    written in: an unknown name, a bytes-to-bytes codec (base64, zip, rot13) or one of NOT_CHARSETS."""
     try:
-        return body.decode(charset or "utf-8", errors="replace")
-    except LookupError:  # an unknown charset name in the header: UTF-8 is the web's majority encoding
+        return body.decode(_text_codec(charset), errors="replace")
+    except UnicodeError:  # a codec some library registered that refuses "replace" too
         return body.decode("utf-8", errors="replace")
+
+
+def _text_codec(charset: str | None) -> str:
+    try:
+        codec = codecs.lookup(charset or "utf-8")
+    except LookupError:
+        return "utf-8"
+    return codec.name if codec._is_text_encoding and codec.name not in NOT_CHARSETS else "utf-8"
 
 
 def _extract_pdf(body: bytes) -> PageText:
     try:
         title, text = pdf_text(body)
-    except PyPdfError as exc:  # damaged, truncated by the fetch cap, or password-protected
-        raise ToolFailure("unsupported_media", f"cannot read this PDF: {exc}") from exc
+    except UnreadablePdf as exc:  # damaged, truncated or password-protected; what pypdf said goes to the log
+        logger.info("page_qa: %s", exc)
+        raise ToolFailure("unsupported_media", f"this page is a {exc.reason} that pypdf cannot read") from exc
     if not text:
         raise ToolFailure("unsupported_media", "this PDF has no text layer (a scan?); page_qa does no OCR")
     return PageText(title=title[:MAX_TITLE_CHARS], text=text)

@@ -16,8 +16,9 @@ Two backends behind the same Request and Response (`[search] backend`):
   page_qa opens them through its SSRF-guarded fetcher like any URL the policy writes.
 
 Limits: lexical matching only for the corpus (no stemming or synonyms: "cars" does not match "car"); English
-stopwords; files past `max_docs` or documents.MAX_FILE_BYTES are not indexed (a warning is logged); re-indexing
-needs a restart. Web results are whatever SearXNG's engines return; the snippet is theirs, cut to length.
+stopwords; files past `max_docs` or documents.MAX_FILE_BYTES are not indexed (a warning is logged), nor are
+damaged files (each named in a warning and in `Corpus.summary`, which the server logs); re-indexing needs a
+restart. Web results are whatever SearXNG's engines return; the snippet is theirs, cut to length.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import logging
 import math
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -40,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from conductor.models import conductor_home
 from subagents.common import Runtime, ToolFailure, ToolResponse, bm25_terms, guarded
-from subagents.documents import Document, Progress, document_paths, read_folder
+from subagents.documents import Document, Progress, Skipped, document_paths, read_folder, skipped_files
 from subagents.handles import Ref, handle_for
 from subagents.llm import LLM
 
@@ -137,10 +138,13 @@ class Config:
 
 
 class Corpus:
-    """A read-only BM25 index over documents."""
+    """A read-only BM25 index over documents, and the files of its folder it could not index (`skipped`)."""
 
-    def __init__(self, documents: list[Document], *, root_url: str = "") -> None:
+    def __init__(
+        self, documents: list[Document], *, root_url: str = "", skipped: Sequence[Skipped] = ()
+    ) -> None:
         self.documents = documents
+        self.skipped = tuple(skipped)
         # A hit's handle derives from the document's place in the corpus, its URL less `root_url` (the folder's
         # file:// URL or its base_url): the same in every checkout and on every server of the same folder.
         self._keys = [f"corpus/{d.url.removeprefix(root_url)}" if root_url else d.url for d in documents]
@@ -172,13 +176,22 @@ class Corpus:
         if not folder.is_dir():
             raise FileNotFoundError(f"search corpus folder not found: {folder}")
         paths = document_paths(folder, max_docs, roots=roots)
-        documents = read_folder(folder, paths, base_url=base_url, cache_dir=cache_dir, progress=progress)
-        logger.info("search corpus: %d documents from %s", len(documents), folder)
+        documents, skipped = read_folder(
+            folder, paths, base_url=base_url, cache_dir=cache_dir, progress=progress
+        )
         root_url = base_url.rstrip("/") + "/" if base_url else folder.resolve().as_uri() + "/"
-        return cls(documents, root_url=root_url)
+        corpus = cls(documents, root_url=root_url, skipped=skipped)
+        level = logging.WARNING if skipped else logging.INFO  # a skipped file is the user's to fix
+        logger.log(level, "search corpus %s: %s", folder, corpus.summary())
+        return corpus
 
     def __len__(self) -> int:
         return len(self.documents)
+
+    def summary(self) -> str:
+        """What the index holds, in a line: "12 documents; 1 file skipped: bad.pdf (damaged PDF)"."""
+        held = f"{len(self.documents)} document" + "s" * (len(self.documents) != 1)
+        return f"{held}; {skipped_files(self.skipped)}" if self.skipped else held
 
     def search(self, query: str, k: int, *, snippet_chars: int = 120) -> list[Hit]:
         """The `k` best documents for `query`, best first; documents sharing no query term are left out."""

@@ -156,7 +156,7 @@ def test_index_corpus_warms_the_index_the_in_process_server_loads(tmp_path, monk
     folder = tmp_path / "docs"
     folder.mkdir()
     (folder / "kiln.md").write_text("# Kilns\n\nA kiln fires clay at 1200 degrees.", encoding="utf-8")
-    assert index_corpus(folder) == 1
+    assert len(index_corpus(folder)) == 1
     cfg = embedded_config(ServerConfig(), corpus=folder, persist_index=True).tools["search"].config
 
     def no_extraction(path, *, url):
@@ -167,6 +167,21 @@ def test_index_corpus_warms_the_index_the_in_process_server_loads(tmp_path, monk
     (tmp_path / "empty").mkdir()
     with pytest.raises(AskError, match=r"no readable documents \(.*\.pdf"):
         index_corpus(tmp_path / "empty")
+
+
+def test_conductor_ask_names_the_files_search_skipped(tmp_path, monkeypatch, capsys):
+    """A damaged PDF in --corpus costs that file only: `conductor ask` indexes the rest and says, even without
+    -v, which file search skipped and why (on stderr, before the episode)."""
+    from app.cli_ask import _index_corpus
+    from tests.pdf import damaged_pdf
+
+    monkeypatch.setenv("CONDUCTOR_HOME", str(tmp_path / "home"))
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "kiln.md").write_text("# Kilns\n\nA kiln fires clay at 1200 degrees.", encoding="utf-8")
+    (folder / "bad.pdf").write_bytes(damaged_pdf())
+    _index_corpus(AskOptions(question="What fires clay?", corpus=folder))
+    assert capsys.readouterr().err == "search corpus: 1 document; 1 file skipped: bad.pdf (damaged PDF)\n"
 
 
 def test_a_folder_that_cannot_be_read_is_refused_with_the_fix(tmp_path, monkeypatch):

@@ -6,21 +6,33 @@ indexes real HotpotQA paragraphs from ../shared/data (skipped when absent).
 
 from __future__ import annotations
 
+import io
 import json
+import logging
+import random
 import re
+import time
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
+import httpx
 import pydantic
+import pypdf
 import pytest
 
-from subagents import documents, page_qa, search
-from subagents.common import Ref, Runtime, ToolFailure, approx_tokens
+from subagents import SUBAGENTS, documents, page_qa, pdf, search
+from subagents.common import Files, Ref, Runtime, ToolFailure, approx_tokens
 from subagents.fetch import FetchConfig, Fetcher
 from subagents.handles import handle_for
 from subagents.llm import Generation, Message
-from tests.pdf import minimal_pdf
+from subagents.pdf import PdfBudget, UnreadablePdf, pdf_text
+from tests.pdf import damaged_pdf, form_pdf, minimal_pdf, pages_pdf
+from tests.tool_server_fakes import FakeFactory, make_config, serving
+from tool_server.app import create_app
+from tool_server.config import default_tools
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "corpus"
 
@@ -378,3 +390,130 @@ def test_links_to_files_outside_the_roots_are_not_indexed(tmp_path: Path) -> Non
     assert [h.title for h in built.search("roasted coffee beans", 5)] == ["beans"]
     alone = search.Corpus.build(corpus, max_docs=10)  # no roots (conductor ask): the corpus folder itself
     assert sorted(d.title for d in alone.documents) == ["same", "tea"]
+
+
+# ---------------------------------------------------------------- damaged and slow PDFs
+
+
+def test_a_damaged_pdf_costs_only_that_file_and_is_named(
+    mixed: Path, tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The attack: a PDF with 4 bytes of its trailer changed made pypdf raise AttributeError (real pypdf, checked
+    here), which stopped the index build. The file is skipped, named in a warning and in the index's summary
+    (with the other file skipped), the rest indexed; a reused persistent index still names it."""
+    (mixed / "bad.pdf").write_bytes(damaged_pdf())
+    with pytest.raises(AttributeError):
+        pypdf.PdfReader(io.BytesIO(damaged_pdf()))
+    cache = tmp_path_factory.mktemp("index")
+    with caplog.at_level(logging.WARNING, logger="subagents"):
+        corpus = search.Corpus.build(mixed, max_docs=100, cache_dir=cache)
+    assert len(corpus) == 5 and corpus.skipped == (
+        documents.Skipped("bad.pdf", "damaged PDF"),
+        documents.Skipped("empty.html", "no readable text"),
+    )
+    expected = "5 documents; 2 files skipped: bad.pdf (damaged PDF), empty.html (no readable text)"
+    assert corpus.summary() == expected
+    assert any("bad.pdf (damaged PDF (AttributeError" in record.getMessage() for record in caplog.records)
+    assert search.Corpus.build(mixed, max_docs=100, cache_dir=cache).summary() == expected
+
+
+def test_the_server_starts_over_a_corpus_with_a_damaged_pdf(mixed: Path) -> None:
+    """The attack: that damaged PDF in [search] corpus_dir failed the server's start-up ("Application startup
+    failed"). Over real loopback HTTP the server starts, searches the other files, and its search state names
+    the skipped file."""
+    (mixed / "bad.pdf").write_bytes(damaged_pdf())
+    tools = default_tools()
+    tools["search"] = replace(tools["search"], config=replace(tools["search"].config, corpus_dir=str(mixed)))
+    app = create_app(
+        make_config(tools=tools, files=Files(roots=(str(mixed),))),
+        subagents=SUBAGENTS,
+        llm_factory=FakeFactory(),
+    )
+    with serving(app) as url:
+        reply = httpx.post(f"{url}/v1/tools/search", json={"query": "basalt lava columns"}, timeout=30)
+        state = app.state.host.states["search"]
+    assert reply.status_code == 200 and reply.json()["hits"][0]["title"] == "Columnar basalt"
+    assert "bad.pdf (damaged PDF)" in state.summary()
+
+
+def mutated_pdf(seed: int) -> bytes:
+    """One of two valid PDFs with 1-6 bytes changed, cut out or put in (PDF syntax characters), by `seed`."""
+    rng = random.Random(seed)
+    sources = [minimal_pdf(PDF_LINES, title="Basalt"), pages_pdf([PDF_LINES] * 3, title="Basalt")]
+    data = bytearray(rng.choice(sources))
+    for _ in range(rng.randint(1, 6)):
+        at, edit = rng.randrange(len(data)), rng.random()
+        if edit < 0.6:
+            data[at] = rng.choice(b"0123456789 []<>()/R%\nobjendstreamxref")
+        elif edit < 0.8:
+            del data[at : at + rng.randint(1, 10)]
+        else:
+            data[at:at] = bytes(rng.choice(b"[]<>()/R 0") for _ in range(rng.randint(1, 5)))
+    return bytes(data)
+
+
+def test_no_damage_escapes_pdf_text_but_unreadable_pdf() -> None:
+    """Fuzzed: 100 seeded mutations of valid PDFs each give text (a title that is a string) or UnreadablePdf,
+    never another exception. The seeds include two on which pypdf 7 raises AttributeError (603) and TypeError
+    (660), which escaped the old extraction."""
+    outcomes = []
+    for seed in range(600, 700):
+        try:
+            title, _ = pdf_text(mutated_pdf(seed))
+        except UnreadablePdf as exc:
+            outcomes.append(type(exc.__cause__).__name__)
+        else:
+            assert isinstance(title, str), (seed, title)
+            outcomes.append("read")
+    assert "read" in outcomes and len(set(outcomes)) > 2, sorted(set(outcomes))
+
+
+LAVA = "Basalt columns form when thick lava cools slowly and contracts into prisms"
+
+
+def test_pdf_text_stops_at_its_page_and_character_budgets(caplog: pytest.LogCaptureFixture) -> None:
+    """A 60-page text-heavy PDF is read up to its page budget, then its character budget; the text read so far is
+    kept and the cut logged."""
+    book = pages_pdf([[f"{LAVA} on page {page} line {line}." for line in range(40)] for page in range(60)])
+    with caplog.at_level(logging.WARNING, logger="subagents.pdf"):
+        _, first = pdf_text(book, budget=PdfBudget(pages=5))
+    assert "on page 4 line 39." in first and "on page 5 " not in first
+    assert "cut before page 6 of 60: its budget of 5 pages is read" in caplog.text
+    _, some = pdf_text(book, budget=PdfBudget(chars=10_000))
+    assert len(some) == 10_000 and some.startswith(f"{LAVA} on page 0 line 0.")
+
+
+def test_a_page_made_slow_to_read_is_cut_at_the_time_budget(caplog: pytest.LogCaptureFixture) -> None:
+    """One page of 20,000 text lines (2 MB; whole, 3-5 s of pypdf here, growing with the square of its lines: the
+    attack's 4 MB took 10 s) stops at the time budget, checked between its operators, and the cut is logged:
+    the thread is free after the budget plus the page's parse (~0.6-1.3 s here)."""
+    page = pages_pdf([[f"{LAVA}, line {line}." for line in range(20_000)]])
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="subagents.pdf"):
+        _, text = pdf_text(page, budget=PdfBudget(seconds=0.2))
+    elapsed = time.monotonic() - started
+    assert "line 19999." not in text and "cut in page 1 of 1: its budget of 0.2 s is spent" in caplog.text
+    assert elapsed < 3.0, elapsed  # the parse, the budget and a loaded machine's slack
+
+
+def test_the_time_budget_keeps_the_text_read_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a clock that moves 1 ms a look (so the test does not hang on the machine's speed): a page cut between
+    its operators keeps the lines it had shown, in order, also when they are drawn by a form XObject (which
+    pypdf reads inside `except Exception`); a book cut between pages keeps its whole pages."""
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(pdf, "time", SimpleNamespace(monotonic=lambda: next(ticks) / 1000))
+    lines = [f"{LAVA}, line {line}." for line in range(2_000)]
+    for made in (pages_pdf([lines]), form_pdf(lines)):
+        shown = pdf_text(made, budget=PdfBudget(seconds=0.5))[1].splitlines()
+        assert 100 < len(shown) < 300 and shown == lines[: len(shown)]
+    book = pages_pdf([[f"{LAVA}, page {page}."] for page in range(100)])
+    pages = pdf_text(book, budget=PdfBudget(seconds=0.5))[1].split("\n\n")
+    assert 10 < len(pages) < 100 and pages[:10] == [f"{LAVA}, page {page}." for page in range(10)]
+
+
+def test_a_page_whose_content_is_over_its_budget_is_not_parsed() -> None:
+    """A page whose (decompressed) content stream is past the budget's bytes is not parsed: parsing cannot be
+    stopped midway (100 kB of zlib inflate to 30 MB, 9 s). Reading stops there; earlier pages are kept."""
+    book = pages_pdf([[f"{LAVA}, short."], [f"{LAVA}, line {line}." for line in range(100)]])
+    _, text = pdf_text(book, budget=PdfBudget(content_bytes=2_000))
+    assert text == f"{LAVA}, short."
