@@ -4,7 +4,8 @@ table and writes JSON (and records) under benchmarks/results/.
     studies/   one package per question a study answers: credit, learning, horizon, reader, rl (the chain),
                research (corpus_qa dev question by question)
     perf/      one-shot performance benches: sub-agents, context, train, sampler, throughput, ray, slow_body,
-               gpu_step (one training step on whatever device there is), decode (the in-process decoders)
+               gpu_step (one training step on whatever device there is), decode (the in-process decoders),
+               image_memory (the server's RSS through a burst of large images)
     common/    what several studies share: `conductor` stages and what episode files say
 
 They sit on top of the tree (tests/test_layout.py): nothing in the runtime packages or app/ imports them; tests do.

@@ -26,33 +26,39 @@ came from that nothing has looked at yet ("; not zoomed yet: r2, r3"), so the re
 
 Decoding is guarded (subagents/pixels.py: a format allowlist checked from the header, byte and pixel caps), and
 so is every output (a pixel cap); local paths only under the server's `[files] roots`, URLs only via the
-SSRF-safe fetcher. No deadline inside a call: every input is bounded by the caps, and CPU work runs in worker
-threads.
+SSRF-safe fetcher. CPU work runs in the image worker threads (subagents/workers.py: a small pool of its own,
+refusing as `overloaded` when full), each op holding its pixels in the process's working budget while it runs
+(subagents/pixels.py: `WORKING`), so that neither the threads nor the memory of image work grow with the number of
+callers, and a call whose deadline passed frees its thread within the caps' bound.
 
 `tokens_read`: the text `read` recognised, in `rt.count_tokens`; 0 for pixel ops and `find_text` (no text).
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
+import functools
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from PIL import Image, ImageOps
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from conductor.plates import plate_shaped
+from subagents import workers
 from subagents.common import Runtime, ToolFailure, ToolResponse, guarded, local_file, shown_path
 from subagents.handles import content_key, load_derivation, looks_like_handle
 from subagents.image_store import ImageStore, derived_id
 from subagents.image_text import TextBox, find_text, read_text
 from subagents.llm import LLM
-from subagents.pixels import check_pixels, decode, pixel_box, region_box
+from subagents.pixels import WORKING, area, check_pixels, decode, pixel_box, region_box
+
+T = TypeVar("T")
 
 NAME = "image_ops"
 # Not cached: a call writes into the caller's per-session image store (a load creates an image id, a zoom a new
@@ -132,17 +138,19 @@ class Config:
     max_bytes: int = 20 << 20
     """Largest encoded image accepted (bytes): a 24 MP camera JPEG is ~10 MB."""
     max_input_pixels: int = 50_000_000
-    """Largest decoded image (width x height): a 48 MP phone photo; 150 MB as RGB. Also PIL's bomb ceiling."""
+    """Largest decoded image (width x height): a 48 MP phone photo; 200 MB as Pillow keeps RGB (4 bytes a
+    pixel). Also PIL's bomb ceiling."""
     max_output_pixels: int = 16_000_000
-    """Largest image zoom or rotate may produce (48 MB as RGB): a 4x zoom of a 1000x1000 crop."""
+    """Largest image zoom or rotate may produce (64 MB as RGB): a 4x zoom of a 1000x1000 crop."""
     max_images_per_session: int = 32
     """Images whose pixels a session keeps; the least recently used go first (and are made again from their
     recipe when named: subagents/image_store.py). An episode on one photo uses a handful."""
     max_sessions: int = 64
     """Sessions whose pixels are kept; the least recently used session's go whole. Eight groups of eight."""
     max_total_pixels: int = 200_000_000
-    """Pixels kept over all sessions (600 MB as RGB); least recently used images are evicted past it. 64 audit
-    episodes reach it (a zoom of a plate is ~9 MP): an evicted image is made again, never refused."""
+    """Pixels kept over all sessions (800 MB: Pillow keeps RGB in 4 bytes a pixel); least recently used images are
+    evicted past it. 64 audit episodes reach it (a zoom of a plate is ~9 MP): an evicted image is made again,
+    never refused. Pixels in work beside it are bounded apart (subagents/pixels.py: WORKING_PIXELS)."""
     max_recipes: int = 512
     """Images a session can name (each kept as its ~300-byte recipe): a 32-photo audit makes ~100."""
     max_known_sessions: int = 256
@@ -188,9 +196,7 @@ async def _run(request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Respon
         image = await stored(request.image, cfg, rt)
     elif request.op == "load":
         data = await source_bytes(request.image, cfg, rt)
-        image = await asyncio.to_thread(
-            decode, data, max_bytes=cfg.max_bytes, max_pixels=cfg.max_input_pixels
-        )
+        image = await decoded(data, cfg)
         recipe = request.model_dump_json() if len(request.image) <= cfg.max_recipe_chars else None
         image_id = rt.state.put(rt.session, image, load_derivation(content_key(data)), recipe)
     else:
@@ -200,20 +206,21 @@ async def _run(request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Respon
             box = region_box(rt.state.region(rt.session, request.image, region), image.size)
             request = request.model_copy(update={"box": box, "region": None})
         if request.op not in ("find_text", "read"):
-            image = await asyncio.to_thread(transform, image, request, cfg)
+            image = await made(image, request, cfg)
             image_id = rt.state.put(rt.session, image, derivation(request), request.model_dump_json())
         if region is not None:
             rt.state.looked_at(rt.session, request.image, region, image_id)
     response = Response(op=request.op, image_id=image_id, width=image.width, height=image.height)
     response.thumbnail_url = f"/v1/images/{image_id}"
     if request.op == "read":
-        lines = await asyncio.to_thread(read_text, image, request.box, side=cfg.reader_side)
+        reader = functools.partial(read_text, side=cfg.reader_side)
+        lines = await in_work(area(image.size), reader, image, request.box)
         response.text = "\n".join(lines)
         response.plate = plate_shaped(response.text) or ""
         response.unzoomed = [] if response.plate else rt.state.unzoomed(rt.session, image_id)
         response.tokens_read = rt.count_tokens(response.text)
     elif request.op == "find_text":
-        boxes = await asyncio.to_thread(find_text, image, request.box)
+        boxes = await in_work(area(image.size), find_text, image, request.box)
         response.boxes = [
             b.model_copy(update={"id": f"r{i}"}) for i, b in enumerate(boxes[: cfg.find_text_top], 1)
         ]
@@ -225,7 +232,8 @@ async def _run(request: Request, cfg: Config, rt: Runtime[ImageStore]) -> Respon
 async def stored(image_id: str, cfg: Config, rt: Runtime[ImageStore]) -> Image.Image:
     """The session's image `image_id`: its pixels if the store holds them, else made again from its recipe, from
     the nearest image up its chain still held or attached (iteratively: a chain may be hundreds of flips long).
-    invalid_args naming the session's images for an id it does not know."""
+    invalid_args naming the session's images for an id it does not know (not_found if it was evicted with the
+    session: `attached`)."""
     chain: list[Request] = []  # the recipes from image_id up to that image, image_id's first
     current = image_id
     for _ in range(cfg.max_recipes + 1):  # a chain is at most a session's recipes long
@@ -248,18 +256,18 @@ async def stored(image_id: str, cfg: Config, rt: Runtime[ImageStore]) -> Image.I
     else:
         raise ToolFailure("internal", f"the recipe of {image_id} is a chain longer than {cfg.max_recipes}")
     for k, request in reversed(list(enumerate(chain))):  # only image_id's own (k = 0) is the call's use
-        image = await asyncio.to_thread(transform, image, request, cfg)
+        image = await made(image, request, cfg)
         rt.state.put(rt.session, image, derivation(request), request.model_dump_json(), use=k == 0)
     return image
 
 
 async def attached(image_id: str, cfg: Config, rt: Runtime[ImageStore], *, use: bool = True) -> Image.Image:
     """An image attached to the session under `image_id`, loaded (its bytes must still be the ones attached);
-    invalid_args naming the session's images, those in the store and those attached, otherwise."""
+    otherwise not_found if it was evicted with the session, else invalid_args naming the session's images, those
+    in the store and those attached (`ImageStore.unknown`)."""
     ref = rt.handles.get(rt.session, image_id)
     if ref is None or ref.kind != "image":
-        also = rt.handles.listed(rt.session, "image")
-        raise ToolFailure("invalid_args", rt.state.unknown_message(rt.session, image_id, also=also))
+        raise rt.state.unknown(rt.session, image_id, also=rt.handles.listed(rt.session, "image"))
     return await loaded_again(
         image_id, ref.source, cfg, rt, recipe=None, changed="changed since it was attached", use=use
     )
@@ -281,7 +289,7 @@ async def loaded_again(
     made = load_derivation(content_key(data))
     if derived_id(made) != image_id:
         raise ToolFailure("not_found", f"image {image_id} {changed}")
-    image = await asyncio.to_thread(decode, data, max_bytes=cfg.max_bytes, max_pixels=cfg.max_input_pixels)
+    image = await decoded(data, cfg)
     rt.state.put(rt.session, image, made, recipe, use=use)  # use=False: the root of another image's re-make
     return image
 
@@ -304,7 +312,7 @@ async def source_bytes(source: str, cfg: Config, rt: Runtime[ImageStore]) -> byt
         return (await rt.fetcher.fetch(source)).body  # the fetcher caps the body; decode() caps it again
     if _SCHEME.match(source):
         raise ToolFailure("invalid_args", "load takes a local path, an http(s) URL or a data:image/... URI")
-    return await asyncio.to_thread(read_local, source, cfg, rt.roots)
+    return await workers.run("images", read_local, source, cfg, rt.roots)
 
 
 def data_uri_bytes(uri: str, cfg: Config) -> bytes:
@@ -332,22 +340,57 @@ def read_local(raw: str, cfg: Config, roots: tuple[str, ...]) -> bytes:
         raise ToolFailure("invalid_args", f"cannot read image {shown!r}: {exc.strerror}") from None
 
 
-def transform(image: Image.Image, request: Request, cfg: Config) -> Image.Image:
-    """The new image a pixel op makes; the source is never modified."""
-    if request.op == "crop":
-        if request.box is None:
-            raise ToolFailure("invalid_args", "crop needs a box [x0,y0,x1,y1]")
-        return image.crop(pixel_box(request.box, image.size))
-    if request.op == "zoom":  # the output cap is checked from the box, before any pixel is copied
-        left, top, right, bottom = box = pixel_box(request.box, image.size)
-        size = (round((right - left) * request.factor), round((bottom - top) * request.factor))
-        check_pixels(size, cfg.max_output_pixels, what="the zoomed image")
-        return image.crop(box).resize(size, Image.Resampling.LANCZOS)
-    if request.op == "rotate":
+async def decoded(data: bytes, cfg: Config) -> Image.Image:
+    """`data` decoded in an image worker thread under the caps, holding its pixels in the working budget."""
+    decode_capped = functools.partial(decode, max_bytes=cfg.max_bytes, max_pixels=cfg.max_input_pixels)
+    return await workers.run("images", decode_capped, data)
+
+
+async def made(image: Image.Image, request: Request, cfg: Config) -> Image.Image:
+    """The image a pixel op makes, in an image worker thread holding its source's and its own pixels; too_large
+    before any of it is held or copied when it would be over the output cap."""
+    size = made_size(request, image.size, cfg)
+    return await in_work(area(image.size) + area(size), transform, image, request, size)
+
+
+async def in_work(pixels: int, fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)` in an image worker thread (subagents/workers.py), holding `pixels` of the process's working
+    budget while it runs (subagents/pixels.py)."""
+    return await workers.run("images", _held, pixels, fn, *args)
+
+
+def _held(pixels: int, fn: Callable[..., T], *args: object) -> T:
+    with WORKING.hold(pixels):
+        return fn(*args)
+
+
+def made_size(request: Request, size: tuple[int, int], cfg: Config) -> tuple[int, int]:
+    """The size of the image a pixel op makes from a `size` image, known before any pixel is copied;
+    too_large past `max_output_pixels` for zoom and rotate (crop, flip and autocontrast never grow an image)."""
+    if request.op == "crop" and request.box is None:
+        raise ToolFailure("invalid_args", "crop needs a box [x0,y0,x1,y1]")
+    if request.op not in ("crop", "zoom", "rotate"):
+        return size
+    if request.op == "rotate":  # the canvas expand=True makes
         cos, sin = abs(math.cos(math.radians(request.degrees))), abs(math.sin(math.radians(request.degrees)))
-        size = (round(image.width * cos + image.height * sin), round(image.width * sin + image.height * cos))
-        check_pixels(size, cfg.max_output_pixels, what="the rotated image")  # the canvas expand=True makes
-        # White corners: rotation mostly straightens scanned documents, whose paper is white.
+        out = (round(size[0] * cos + size[1] * sin), round(size[0] * sin + size[1] * cos))
+        check_pixels(out, cfg.max_output_pixels, what="the rotated image")
+        return out
+    left, top, right, bottom = pixel_box(request.box, size)
+    factor = request.factor if request.op == "zoom" else 1
+    out = (round((right - left) * factor), round((bottom - top) * factor))
+    if request.op == "zoom":
+        check_pixels(out, cfg.max_output_pixels, what="the zoomed image")
+    return out
+
+
+def transform(image: Image.Image, request: Request, size: tuple[int, int]) -> Image.Image:
+    """The new image a pixel op makes, of `size` (`made_size`); the source is never modified."""
+    if request.op == "crop":
+        return image.crop(pixel_box(request.box, image.size))
+    if request.op == "zoom":
+        return image.crop(pixel_box(request.box, image.size)).resize(size, Image.Resampling.LANCZOS)
+    if request.op == "rotate":  # white corners: rotation mostly straightens scanned documents (white paper)
         return image.rotate(request.degrees, Image.Resampling.BICUBIC, expand=True, fillcolor="white")
     if request.op == "flip":
         return ImageOps.mirror(image) if request.direction == "horizontal" else ImageOps.flip(image)

@@ -11,8 +11,10 @@ policy's own mistake (in a replay, as a divergence).
 What a session knows (recipes, find_text's regions, which regions were looked at, which image a region's zoom was
 made from) is kept while the session is one of the `max_known_sessions` most recently used and the id one of its
 `max_recipes` most recently used; past those it is forgotten with the pixels, and the id is unknown (invalid_args,
-naming the session's images). Ids are private to their session: the same call in two sessions gives the same id,
-each session holding its own entry.
+naming the session's images). A session forgotten whole is remembered a while longer as gone (`_Gone`: its ids,
+3 bytes each, and how long it had been idle), so that a call naming one of its images hears that the image was
+evicted with its session, not that it was never given. Ids are private to their session: the same call in two
+sessions gives the same id, each session holding its own entry.
 
 One lock guards the maps; stored images are never modified, so callers may read them after it is released.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import io
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -30,7 +33,7 @@ from PIL import Image
 
 from subagents.common import ToolFailure
 from subagents.handles import MAX_LISTED
-from subagents.pixels import check_pixels, scaled
+from subagents.pixels import WORKING, check_pixels, scaled
 
 
 def derived_id(derivation: str) -> str:
@@ -47,10 +50,27 @@ class _Known:
     regions: dict[str, list[list[int]]] = field(default_factory=dict)  # id -> find_text's boxes, r1 first
     looked: dict[str, list[str]] = field(default_factory=dict)  # id -> its regions looked at, in order
     made_from: dict[str, str] = field(default_factory=dict)  # a region's zoom or crop -> its source image
+    used: float = field(default_factory=time.monotonic)  # when the session last used the store
 
     def forget(self, image_id: str) -> None:
         for table in (self.ids, self.recipes, self.regions, self.looked, self.made_from):
             table.pop(image_id, None)
+
+
+@dataclass(frozen=True)
+class _Gone:
+    """A session forgotten whole: the ids it knew (3 bytes each: `img_` and 6 hex digits) and how long it had been
+    idle when it was forgotten."""
+
+    ids: bytes
+    idle_s: float
+
+    def knew(self, image_id: str) -> bool:
+        try:
+            key = bytes.fromhex(image_id.removeprefix("img_"))
+        except ValueError:  # not an image id at all
+            return False
+        return len(key) == 3 and any(self.ids[i : i + 3] == key for i in range(0, len(self.ids), 3))
 
 
 class ImageStore:
@@ -76,7 +96,17 @@ class ImageStore:
         self._images: OrderedDict[tuple[str, str], Image.Image] = OrderedDict()
         self._sessions: OrderedDict[str, int] = OrderedDict()  # session -> images held; least recent first
         self._known: OrderedDict[str, _Known] = OrderedDict()  # session -> what it knows; least recent first
+        # Sessions forgotten whole, as many as are known (at most 256 x 512 ids x 3 bytes, ~400 KB, beside their
+        # names): a policy names an image of its session some turns later, by then the session is back or gone.
+        self._gone: OrderedDict[str, _Gone] = OrderedDict()
         self._pixels = 0
+        self._freed = 0  # pixels evicted since `put` last told the working budget (subagents/pixels.py)
+
+    @property
+    def pixels_held(self) -> int:
+        """Pixels the store holds now, over all sessions (at most `max_total_pixels`)."""
+        with self._lock:
+            return self._pixels
 
     def put(
         self,
@@ -117,6 +147,9 @@ class ImageStore:
                 known.recipes[image_id] = recipe
             while len(known.ids) > self.max_recipes:
                 self._forget(session, next(iter(known.ids)))
+            freed, self._freed = self._freed, 0
+        if freed:  # evicted pixels go back to the system with image work's (a trim once none is in flight)
+            WORKING.freed(freed)
         return image_id
 
     def pixels(self, session: str, image_id: str, *, use: bool = True) -> Image.Image | None:
@@ -136,7 +169,7 @@ class ImageStore:
         """The session's image whose pixels are held; invalid_args naming the session's images otherwise."""
         image = self.pixels(session, image_id)
         if image is None:
-            raise ToolFailure("invalid_args", self.unknown_message(session, image_id))
+            raise self.unknown(session, image_id)
         return image
 
     def recipe(self, session: str, image_id: str) -> str | None:
@@ -155,6 +188,20 @@ class ImageStore:
                 i for i in known.ids if i in known.recipes or i in reloadable or (session, i) in self._images
             ]
             return usable[::-1]
+
+    def unknown(self, session: str, image_id: str, *, also: list[str] | None = None) -> ToolFailure:
+        """Why `image_id` is refused: not_found saying so if it was evicted with its session, else invalid_args
+        naming the images the session can name (`unknown_message`)."""
+        with self._lock:
+            gone = self._gone.get(session)
+        if gone is not None and gone.knew(image_id):
+            idle = f"{gone.idle_s / 60:.0f} min" if gone.idle_s >= 90 else f"{gone.idle_s:.0f} s"
+            return ToolFailure(
+                "not_found",
+                f"{image_id} was evicted with its session (idle for {idle}, past the {self.max_known_sessions} "
+                "most recently used sessions the server keeps); load the image again",
+            )
+        return ToolFailure("invalid_args", self.unknown_message(session, image_id, also=also))
 
     def unknown_message(self, session: str, image_id: str, *, also: list[str] | None = None) -> str:
         """Why `image_id` is refused, naming the images the session can name: those it used, most recent
@@ -234,11 +281,20 @@ class ImageStore:
         if known is None:
             known = self._known[session] = _Known()
             while len(self._known) > self.max_known_sessions:
-                oldest, _ = self._known.popitem(last=False)
-                for stale in [k for k in self._images if k[0] == oldest]:
-                    self._drop_pixels(stale)
+                self._forget_session(*self._known.popitem(last=False))
         self._known.move_to_end(session)
+        known.used = time.monotonic()
         return known
+
+    def _forget_session(self, session: str, known: _Known) -> None:
+        """Drop a session's pixels and record, remembering it as gone. Under the lock."""
+        for stale in [k for k in self._images if k[0] == session]:
+            self._drop_pixels(stale)
+        ids = b"".join(bytes.fromhex(i.removeprefix("img_")) for i in known.ids)
+        self._gone[session] = _Gone(ids=ids, idle_s=time.monotonic() - known.used)
+        self._gone.move_to_end(session)
+        while len(self._gone) > self.max_known_sessions:
+            self._gone.popitem(last=False)
 
     def _forget(self, session: str, image_id: str) -> None:
         """Drop everything the session knows of `image_id`, pixels included. Under the lock."""
@@ -251,6 +307,7 @@ class ImageStore:
         if image is None:
             return
         self._pixels -= image.width * image.height
+        self._freed += image.width * image.height
         session = key[0]
         self._sessions[session] -= 1
         if self._sessions[session] == 0:

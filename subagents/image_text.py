@@ -1,9 +1,10 @@
 """Text in an image, two ways of looking (subagents/ocr.py: the process's one rapidocr engine).
 
-`find_text` runs the text detector alone at the image's own resolution (rapidocr caps the long side at 2000 px)
-and returns where text is, labelled by shape and confidence, never what it says: it tells the caller where to
-zoom. `read_text` is the only reader: it sees the image resized to a fixed side (image_ops' `reader_side`, 384 px)
-on the long side, like a vision model's fixed input, so small text needs a crop or zoom first.
+`find_text` runs the text detector alone at the image's own resolution up to 2000 px on the long side (larger
+images are reduced to it, as the detector always did: subagents/ocr.py) and returns where text is, labelled by
+shape and confidence, never what it says: it tells the caller where to zoom. `read_text` is the only reader: it
+sees the image resized to a fixed side (image_ops' `reader_side`, 384 px) on the long side, like a vision model's
+fixed input, so small text needs a crop or zoom first.
 """
 
 from __future__ import annotations
@@ -52,10 +53,10 @@ def region_label(box: list[int], score: float) -> str:
 
 
 def find_text(image: Image.Image, box: list[float] | None) -> list[TextBox]:
-    """Text regions in `box` (or everywhere) at full resolution, largest first (then most confident), in image
-    pixels. The largest text is what a photo is about: on the shared plate photos the plate is the largest region
-    in 194 of 230 train photos and 40 of 47 dev ones, the most confident in 96 and 22 (regions of a sign, a grille
-    or a sticker often score higher), so r1 is the one to read first."""
+    """Text regions in `box` (or everywhere), largest first (then most confident), in image pixels. The largest
+    text is what a photo is about: on the shared plate photos the plate is the largest region in 194 of 230 train
+    photos and 40 of 47 dev ones, the most confident in 96 and 22 (regions of a sign, a grille or a sticker often
+    score higher), so r1 is the one to read first."""
     left, top, right, bottom = pixel_box(box, image.size)
     region = image if box is None else image.crop((left, top, right, bottom))  # no copy of a whole image
     return sorted(detect(region, offset=(left, top)), key=lambda b: (-area(b.box), -b.score))

@@ -13,6 +13,12 @@ raises the short side to 736 px): measured on 40 train plate photos, a 384-px `r
 same 32 plates either way, at 157 ms p50 instead of 737 ms, and `find_text` found every plate in both, at 133 ms
 instead of 501 ms (2 cores, another job running).
 
+An image larger than that is reduced here (`reduced`), as rapidocr itself would (its `reduce_max_side`: the same
+cv2 resize to the same sides, its boxes mapped back by its own `map_boxes_to_original`), so the regions are the
+same quad for quad, from one array of the pixels freed before detection: given a 7000x7000 image the engine
+copied it whole twice (RGB, then BGR) and held both through the detection, ~300 MB beside the detector's own
+~780 MB (the find_text's peak went from +954 to +841 MB).
+
 Any shape is accepted (`fitted`): rapidocr rounds both sides to multiples of 32 after scaling the long side to
 `MAX_SIDE`, and raises when the short side rounds to 0 (an 8x6000 zoom, a 1x2001 PNG). Such images are scaled
 and padded into a shape it takes before they reach it; ordinary images go through untouched.
@@ -55,6 +61,7 @@ def make_engine() -> RapidOCR:
     params: dict[str, object] = {f"{task.capitalize()}.model_path": str(p[0]) for task, p in paths.items()}
     params["Global.log_level"] = "error"  # "text detection result is empty" is a warning per text-free image
     params["Det.limit_type"], params["Det.limit_side_len"] = "max", MAX_SIDE
+    params["Global.max_side_len"] = MAX_SIDE  # its own reduction (`reduced` does it first, the same way)
     params["EngineConfig.onnxruntime.intra_op_num_threads"] = THREADS
     return rapidocr.RapidOCR(params=params)
 
@@ -93,7 +100,7 @@ def read(image: Image.Image, *, text_score: float = TEXT_SCORE) -> list[str]:
     from rapidocr.ch_ppocr_det.utils import TextDetOutput  # loaded with the engine
     from rapidocr.utils.output import RapidOCROutput
 
-    result = _run(fitted(image)[0], recognise=True, text_score=text_score)
+    result = _run(reduced(fitted(image)[0])[0], recognise=True, text_score=text_score)
     # rapidocr answers a RapidOCROutput (an empty one when nothing is found), or the detector's own output when
     # it found regions but recognition kept no text in them.
     assert isinstance(result, RapidOCROutput | TextDetOutput), f"unexpected rapidocr result {type(result)}"
@@ -108,15 +115,40 @@ def detect(image: Image.Image) -> list[tuple[list[list[float]], float]]:
     from rapidocr.utils.output import RapidOCROutput
 
     fit, scale = fitted(image)
-    result = _run(fit, recognise=False, text_score=TEXT_SCORE)
+    small, ratios = reduced(fit)
+    result = _run(small, recognise=False, text_score=TEXT_SCORE)
     # With recognition off, rapidocr returns the detector's output (quads [N, 4, 2], one score per quad), or an
     # empty RapidOCROutput when the detector found no region at all.
     if isinstance(result, RapidOCROutput) and result.boxes is None:
         return []
     assert isinstance(result, TextDetOutput), f"unexpected rapidocr result {type(result).__name__}"
-    boxes = result.boxes if result.boxes is not None else []
+    boxes = [] if result.boxes is None else _enlarged(result.boxes, ratios, fit.size)
     quads = [_in_image(quad.tolist(), scale, image.size) for quad in boxes]
     return [(quad, float(score)) for quad, score in zip(quads, result.scores or (), strict=True)]
+
+
+def reduced(image: Image.Image) -> tuple[Image.Image, tuple[float, float] | None]:
+    """`image` as the engine reduces one past MAX_SIDE (rapidocr's `reduce_max_side`, called here on one array of
+    the pixels, so the engine gets an image it leaves as it is), and rapidocr's (height, width) ratios back to
+    `image`'s pixels; `image` itself and None when it is within MAX_SIDE (or so thin that `fitted` cut it)."""
+    if max(image.size) <= MAX_SIDE:
+        return image, None
+    from rapidocr.utils.process_img import reduce_max_side  # loaded with the engine
+
+    # cv2 resizes each channel alike, so RGB reduced then made BGR (by the engine) is BGR reduced (its order)
+    small, ratio_h, ratio_w = reduce_max_side(np.asarray(image), MAX_SIDE)
+    return Image.fromarray(small), (ratio_h, ratio_w)
+
+
+def _enlarged(boxes: np.ndarray, ratios: tuple[float, float] | None, size: tuple[int, int]) -> np.ndarray:
+    """Quads found on `reduced`'s image in the pixels of the `size` image it reduced, mapped by rapidocr's own
+    `map_boxes_to_original` as the engine maps those of an image it reduced itself."""
+    if ratios is None:
+        return boxes
+    from rapidocr.utils.process_img import map_boxes_to_original
+
+    record = {"preprocess": {"ratio_h": ratios[0], "ratio_w": ratios[1]}}
+    return map_boxes_to_original(boxes, record, size[1], size[0])
 
 
 def _in_image(quad: list[list[float]], scale: float, size: tuple[int, int]) -> list[list[float]]:

@@ -4,6 +4,7 @@ shared US plate photos (crop-then-read finds many more plates than reading the w
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import io
@@ -17,18 +18,22 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
+import httpx
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 from pydantic import ValidationError
 
 from conductor.plates import plate_shaped
-from subagents import image_ops, image_text, ocr, pixels
-from subagents.common import Runtime, ToolFailure, approx_tokens
+from subagents import image_ops, image_text, ocr, pixels, workers
+from subagents.common import Files, Runtime, ToolFailure, approx_tokens
 from subagents.handles import Attachment, Ref, file_key
 from subagents.image_ops import Config, ImageStore, Request, Response, TextBox, image_store
 from subagents.image_store import derived_id
+from tests.tool_server_fakes import FakeFactory, make_config, serving
+from tool_server.app import create_app
+from tool_server.config import ToolSettings, default_tools
 
 # ---------------------------------------------------------------- doubles and helpers
 
@@ -1083,3 +1088,143 @@ async def test_episodes_crowding_the_store_observe_what_an_episode_alone_does(sh
         rt = runtime(image_store(Config()), roots=(str(folder),))
         assert await second_half(rt, await first_half(rt, photo)) == seen, photo.name
         assert "error" not in " ".join(seen), seen
+
+
+# ---------------------------------------------------------------- work that cannot pile up, sessions that went
+
+
+async def test_image_work_runs_in_the_image_pool_and_is_refused_when_it_is_full() -> None:
+    """Decoding runs in the bounded image pool (subagents/workers.py), not the shared default executor: with
+    the pool's threads and queue taken, a load is refused at once as `overloaded` (retryable), and once they
+    are free the same load succeeds."""
+    pool = workers.POOLS["images"]
+    release = threading.Event()
+    holders = [
+        asyncio.create_task(workers.run("images", release.wait, 30.0))
+        for _ in range(pool.threads + pool.queue)
+    ]
+    await asyncio.sleep(0.05)  # every holder has taken its place
+    try:
+        assert workers.busy("images") == pool.threads + pool.queue
+        refused = await call(runtime(), CFG, op="load", image=data_uri(encoded(marked())))
+    finally:
+        release.set()
+        await asyncio.gather(*holders)
+    assert refused.error is not None and (refused.error.kind, refused.error.retryable) == ("overloaded", True)
+    assert (await call(runtime(), CFG, op="load", image=data_uri(encoded(marked())))).ok
+
+
+def test_the_working_budget_bounds_pixels_in_work_and_trims_once_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Holds past the budget wait for room and are refused as `overloaded` past the wait, naming the pixels in
+    work; one image larger than the budget runs alone; the heap is trimmed once the last hold ends (not while
+    one is in work), and only after enough pixels were worked on or freed."""
+    trims: list[int] = []
+    monkeypatch.setattr(pixels, "trim_heap", lambda: trims.append(1) or True)
+    budget = pixels.PixelBudget(100, wait_s=0.2, trim_after=150)
+    entered, leave = threading.Event(), threading.Event()
+
+    def hold_80() -> None:
+        with budget.hold(80):
+            entered.set()
+            leave.wait(10)
+
+    worker = threading.Thread(target=hold_80)
+    worker.start()
+    assert entered.wait(10)
+    with budget.hold(20):  # fits beside the 80
+        assert budget.in_flight == 100
+    started = time.monotonic()
+    with pytest.raises(ToolFailure) as refused, budget.hold(30):
+        pass
+    assert time.monotonic() - started >= 0.2 and refused.value.error.kind == "overloaded"
+    assert "busy with other large images" in refused.value.error.message
+    leave.set()
+    worker.join()
+    assert budget.in_flight == 0 and trims == []  # 100 pixels worked on: under trim_after
+    with budget.hold(500):  # larger than the budget: runs alone
+        assert trims == []
+    assert trims == [1]
+    budget.freed(100)
+    assert trims == [1]  # 100 freed since the trim: under trim_after
+    budget.freed(60)
+    assert trims == [1, 1]
+
+
+def image_server(folder: Path, **image_config: object) -> Any:
+    """The real app (real image_ops, `folder` its files root) with image_ops' Config changed as given."""
+    tools = default_tools()
+    tools["image_ops"] = ToolSettings(Config(**image_config))  # type: ignore[arg-type]
+    cfg = make_config(files=Files(roots=(str(folder),)), tools=tools)
+    return create_app(cfg, llm_factory=FakeFactory())
+
+
+def test_an_image_evicted_with_its_session_says_so_over_http(tmp_path: Path) -> None:
+    """Over real HTTP, a server keeping 2 sessions: once two other sessions push session A out, A's call on
+    its image is not_found saying it was evicted with its session (it said "no image ... in this episode", as
+    if it had never been given); an id A never had is still invalid_args naming A's images."""
+    (tmp_path / "p.png").write_bytes(encoded(marked()))
+    with serving(image_server(tmp_path, max_known_sessions=2)) as url, httpx.Client(base_url=url) as client:
+
+        def call_in(session: str, **args: object) -> dict[str, Any]:
+            headers = {"X-Conductor-Session": session}
+            return client.post("/v1/tools/image_ops", json=args, headers=headers, timeout=60).json()
+
+        image_id = call_in("A", op="load", image="p.png")["image_id"]
+        flipped = call_in("A", op="flip", image=image_id)["image_id"]
+        for other in ("B", "C"):
+            assert call_in(other, op="load", image="p.png")["ok"]
+        gone = call_in("A", op="flip", image=flipped)
+        never = call_in("A", op="flip", image="img_000000")
+        reloaded = call_in("A", op="load", image="p.png")
+    assert gone["ok"] is False and gone["error"]["kind"] == "not_found", gone
+    assert gone["error"]["message"].startswith(f"{flipped} was evicted with its session (idle for ")
+    assert "load the image again" in gone["error"]["message"]
+    assert never["error"]["kind"] == "invalid_args" and "no image 'img_000000'" in never["error"]["message"]
+    assert reloaded["ok"] and reloaded["image_id"] == image_id
+
+
+def engine_regions(image: Image.Image) -> list[tuple[list[list[float]], float]]:
+    """The engine's own regions on the whole image, as `ocr.detect` gave them before it reduced large images."""
+    found = ocr._run(image, recognise=False, text_score=ocr.TEXT_SCORE)
+    quads = [ocr._in_image(quad.tolist(), 1.0, image.size) for quad in found.boxes]
+    return list(zip(quads, map(float, found.scores), strict=True))
+
+
+@pytest.mark.slow
+def test_find_text_past_the_detectors_side_finds_what_the_engine_did_without_its_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An image past the detector's 2000 px side is reduced before the engine sees it (the engine made two
+    whole copies first), the way the engine reduces one itself: the regions are the engine's own on the full
+    image, quad for quad, for a photo-sized image and for a wide one the engine pads."""
+    seen: list[tuple[int, int]] = []
+    real_run = ocr._run
+    for size in [(4000, 3000), (4400, 500)]:
+        image = Image.new("RGB", size, (180, 190, 200))
+        draw = ImageDraw.Draw(image)
+        for n in range(5):
+            font = ImageFont.load_default(size=min(size) // (8 + 4 * n))
+            draw.text((size[0] // 9 * (n + 1), size[1] // 6 * n), f"AB{n}C 12{n}", fill="black", font=font)
+        own = engine_regions(image)
+        monkeypatch.setattr(ocr, "_run", lambda image, **kw: seen.append(image.size) or real_run(image, **kw))
+        assert ocr.detect(image) == own and len(own) >= 3, size
+        assert max(seen[-1]) <= ocr.MAX_SIDE, seen
+        monkeypatch.undo()
+
+
+@pytest.mark.slow
+def test_real_plate_photos_past_the_detectors_side_give_the_engines_own_regions(shared_data: Path) -> None:
+    """On the shared plate photos larger than the detector's side, the regions find_text reports are the
+    engine's own on the full photo."""
+    photos = [
+        p for p in sorted((shared_data / "images" / "plates" / "endtoend").glob("*/*.jpg"))
+        if max(Image.open(p).size) > ocr.MAX_SIDE
+    ]  # fmt: skip
+    if not photos:
+        pytest.skip("no shared plate photo is larger than the detector's side")
+    for photo in photos:
+        image = pixels.decode(photo.read_bytes(), max_bytes=CFG.max_bytes, max_pixels=CFG.max_input_pixels)
+        own = engine_regions(image)
+        assert ocr.detect(image) == own and own, photo.name
