@@ -46,6 +46,17 @@ if TYPE_CHECKING:  # only for type hints: the contract of the sub-agents' models
 # English for SmolLM2's tokenizer): the main policy's context is the scarce resource.
 MAX_OBSERVATION_CHARS = 1200
 TRUNCATION_MARKER = " …[truncated {n} chars]"
+# Characters that change how text is shown without being text, dropped from every observation (`visible`): the
+# bidi embeddings, overrides and isolates (U+202A-U+202E, U+2066-U+2069) and direction marks (U+200E, U+200F,
+# U+061C) let a hostile page make what it says display as something else (the "Trojan Source" trick), and the
+# zero-width characters (U+200B-U+200D, U+2060, U+FEFF) hide words inside others. The policy reads the characters,
+# not their rendering; a person reading a trace reads the rendering. Ordinary letters of any script are kept; the
+# cost is a joiner inside an emoji sequence or a Persian word, which then shows as its separate parts.
+INVISIBLE = frozenset(
+    [*range(0x202A, 0x202F), *range(0x2066, 0x206A), 0x200E, 0x200F, 0x061C]  # bidi controls and marks
+    + [*range(0x200B, 0x200E), 0x2060, 0xFEFF]  # zero-width characters
+)
+_DROP_INVISIBLE = dict.fromkeys(INVISIBLE)
 
 
 class ToolResponse(BaseModel):
@@ -59,10 +70,11 @@ class ToolResponse(BaseModel):
     cached: bool = False
 
     def observation(self) -> str:
-        """The compact text the main policy reads; sub-agents override `summary()` for the success case."""
+        """The compact text the main policy reads, without INVISIBLE characters; sub-agents override `summary()`
+        for the success case."""
         if self.error is not None:
-            return f"error ({self.error.kind}): {self.error.message}"
-        return truncate(self.summary(), MAX_OBSERVATION_CHARS)
+            return visible(f"error ({self.error.kind}): {self.error.message}")
+        return truncate(visible(self.summary()), MAX_OBSERVATION_CHARS)
 
     def summary(self) -> str:
         raise NotImplementedError
@@ -139,6 +151,11 @@ def truncate(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
     return text[:limit] + TRUNCATION_MARKER.format(n=len(text) - limit)
+
+
+def visible(text: str) -> str:
+    """`text` without the INVISIBLE characters (bidi controls, zero-width characters); all else as it was."""
+    return text.translate(_DROP_INVISIBLE)
 
 
 def approx_tokens(text: str) -> int:

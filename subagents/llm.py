@@ -1,7 +1,7 @@
 """The frozen sub-agents' text models: the contract every backend keeps, and the helpers they share.
 
     LLM.generate(messages, max_new_tokens=...) -> Generation
-    LLM.score(messages, replies) -> list[float]     only where `LLM.scores` (the transformers backend)
+    LLM.score(prompts, replies) -> list[list[float]]  only where `LLM.scores` (the transformers backend)
 
 A backend is picked by `BackendConfig.backend` (`[<subagent>.model]` in the server's TOML) and built by
 `subagents.backends.build_llm`; each lives in its own file: transformers_llm.py (in-process, micro-batched),
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal, Protocol
+from urllib.parse import urlsplit
 
 from conductor.models import DEFAULT_MODEL
 from conductor.settings import check_range
@@ -53,9 +54,18 @@ class BackendConfig:
     model: str = DEFAULT_MODEL
     """Built-in name, local HF checkpoint dir (transformers/vllm), or the served model name (openai)."""
     base_url: str | None = None
-    """OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (openai backend only)."""
+    """OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (openai backend only): http or https, with a
+    host, no whitespace or control characters (`check_base_url`)."""
     api_key_env: str | None = None
-    """Environment variable holding the API key; None sends a placeholder key (local servers ignore it)."""
+    """Environment variable holding the API key; None sends a placeholder key (local servers ignore it). The
+    tool server accepts only the names its `[server] allowed_api_key_envs` lists."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights and activations of an in-process model (transformers). "auto": the dtype its checkpoint was written
+    in (float32 for SmolLM2, the policy's model; bfloat16 for the 0.5B reader, conductor/models.py), except
+    float32 where the device has no native bfloat16 (a GPU without it, a CPU without AVX512-BF16 or AMX, where
+    torch emulates it). In bfloat16 a matmul runs 2.5-3.5x float32's speed on these cores and the weights take
+    half the memory, but a micro-batched generation can differ from the same prompt's alone (rounding follows
+    the batch's shape); scoring (page_qa's "extract") is one unbatched pass a call and answers alike."""
     multimodal: bool = False
     """The endpoint accepts images in messages (a VLM); video frames go to it as images instead of OCR text."""
     max_new_tokens: int = 96
@@ -81,6 +91,8 @@ class BackendConfig:
                 check_range(name, getattr(self, name), low, high)
         if not self.model:
             raise ValueError("model must name a model")
+        if self.base_url is not None:
+            check_base_url(self.base_url)
 
 
 # What BackendConfig accepts. Past these a value is a mistake, never a setting that works:
@@ -92,6 +104,30 @@ BACKEND_BOUNDS: dict[str, tuple[float, float]] = {
     "seed": (0, 2**63 - 1),  # torch.manual_seed's and the OpenAI API's range
     "max_retries": (0, 10),  # the openai backend's retries with backoff; ten already spend minutes
 }
+
+# Longest base_url accepted: RFC 9110's least URL length every HTTP party should support (8,000 octets) is for
+# whole request targets; an endpoint's base is a host and a short path, so 2,048 is already far past a real one.
+MAX_BASE_URL_CHARS = 2048
+
+
+def check_base_url(url: str) -> None:
+    """ValueError unless `url` is an http:// or https:// URL with a host, a valid port and no whitespace or control
+    characters (a `\\r` in it failed the model's build as an HTTP 500; `ftp://` was accepted and failed later)."""
+    if len(url) > MAX_BASE_URL_CHARS:
+        raise ValueError(f"base_url must be at most {MAX_BASE_URL_CHARS} characters, got {len(url)}")
+    odd = next((c for c in url if c.isspace() or not c.isprintable()), None)
+    if odd is not None:
+        raise ValueError(f"base_url must not contain whitespace or control characters, found {odd!r}")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (ValueError for a port that is not a number from 0 to 65535)
+    except ValueError as exc:  # that, or a malformed IPv6 host
+        raise ValueError(f"base_url is not a URL: {exc}") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"base_url must be an http:// or https:// URL, got scheme {parts.scheme[:20]!r}")
+    if not parts.hostname:
+        raise ValueError("base_url must name a host, e.g. http://127.0.0.1:8000/v1")
+
 
 CPU_BATCH = 8  # memory-bound on a CPU; the value before the batch was sized by device
 # A 135M model's KV cache for a ~1.5k-token page_qa prompt is tens of MB a row: 64 rows are a few GB of a GPU's.
@@ -119,8 +155,9 @@ class LLM(Protocol):
 
     async def generate(self, messages: list[Message], *, max_new_tokens: int) -> Generation: ...
 
-    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
-        """Log-probability of each reply as the model's whole answer to `messages` (its tokens, then EOS)."""
+    async def score(self, prompts: list[list[Message]], replies: list[str]) -> list[list[float]]:
+        """Log-probability of each reply as the model's whole answer (its tokens, then EOS) to each prompt's
+        messages, [prompt][reply]; prompts that share their first tokens (a page) may share their work."""
         ...
 
     def count_tokens(self, text: str) -> int: ...

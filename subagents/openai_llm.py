@@ -31,6 +31,7 @@ import zlib
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from conductor.http import header_number, retry_after
 from subagents.common import ToolFailure, approx_tokens
 from subagents.fetch import ACCEPT_ENCODING, CappedDecoder
 from subagents.llm import (
@@ -59,6 +60,10 @@ MAX_QUOTED_CHARS = 200
 BACKOFF_S = 0.5
 MAX_BACKOFF_S = 8.0
 RETRIED_STATUS = frozenset({408, 409, 429})  # and every 5xx: the statuses whose cause may pass
+# Most tokens a reply's `usage` may report for one request: ten times the longest context window served today
+# (10M tokens). Past it the count is no count (a reader said 10**30) and would swamp tokens_read in metrics.
+MAX_USAGE_TOKENS = 100_000_000
+
 
 # How endpoints word "prompt too long": vLLM ("maximum context length is"), OpenAI
 # ("context_length_exceeded"), llama.cpp ("exceeds the available context size"), others ("prompt is too long").
@@ -116,8 +121,10 @@ class _Choice(_Strict):
 
 
 class _Usage(_Strict):
-    prompt_tokens: int = Field(ge=0)
-    completion_tokens: int = Field(ge=0)
+    """Token counts as the endpoint reports them: a count past MAX_USAGE_TOKENS is a lie, a BackendError."""
+
+    prompt_tokens: int = Field(ge=0, le=MAX_USAGE_TOKENS)
+    completion_tokens: int = Field(ge=0, le=MAX_USAGE_TOKENS)
 
 
 class _Completion(_Strict):
@@ -156,13 +163,16 @@ class OpenAILLM:
         self.model_id = f"openai:{cfg.model}"
         self.multimodal = cfg.multimodal
         self.scores = False
-        self._http = httpx.AsyncClient(
-            base_url=cfg.base_url,
-            headers={"Authorization": f"Bearer {api_key}", "Accept-Encoding": ACCEPT_ENCODING},
-            # Per phase; `_attempt` puts one deadline of the same budget on the whole exchange.
-            timeout=httpx.Timeout(cfg.request_timeout_s, connect=CONNECT_TIMEOUT_S),
-            follow_redirects=False,  # a redirect is an error (module docstring)
-        )
+        try:
+            self._http = httpx.AsyncClient(
+                base_url=cfg.base_url,
+                headers={"Authorization": f"Bearer {api_key}", "Accept-Encoding": ACCEPT_ENCODING},
+                # Per phase; `_attempt` puts one deadline of the same budget on the whole exchange.
+                timeout=httpx.Timeout(cfg.request_timeout_s, connect=CONNECT_TIMEOUT_S),
+                follow_redirects=False,  # a redirect is an error (module docstring)
+            )
+        except httpx.InvalidURL as exc:  # past BackendConfig's check: a host that is no IDNA name
+            raise BackendError(f"base_url is not usable: {_quoted(str(exc))}", retryable=False) from None
 
     async def generate(self, messages: list[Message], *, max_new_tokens: int) -> Generation:
         if not self.multimodal and any(m.images for m in messages):
@@ -193,7 +203,7 @@ class OpenAILLM:
             text=text, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens
         )
 
-    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
+    async def score(self, prompts: list[list[Message]], replies: list[str]) -> list[list[float]]:
         raise cannot_score_error(self.model_id)
 
     def count_tokens(self, text: str) -> int:
@@ -251,17 +261,17 @@ async def _read(response: httpx.Response) -> tuple[int, str, bytes]:
         raise BackendError(f"context length exceeded: {said[:MAX_QUOTED_CHARS]}", retryable=False)
     message = f"endpoint answered {status}: {said[:MAX_QUOTED_CHARS]}"
     if status >= 500 or status in RETRIED_STATUS:
-        raise _Transient(message, wait_s=_retry_after(response.headers))
+        raise _Transient(message, wait_s=retry_after(response.headers))
     raise BackendError(message, retryable=False)
 
 
 async def _body(response: httpx.Response, cap: int) -> bytes:
     """The decoded body, read as it streams; BackendError past `cap` decoded bytes (a longer Content-Length is
     refused unread), or for an encoding that cannot be decoded under a cap (br, zstd) or a corrupt one."""
-    declared = response.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > cap:
+    declared = header_number(response.headers.get("content-length", ""))
+    if declared is not None and declared > cap:
         raise BackendError(
-            f"the reply is too large: Content-Length {declared} over {cap} bytes", retryable=False
+            f"the reply is too large: Content-Length {declared:.0f} over {cap} bytes", retryable=False
         )
     encoding = response.headers.get("content-encoding", "")
     try:
@@ -321,13 +331,3 @@ def _said(content_type: str, body: bytes) -> str:
 def _quoted(text: str, *, limit: int = MAX_QUOTED_CHARS) -> str:
     """`text` on one line of printable characters, at most `limit` of them."""
     return " ".join("".join(c if c.isprintable() else " " for c in text[: limit * 2]).split())[:limit]
-
-
-def _retry_after(headers: httpx.Headers) -> float | None:
-    """The wait a reply asks for, in seconds: `retry-after-ms` (OpenAI's) or `Retry-After` in seconds (an HTTP
-    date is ignored: backoff then)."""
-    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
-        value = headers.get(name, "")
-        if value.replace(".", "", 1).isdigit():
-            return float(value) * scale
-    return None

@@ -75,6 +75,10 @@ SHAPES: dict[str, Fixed] = {
     "status_204": Fixed(204, JSON, b""),
     "status_401_html": Fixed(401, "text/html", b"<html><body>Unauthorized</body></html>"),
     "status_404_binary": Fixed(404, "application/octet-stream", bytes(range(256))),
+    # Issue 66: a token count no reply can have, and a retryable status whose wait is a digit float() refuses.
+    "usage_huge": Fixed(200, JSON, completion("ok", usage={"prompt_tokens": 10**30, "completion_tokens": 1})),
+    "retry_after_superscript": Fixed(503, JSON, b'{"error": "busy"}', (("Retry-After", "\u00b2"),)),
+    "retry_after_ms_superscript": Fixed(503, JSON, b'{"error": "busy"}', (("retry-after-ms", "\u00b2"),)),
 }
 LOGIN_PAGE = Fixed(200, "text/html", b"<!doctype html><html><body><form>Password</form></body></html>")
 

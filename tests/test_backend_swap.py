@@ -201,3 +201,73 @@ def test_extract_on_a_model_that_cannot_score_fails_start_up_and_swap(
     assert swap.status_code == 422 and swap.json()["error"]["kind"] == "invalid_config", swap.text
     assert models["page_qa"] == "fake:A"
     assert factory.built[-1].model_id == "fake:served-model" and factory.built[-1].closed
+
+
+# ---------------------------------------------------------------- what a swap may name (issue 66)
+
+BAD_BASE_URLS = {
+    "carriage return": "http://127.0.0.1:8000/v1\r",
+    "space": "http://127.0.0.1:8000/v 1",
+    "ftp": "ftp://127.0.0.1/v1",
+    "no host": "http:///v1",
+    "port past 65535": "http://127.0.0.1:99999/v1",
+    "no IDNA host": "http://\u2603.example/v1",
+}
+
+
+def test_an_admin_swap_to_a_bad_base_url_is_a_clear_422(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A swap whose base_url holds a `\\r` or a space, has the ftp:// scheme, no host, a port past 65535 or a host
+    that is no IDNA name is answered 422 with a message naming base_url, and page_qa keeps its model (before:
+    `\\r` and the IDNA host gave HTTP 500, ftp:// was accepted)."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    cfg = load_config(write_config(tmp_path, 'model = "A"'))
+    with (
+        serving(create_app(cfg, llm_factory=EndpointOrFake())) as url,
+        httpx.Client(base_url=url, timeout=30, headers={"Authorization": f"Bearer {TOKEN}"}) as client,
+    ):
+        replies = {
+            name: client.post(
+                "/admin/backends/page_qa", json={"backend": "openai", "base_url": bad, "model": "m"}
+            )
+            for name, bad in BAD_BASE_URLS.items()
+        }
+        models = client.get("/health").json()["models"]
+    for name, reply in replies.items():
+        assert reply.status_code == 422, (name, reply.status_code, reply.text[:200])
+        assert "base_url" in reply.json()["error"]["message"], (name, reply.text[:200])
+    assert models["page_qa"] == "fake:A"
+
+
+def test_an_admin_swap_may_name_only_the_listed_key_variables(
+    tmp_path: Path, page_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A swap whose api_key_env names a variable `[server] allowed_api_key_envs` does not list is refused with 422
+    and the endpoint hears nothing, so that variable's secret is never sent; a listed variable (here one of the
+    default list) works and is the bearer token the endpoint receives (before: any variable's value went to
+    whatever base_url the swap gave)."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    monkeypatch.setenv("CONDUCTOR_TEST_SECRET", "not-for-the-reader")
+    monkeypatch.setenv("CONDUCTOR_READER_API_KEY", "reader-key")
+    cfg = load_config(write_config(tmp_path, 'model = "A"', extra='[page_qa]\nanswer_mode = "free"'))
+    endpoint = create_openai_app(FakeLLM("endpoint-model", answer=ENDPOINT_ANSWER))
+    with (
+        serve(endpoint) as base_url,
+        serving(create_app(cfg, llm_factory=EndpointOrFake())) as url,
+        httpx.Client(base_url=url, timeout=30, headers={"Authorization": f"Bearer {TOKEN}"}) as client,
+    ):
+        swap = {"backend": "openai", "base_url": base_url, "model": "served-model"}
+        refused = client.post(
+            "/admin/backends/page_qa", json={**swap, "api_key_env": "CONDUCTOR_TEST_SECRET"}
+        )
+        before = ask(client, page_url)
+        allowed = client.post(
+            "/admin/backends/page_qa", json={**swap, "api_key_env": "CONDUCTOR_READER_API_KEY"}
+        )
+        after = ask(client, page_url)
+    assert refused.status_code == 422, refused.text
+    assert "allowed_api_key_envs" in refused.json()["error"]["message"], refused.text
+    assert before["answer"] == "fake answer" and allowed.status_code == 200, allowed.text
+    assert after["answer"] == ENDPOINT_ANSWER, after
+    assert [h["authorization"] for h in endpoint.state.headers] == ["Bearer reader-key"]

@@ -121,6 +121,16 @@ async def test_retry_after_is_honoured_up_to_its_bound(monkeypatch: pytest.Monke
     assert time.monotonic() - started < 2 and hour.attempts == 2
 
 
+async def test_a_retry_after_that_is_no_plain_number_falls_back_to_backoff() -> None:
+    """A 429 whose Retry-After is a Unicode digit ("²", which `str.isdigit()` accepts and `float()` refuses) or an
+    HTTP date is retried after the usual backoff: the header is untrusted input, never a crash of the retry."""
+    for value in ("²".encode("latin-1"), b"Wed, 21 Oct 2015 07:28:00 GMT", b"1e3", b"-1"):  # as on the wire
+        server = Server(
+            lambda attempt, value=value: answer(429, **{"Retry-After": value}) if attempt == 1 else answer()
+        )
+        assert getattr(await call(server), "ok", None) is True and server.attempts == 2, value
+
+
 async def test_the_deadline_bounds_the_retries() -> None:
     """Retries and their waits stay inside the whole-call deadline: a 10 s Retry-After ends at 0.3 s."""
     server = Server(lambda attempt: answer(503, **{"Retry-After": "10"}))

@@ -145,3 +145,25 @@ async def test_a_trickling_reply_ends_at_the_request_budget(reader: Reader) -> N
         error = await generate(reader_config(reader.url("trickle"), request_timeout_s=1.0))
     assert "timed out" in str(error) and error.retryable
     assert time.monotonic() - started < 2.5
+
+
+# ---------------------------------------------------------------- headers and counts (issue 66)
+
+
+@pytest.mark.parametrize("shape", ["retry_after_superscript", "retry_after_ms_superscript"])
+async def test_an_unparseable_retry_after_is_treated_as_absent(reader: Reader, shape: str) -> None:
+    """A 503 whose `Retry-After` or `retry-after-ms` is "²" (a digit to `str.isdigit()`, none to `float()`) is
+    retried after the client's own backoff, as if the header were absent, and ends as a retryable BackendError
+    naming the 503 (before: a ValueError, HTTP 500 from page_qa)."""
+    started = time.monotonic()
+    error = await generate(reader_config(reader.url(shape), max_retries=1))
+    assert "503" in str(error) and error.retryable, str(error)
+    assert reader.requests == [f"/{shape}/v1/chat/completions"] * 2
+    assert time.monotonic() - started < 3.0  # the backoff of retry 1 is at most 1 s
+
+
+async def test_a_reader_reporting_impossible_token_counts_is_a_backend_error(reader: Reader) -> None:
+    """A completion whose usage.prompt_tokens is 10^30 is refused as a BackendError naming the field (the count
+    is bounded by MAX_USAGE_TOKENS), so no such number reaches tokens_read or the metrics (before: accepted)."""
+    error = await generate(reader_config(reader.url("usage_huge")))
+    assert "usage.prompt_tokens" in str(error) and not error.retryable, str(error)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from conductor.models import DEFAULT_READER
 from conductor.settings import ConfigError
 from subagents import SUBAGENTS
 from subagents.llm import BackendConfig
@@ -15,11 +16,23 @@ from tool_server.config import ServerConfig, ToolLimits, load_config, parse_conf
 
 
 def test_no_file_means_defaults() -> None:
-    """Without a file every sub-agent gets the built-in SmolLM2 and the server binds loopback."""
+    """Without a file page_qa reads with the default reader, every other sub-agent gets the built-in SmolLM2, and
+    the server binds loopback."""
     cfg = load_config(None)
     assert cfg == ServerConfig()
     assert cfg.host == "127.0.0.1"
-    assert {cfg.tools[n].model.model for n in SUBAGENTS} == {"smollm2-135m-instruct"}
+    assert cfg.tools["page_qa"].model == BackendConfig(model=DEFAULT_READER)
+    assert {cfg.tools[n].model.model for n in SUBAGENTS if n != "page_qa"} == {"smollm2-135m-instruct"}
+
+
+def test_a_page_qa_model_table_starts_from_the_default_reader(tmp_path: Path) -> None:
+    """`[page_qa.model]` keys change what they name and keep the rest of the default reader's settings (its
+    model); another tool's table starts from BackendConfig's defaults."""
+    path = tmp_path / "server.toml"
+    path.write_text("[page_qa.model]\nmax_new_tokens = 32\n[video_summary.model]\nmax_new_tokens = 64\n")
+    cfg = load_config(path)
+    assert cfg.tools["page_qa"].model == BackendConfig(model=DEFAULT_READER, max_new_tokens=32)
+    assert cfg.tools["video_summary"].model == BackendConfig(max_new_tokens=64)
 
 
 def test_toml_sections_fill_typed_fields(tmp_path: Path) -> None:
@@ -134,6 +147,35 @@ def test_numbers_out_of_range_or_not_finite_are_config_errors(data: dict[str, An
     as in a hot swap: no setting may leave the server unable to answer."""
     with pytest.raises(ConfigError, match=named):
         parse_config(data)
+
+
+OPENAI = {"backend": "openai", "model": "served", "base_url": "http://127.0.0.1:8000/v1"}
+
+
+@pytest.mark.parametrize(
+    ("data", "named"),
+    [
+        ({"page_qa": {"model": {**OPENAI, "base_url": "http://127.0.0.1:8000/v1\r"}}}, "control characters"),
+        ({"page_qa": {"model": {**OPENAI, "base_url": "ftp://127.0.0.1/v1"}}}, "http:// or https://"),
+        ({"page_qa": {"model": {**OPENAI, "api_key_env": "HOME"}}}, "'HOME' is not one of"),
+        ({"server": {"allowed_api_key_envs": ["CONDUCTOR_TOKEN"]}}, "must not hold token_env"),
+    ],
+)
+def test_a_bad_base_url_or_an_unlisted_key_variable_is_a_config_error(
+    data: dict[str, Any], named: str
+) -> None:
+    """A base_url with a control character or a scheme other than http(s), an api_key_env that [server]
+    allowed_api_key_envs does not list, or a list holding the server's own token variable fail at start-up as a
+    ConfigError saying which (before: accepted, to fail or leak a secret at the first call)."""
+    with pytest.raises(ConfigError, match=named):
+        parse_config(data)
+    listed = parse_config(
+        {
+            "server": {"allowed_api_key_envs": ["MY_KEY"]},
+            "page_qa": {"model": {**OPENAI, "api_key_env": "MY_KEY"}},
+        }
+    )
+    assert listed.tools["page_qa"].model.api_key_env == "MY_KEY"
 
 
 def test_overrides_reach_every_table_and_are_checked_like_the_file(tmp_path: Path) -> None:

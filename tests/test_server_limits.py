@@ -1,4 +1,5 @@
-"""What protects the tool server: auth, body size, overload refusal, and hot swapping a backend under load."""
+"""What protects the tool server: auth, body size, overload refusal, connection floods, request heads read two ways,
+and hot swapping a backend under load."""
 
 from __future__ import annotations
 
@@ -19,14 +20,15 @@ import httpx
 import pytest
 import uvicorn
 
-from benchmarks.perf import slow_body
+from benchmarks.perf import flood, slow_body
 from subagents.backends import build_llm
 from subagents.llm import BackendConfig, BackendError
 from tests.tool_server_fakes import FakeFactory, fake_subagents, make_config, running, serving, with_limits
 from tool_server.app import create_app, serve, uvicorn_config
 from tool_server.config import ServerConfig, ToolLimits, ToolsConfig, default_tools
-from tool_server.connections import BODY_GRACE_S, HEALTH_RESERVE
+from tool_server.connections import BODY_GRACE_S
 from tool_server.limits import is_loopback
+from tool_server.registry import HEALTH_RESERVE
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -454,16 +456,16 @@ def request_bytes(port: int, method: str, path: str, body: bytes = b"", **header
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
-def probe_rates(url: str) -> dict[str, float]:
+def probe_rates(url: str, probes: int = PROBES) -> dict[str, float]:
     """The share of /health probes and of tool calls answered ok, each on a fresh connection."""
     health = tools = 0
-    for i in range(PROBES):
+    for i in range(probes):
         with httpx.Client(base_url=url, timeout=5) as client:
             health += client.get("/health").status_code == 200
         with httpx.Client(base_url=url, timeout=5) as client:
             reply = client.post("/v1/tools/search", json={"text": f"probe {i}"})
             tools += reply.status_code == 200 and reply.json()["ok"]
-    return {"health": health / PROBES, "tool": tools / PROBES}
+    return {"health": health / probes, "tool": tools / probes}
 
 
 def guarded_server(**server: Any) -> tuple[Any, uvicorn.Config]:
@@ -537,12 +539,14 @@ def busy_within(registry: Any, count: int, *, seconds: float = 5.0) -> None:
         time.sleep(0.02)
 
 
-def fill(port: int, registry: Any, body: bytes, *, sources: list[str], share: int) -> list[socket.socket]:
-    """`share` connections from each source address, each running a slow call (waits until they all run)."""
-    post = request_bytes(port, "POST", "/v1/tools/search", body, Content_Type="application/json")
+def fill(port: int, registry: Any, *, delay_s: float, sources: list[str], share: int) -> list[socket.socket]:
+    """`share` connections from each source address, each running a slow call of its own (equal calls would
+    share one run, the others only waiting for its result); waits until they all run."""
     held, before = [], registry.busy_count
     for source in sources:
-        for _ in range(share):
+        for i in range(share):
+            body = json.dumps({"text": f"slow {source} {i}", "delay_s": delay_s}).encode()
+            post = request_bytes(port, "POST", "/v1/tools/search", body, Content_Type="application/json")
             held.append(raw_socket(port, source=source))
             held[-1].sendall(post)
     busy_within(registry, before + len(held))
@@ -558,15 +562,15 @@ def test_a_peer_past_its_share_is_refused_and_health_answers_when_every_slot_is_
     share = CAP // 4
     app, config = guarded_server(max_connections_per_peer=share)
     registry = config.http.registry  # type: ignore[union-attr]
-    slow = json.dumps({"text": "slow", "delay_s": 3.0}).encode()
     with serving(app, config=config) as url:
         port = int(url.rsplit(":", 1)[1])
-        held = fill(port, registry, slow, sources=["127.0.0.2", "127.0.0.3", "127.0.0.4"], share=share)
+        held = fill(port, registry, delay_s=3.0, sources=["127.0.0.2", "127.0.0.3", "127.0.0.4"], share=share)
         with raw_socket(port, source="127.0.0.2") as extra:
             extra.sendall(request_bytes(port, "POST", "/v1/tools/search", b'{"text": "more"}'))
             refused = extra.recv(1000)
         policy_ok = httpx.post(f"{url}/v1/tools/search", json={"text": "mine"}, timeout=5).json()["ok"]
-        held += fill(port, registry, slow, sources=["127.0.0.1"], share=share)  # every slot runs a call
+        # every slot runs a call
+        held += fill(port, registry, delay_s=3.0, sources=["127.0.0.1"], share=share)
         health = httpx.get(f"{url}/health", timeout=5)
         with httpx.Client(
             base_url=url, timeout=5, transport=httpx.HTTPTransport(local_address="127.0.0.5")
@@ -639,21 +643,26 @@ class FakeConnection:
     def __init__(self, name: str) -> None:
         self.name = name
         self.evicted = False
+        self.reclaimed_with: int | None = None
 
     def evict(self) -> None:
         self.evicted = True
+
+    def reclaim(self, status: int) -> None:
+        self.reclaimed_with = status
 
 
 def test_the_registry_closes_the_longest_idle_connection_of_the_peer_past_its_share() -> None:
     """Past a peer's share its own longest-idle connection is closed, never another peer's or a busy one;
     past the total the longest-idle of anyone; with nothing idle requests are refused except the open paths,
     and past the /health reserve a new connection is refused outright."""
-    from tool_server.connections import ConnectionRegistry
+    from tool_server.registry import ConnectionRegistry
 
     registry = ConnectionRegistry(max_connections=4, per_peer=2, open_paths=frozenset({"/health"}))
     a1, a2, a3, b1, b2 = (FakeConnection(n) for n in ("a1", "a2", "a3", "b1", "b2"))
     for conn, peer in ((b1, "b"), (a1, "a"), (a2, "a")):
         assert registry.opened(conn, peer)  # type: ignore[arg-type]
+    registry.idle(a2)  # type: ignore[arg-type]  # a2 sent part of a request: no longer unread
     registry.busy(a1)  # type: ignore[arg-type]
     registry.busy(b1)  # type: ignore[arg-type]  # b1 used again: now the most recently idle
     registry.idle(b1)  # type: ignore[arg-type]
@@ -809,7 +818,7 @@ def test_a_client_that_never_reads_its_reply_is_cut_off() -> None:
 def test_refusals_are_counted_and_warned_of_once_per_interval() -> None:
     """The registry counts every 503 and says when a warning is due: the first at once, then at most one per
     LOG_EVERY_S, carrying the refusals since the last one."""
-    from tool_server.connections import LOG_EVERY_S, ConnectionRegistry
+    from tool_server.registry import LOG_EVERY_S, ConnectionRegistry
 
     registry = ConnectionRegistry(max_connections=1, per_peer=1, open_paths=frozenset())
     times = (0.0, 1.0, 2.0, LOG_EVERY_S + 0.5, LOG_EVERY_S + 1)
@@ -823,13 +832,12 @@ def test_a_burst_of_refusals_is_one_warning(caplog: pytest.LogCaptureFixture) ->
     share = 2
     app, config = guarded_server(max_connections=share, max_connections_per_peer=share)
     registry = config.http.registry  # type: ignore[union-attr]
-    slow = json.dumps({"text": "slow", "delay_s": 2.0}).encode()
     with (
         caplog.at_level(logging.WARNING, logger="tool_server.connections"),
         serving(app, config=config) as url,
     ):
         port = int(url.rsplit(":", 1)[1])
-        held = fill(port, registry, slow, sources=["127.0.0.1"], share=share)
+        held = fill(port, registry, delay_s=2.0, sources=["127.0.0.1"], share=share)
         answers = []
         for i in range(30):
             with raw_socket(port) as sock:
@@ -861,3 +869,240 @@ def test_a_burst_of_clients_gone_mid_body_is_one_line(caplog: pytest.LogCaptureF
     lines = [r.getMessage() for r in caplog.records if r.name == "tool_server.app"]
     assert metrics["errors_by_kind"] == {"cancelled": 30}
     assert len(lines) == 1 and lines[0].startswith("client disconnected during POST /v1/tools/search"), lines
+
+
+# ---------------------------------------------------------------- floods of whole calls: queue bounds, reclaims
+
+
+def page_qa_call(port: int, text: str, *, delay_s: float) -> bytes:
+    """A whole call of the fake page_qa that works `delay_s` (its own `text`: equal calls would share one run)."""
+    body = json.dumps({"text": text, "delay_s": delay_s}).encode()
+    return request_bytes(port, "POST", "/v1/tools/page_qa", body, Content_Type="application/json")
+
+
+def slow_page_qa_server(**server: Any) -> tuple[Any, uvicorn.Config]:
+    """The fake app under the shipped uvicorn settings, page_qa with few slots (`server`: [server] changes)."""
+    limits = ToolLimits(max_concurrency=server.pop("slots", 1), queue_timeout_s=server.pop("queue_s", 10.0))
+    settings = {"max_connections": CAP, "max_connections_per_peer": CAP, "keep_alive_s": 30.0, **server}
+    cfg = make_config(port=0, tools=with_limits(page_qa=limits), **settings)
+    app = app_for(cfg)
+    return app, uvicorn_config(cfg, app, log_level="warning")
+
+
+def json_reply(sock: socket.socket) -> bytes:
+    """A whole reply with a JSON body on `sock` (headers and body may come in two reads)."""
+    data = b""
+    while not data.endswith(b"}"):
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def gate_within(url: str, *, in_flight: int, queue_depth: int, seconds: float = 5.0) -> None:
+    """Wait (bounded) until page_qa's gate runs `in_flight` calls and `queue_depth` wait."""
+    deadline = time.monotonic() + seconds
+    while True:
+        gate = httpx.get(f"{url}/metrics", timeout=5).json()["tools"]["page_qa"]
+        if (gate["in_flight"], gate["queue_depth"]) == (in_flight, queue_depth):
+            return
+        assert time.monotonic() < deadline, gate
+        time.sleep(0.02)
+
+
+def test_a_flood_of_whole_calls_leaves_health_and_another_tool_answered() -> None:
+    """Three times a peer's share of connections (48 from 127.0.0.1, the policy's own address) each holding a
+    whole page_qa call while its two slots are taken, each reopened with a new call as soon as it is answered or
+    closed: every /health probe and every search call on a fresh connection is answered ok. Before, the calls
+    waiting at page_qa's gate held the address's whole share: other calls got 503, and each new connection,
+    health probes included, was closed unread by the next one to make room."""
+    share = 16
+    app, config = slow_page_qa_server(max_connections_per_peer=share, slots=2, queue_s=1.0)
+    with serving(app, config=config) as url:
+        port = int(url.rsplit(":", 1)[1])
+        attack = flood.WholeCalls(port, 3 * share, lambda i: page_qa_call(port, f"flood {i}", delay_s=2.0))
+        with attack:
+            time.sleep(1.0)  # the share is full and the attack churns
+            rates = probe_rates(url, probes=10)  # one process shares its GIL with the attack: 0.15 s a probe
+        registry = config.http.registry  # type: ignore[union-attr]
+    assert rates == {"health": 1.0, "tool": 1.0}, (rates, dict(attack.answers))
+    assert attack.answers["429"] > 0 and registry.reclaims.total > 0, dict(attack.answers)
+
+
+def test_calls_past_the_queue_bounds_are_refused_at_once_with_429() -> None:
+    """With one page_qa slot and at most 2 calls waiting per peer and 3 in all: a peer's third waiting call, and
+    a call past 3 waiting in all, are answered 429 + Retry-After at once, naming the full queue (before: every
+    call waited out the 10 s queue deadline, holding its connection); the calls within the bounds wait and run."""
+    app, config = slow_page_qa_server(max_queued_calls=3, max_queued_calls_per_peer=2)
+    with serving(app, config=config) as url:
+        port = int(url.rsplit(":", 1)[1])
+
+        def send(source: str, text: str) -> socket.socket:
+            sock = raw_socket(port, source=source)
+            sock.sendall(page_qa_call(port, text, delay_s=0.3))
+            return sock
+
+        queued = [send("127.0.0.2", "runs")]
+        gate_within(url, in_flight=1, queue_depth=0)
+        queued += [send("127.0.0.2", f"waits {i}") for i in range(2)]
+        gate_within(url, in_flight=1, queue_depth=2)
+        started = time.monotonic()
+        with send("127.0.0.2", "past the peer's bound") as sock:
+            past_peer = json_reply(sock)
+        queued.append(send("127.0.0.3", "waits too"))
+        gate_within(url, in_flight=1, queue_depth=3)
+        with send("127.0.0.3", "past the total") as sock:
+            past_total = json_reply(sock)
+        refused_within = time.monotonic() - started
+        served = [first_bytes(sock) for sock in queued]
+        for sock in queued:
+            sock.close()
+    for refused, why in ((past_peer, b"from 127.0.0.2 already wait"), (past_total, b"calls already wait")):
+        assert refused.startswith(b"HTTP/1.1 429") and b"retry-after: 10" in refused.lower(), refused
+        assert b"queue is full" in refused and why in refused, refused
+    assert refused_within < 2.0, refused_within
+    assert all(answer.startswith(b"HTTP/1.1 200") for answer in served), served
+
+
+def test_a_connection_whose_call_only_waits_is_reclaimed_with_an_answer() -> None:
+    """A peer's share (4) of connections, one running a page_qa call and three waiting for its one slot: a new
+    connection from that peer reclaims the one that began waiting last, which is answered 429 + Retry-After +
+    Connection: close at once and closed, and the new connection's search call is served; the running call and
+    the other waiting ones are untouched. Before, none of them could be closed: the new call got 503, and the
+    waiting ones held their connections until the queue deadline."""
+    share = 4
+    app, config = slow_page_qa_server(max_connections_per_peer=share)
+    with serving(app, config=config) as url:
+        port = int(url.rsplit(":", 1)[1])
+        held = []
+        for i in range(share):
+            held.append(raw_socket(port, source="127.0.0.2"))
+            held[-1].sendall(page_qa_call(port, f"call {i}", delay_s=0.5))
+            gate_within(url, in_flight=1, queue_depth=i)
+        transport = httpx.HTTPTransport(local_address="127.0.0.2")
+        with httpx.Client(base_url=url, timeout=5, transport=transport) as client:
+            mine = client.post("/v1/tools/search", json={"text": "mine"})
+        reclaimed, reclaimed_closed = until_closed(held[-1], within_s=2)
+        others = [first_bytes(sock) for sock in held[:-1]]
+        for sock in held:
+            sock.close()
+    assert mine.status_code == 200 and mine.json()["ok"] is True, mine.text
+    assert reclaimed.startswith(b"HTTP/1.1 429") and reclaimed_closed, reclaimed
+    assert b"retry-after: 1" in reclaimed.lower() and b"connection: close" in reclaimed.lower(), reclaimed
+    assert all(answer.startswith(b"HTTP/1.1 200") for answer in others), others
+
+
+def test_a_connection_that_has_sent_nothing_is_not_closed_to_make_room_within_the_budget() -> None:
+    """A new connection (a health probe not read yet) is never closed to make room for newer ones while the
+    descriptor budget (max_connections + HEALTH_RESERVE) has room, however far past its peer's share they go;
+    past the budget the longest open goes. Before, each new connection past a share closed the longest-idle one,
+    unread or not: under a flood the next connection closed a probe before it was read."""
+    from tool_server.registry import ConnectionRegistry
+
+    registry = ConnectionRegistry(max_connections=4, per_peer=2, open_paths=frozenset({"/health"}))
+    probe, late = FakeConnection("probe"), FakeConnection("late")
+    crowd = [FakeConnection(f"crowd{i}") for i in range(4 + HEALTH_RESERVE - 1)]
+    for conn in (probe, *crowd):
+        assert registry.opened(conn, "127.0.0.1")
+    assert not any(conn.evicted for conn in (probe, *crowd))
+    assert registry.opened(late, "127.0.0.1")  # past the budget
+    assert probe.evicted and not any(conn.evicted for conn in crowd)
+
+
+def test_the_registry_reclaims_the_last_to_wait_with_429_past_a_share_and_503_past_the_total() -> None:
+    """With nothing idle, a connection past its peer's share reclaims that peer's connection that began waiting
+    last (answered 429), never a running one; past the total, anyone's (answered 503)."""
+    from tool_server.registry import ConnectionRegistry
+
+    registry = ConnectionRegistry(max_connections=4, per_peer=2, open_paths=frozenset())
+    a1, a2, b1, b2, a3, c1 = (FakeConnection(n) for n in ("a1", "a2", "b1", "b2", "a3", "c1"))
+    for conn, peer in ((a1, "a"), (a2, "a"), (b1, "b"), (b2, "b")):
+        registry.opened(conn, peer)
+        registry.busy(conn)
+    for conn in (a2, a1, b1):  # a1 began waiting after a2; b2 runs
+        registry.waiting(conn, True)
+    registry.opened(a3, "a")
+    assert (a1.reclaimed_with, a2.reclaimed_with) == (429, None)
+    registry.opened(c1, "c")
+    assert (b1.reclaimed_with, a2.reclaimed_with, b2.reclaimed_with) == (503, None, None)
+
+
+# ---------------------------------------------------------------- request heads read two ways
+
+
+def until_closed(sock: socket.socket, *, within_s: float) -> tuple[bytes, bool]:
+    """Everything the server sends on `sock` within `within_s`, and whether it then closed the socket."""
+    sock.settimeout(within_s)
+    data = b""
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except TimeoutError:
+        return data, False
+    except ConnectionResetError:
+        pass
+    return data, True
+
+
+def test_content_length_with_chunked_is_refused_and_the_connection_closed() -> None:
+    """A request with both Content-Length and Transfer-Encoding: chunked is answered 400 and its connection
+    closed: the bytes after its chunked body never run as a second request. Before, h11 followed the chunked
+    framing, answered, kept the connection and ran the trailing `GET /v1/tools` as a second request (request
+    smuggling past a proxy that frames by Content-Length)."""
+    app, config = guarded_server()
+    with serving(app, config=config) as url:
+        port = int(url.rsplit(":", 1)[1])
+        body = b"0\r\n\r\n" + request_bytes(port, "GET", "/v1/tools")
+        head = request_bytes(port, "POST", "/v1/tools/search", Transfer_Encoding="chunked")
+        head = head.replace(b"Content-Length: 0", b"Content-Length: %d" % len(body))
+        with raw_socket(port) as sock:
+            sock.sendall(head + body)
+            answer, closed = until_closed(sock, within_s=3)
+        health = httpx.get(f"{url}/health", timeout=5).status_code
+    assert answer.startswith(b"HTTP/1.1 400") and answer.count(b"HTTP/1.1 ") == 1 and closed, answer
+    assert b"Content-Length and Transfer-Encoding" in answer and health == 200
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nX-Note: one\r\n two\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost:\r\n\t127.0.0.1:{port}\r\n\r\n",
+    ],
+)
+def test_a_folded_header_line_is_refused(head: bytes) -> None:
+    """A header line starting with a space or tab (obs-fold, which RFC 9112 lets a server refuse) is answered 400
+    and its connection closed, on /health too. Before, h11 joined it to the line above and the request ran (a
+    proxy in front may read the folded line as a header of its own, or drop it)."""
+    app, config = guarded_server()
+    with serving(app, config=config) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with raw_socket(port) as sock:
+            sock.sendall(head.replace(b"{port}", str(port).encode()))
+            answer, closed = until_closed(sock, within_s=3)
+    assert answer.startswith(b"HTTP/1.1 400") and b"folded header line" in answer and closed, answer
+
+
+@pytest.mark.parametrize("wrong_first", [False, True])
+def test_two_authorization_headers_are_refused(token_cfg: ServerConfig, wrong_first: bool) -> None:
+    """Two Authorization headers, the right bearer token and a wrong one in either order, are 400 (which one
+    counts would be a guess; a proxy may read the other). Before, the first one won: the right token first let
+    the call through."""
+    tokens = [f"Bearer {TOKEN}", "Bearer wrong"]
+    headers = [("Authorization", token) for token in (tokens[::-1] if wrong_first else tokens)]
+    with serving(app_for(token_cfg)) as url:
+        reply = httpx.post(f"{url}/v1/tools/search", json={"text": "x"}, headers=headers, timeout=5)
+        single = httpx.post(f"{url}/v1/tools/search", json={"text": "x"}, headers=AUTH, timeout=5)
+    assert (reply.status_code, reply.json()["error"]["kind"]) == (400, "bad_request"), reply.text
+    assert single.status_code == 200
+
+
+@pytest.mark.slow
+def test_the_flood_benchmark_leaves_a_well_behaved_client_served_at_280() -> None:
+    """benchmarks/perf/flood.py's attack at 280 connections (past the shipped per-peer share of 256, all from
+    127.0.0.1) holding whole page_qa calls on a silent reader, against the real app at the shipped [server]
+    settings in a process of its own: at least 95% of a ToolClient's search calls and every /health probe are
+    answered (before: 12% and 88%, single attempts 0%). About 20 s."""
+    row = flood.measure(attackers=280, rounds=8)
+    assert row["tool_client_ok"] >= 0.95 and row["health_ok"] == 1.0, row

@@ -440,6 +440,31 @@ def test_real_page_qa_over_http_quotes_the_page() -> None:
     )
 
 
+# Issue 66: bidi embeddings, overrides, isolates and marks, and zero-width characters, as a hostile page sends them.
+HIDDEN = (
+    "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c\u200b\u200c\u200d\u2060\ufeff"
+)
+
+
+def test_no_observation_carries_bidi_controls_or_zero_width_characters(tmp_path: Path) -> None:
+    """A text page and a model's answer holding right-to-left overrides, isolates, direction marks and zero-width
+    characters (which can make what a page says display as something else) reach the policy without any of them,
+    while accents, Chinese and Arabic letters stay as they were (before: all passed into the observation)."""
+    text = f"Ada Lovelace (艾达 · آدا لاوليس) was born in London on 10{HIDDEN} December 1815, née Byron."
+    (tmp_path / "ada.txt").write_text(text)
+    factory = FakeFactory(answer=f"10{HIDDEN} December 1815, née Byron")
+    with (
+        serving(real_app(factory, files=Files(roots=(str(tmp_path),)))) as url,
+        httpx.Client(base_url=url, timeout=30) as client,
+    ):
+        question = {"url": (tmp_path / "ada.txt").as_uri(), "question": "When was Ada Lovelace born?"}
+        body = client.post("/v1/tools/page_qa", json=question).json()
+    observation = body["observation"]
+    assert body["ok"] is True and not set(observation) & set(HIDDEN), ascii(observation)
+    assert "answer: 10 December 1815, née Byron" in observation, observation
+    assert "(艾达 · آدا لاوليس) was born in London on 10 December 1815" in observation, observation
+
+
 UNUSABLE_LOCATIONS = ["mailto:x@y", "javascript:alert(1)", "data:text/html,hi", "http:127.0.0.1:8080/x"]
 
 

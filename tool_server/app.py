@@ -15,8 +15,10 @@ Outcome policy. A policy's mistake is an observation, not an HTTP error: argumen
 give 200 with `{"ok": false, "error": {"kind": "invalid_args", ...}}`, as do the sub-agents' own
 structured errors. HTTP errors are for the caller's program or the infrastructure: 404 unknown tool,
 401/403 auth, 413 body too large, 422 a malformed batch or swap body (strict JSON: no NaN, no lone
-surrogates), 429 + Retry-After when a tool's queue deadline passes, 503 + Retry-After when every connection
-slot runs a request (connections.py; /health keeps a reserve), and 500
+surrogates), 429 + Retry-After when a tool's queue is full or its deadline passes (gates.py) or when a call that
+only waits has its connection reclaimed for another's, 503 + Retry-After when every connection slot runs a
+request (connections.py; /health keeps a reserve), 400 for a request head that could be read two ways (both
+Content-Length and chunked, a folded header line, two Authorization headers), and 500
 `{"error": {"kind": "internal"}}` (no traceback; logged) when a bug escapes a sub-agent. In a batch or over
 MCP each call is independent: an overload or an escaped bug is that call's own `overloaded` or `internal`
 result, and the other calls keep theirs. Header `X-Conductor-Session` names the caller's session (default
@@ -55,8 +57,9 @@ from subagents import SUBAGENTS, image_ops
 from subagents.backends import build_llm
 from subagents.common import ToolResponse, fail
 from subagents.llm import LLM, BackendConfig, BackendError
-from tool_server.config import ServerConfig
-from tool_server.connections import HEALTH_RESERVE, LogThrottle, guarded_h11
+from tool_server.config import ServerConfig, check_api_key_env
+from tool_server.connections import guarded_h11
+from tool_server.gates import Caller, Overloaded, caller_of
 from tool_server.host import (
     INTERNAL_MESSAGE,
     SESSION_HEADER,
@@ -72,12 +75,12 @@ from tool_server.limits import (
     AuthMiddleware,
     BodyLimitMiddleware,
     HostGuardMiddleware,
-    Overloaded,
     is_loopback,
     load_token,
     require_token_off_loopback,
 )
 from tool_server.mcp_server import build_mcp
+from tool_server.registry import HEALTH_RESERVE, LogThrottle
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +240,7 @@ async def call_tool(name: str, request: Request) -> Response:
         host.metrics[name].record(seconds=time.perf_counter() - started, error="cancelled")
         raise
     try:
-        response = await host.call(name, body, session=session)
+        response = await host.call(name, body, session=session, caller=caller_of(request.scope))
     except Overloaded as exc:
         return _overloaded_json(exc)
     return JSONResponse(_dump(response))
@@ -254,7 +257,8 @@ async def call_batch(request: Request) -> Response:
         return _invalid_body(f"{len(batch.calls)} calls in one batch; at most {host.cfg.max_batch_calls}")
     session = request.headers.get(SESSION_HEADER, "default")
     # Each item is its own result (call_as_result answers a bug as `internal`), so none can fail the batch.
-    results = await asyncio.gather(*(_batch_item(host, call, session) for call in batch.calls))
+    caller = caller_of(request.scope)
+    results = await asyncio.gather(*(_batch_item(host, call, session, caller=caller) for call in batch.calls))
     return JSONResponse({"results": [_dump(result) for result in results]})
 
 
@@ -286,12 +290,12 @@ def _error_body(kind: str, message: str) -> dict[str, Any]:
     return {"error": {"kind": kind, "message": message}}
 
 
-async def _batch_item(host: ToolHost, call: BatchCall, session: str) -> ToolResponse:
+async def _batch_item(host: ToolHost, call: BatchCall, session: str, *, caller: Caller) -> ToolResponse:
     module = host.subagents.get(call.name)
     if module is None:
         message = f"unknown tool {echo(call.name)!r}; tools: {', '.join(host.subagents)}"
         return fail(ToolResponse, "invalid_args", message)
-    return await host.call_as_result(module.NAME, call.arguments, session=session)
+    return await host.call_as_result(module.NAME, call.arguments, session=session, caller=caller)
 
 
 @router.post("/v1/attach")
@@ -352,8 +356,9 @@ async def swap_backend(tool: str, request: Request) -> Response:
         raise HTTPException(404, f"unknown tool {echo(tool)!r}; tools: {', '.join(host.subagents)}")
     try:
         backend_cfg = _backend_config(await request.body())
-    except ValueError as exc:  # not strict JSON, not an object, an unknown key, a value out of range
-        return _invalid_body(str(exc))
+        check_api_key_env(backend_cfg, host.cfg.allowed_api_key_envs, where="the BackendConfig body")
+    except ValueError as exc:  # not strict JSON or an object, an unknown key, a bad value or base_url, a key
+        return _invalid_body(str(exc))  # variable [server] allowed_api_key_envs does not list
     try:
         model_id = await host.swap_backend(tool, backend_cfg)
     except (BackendError, OSError) as exc:  # what building a model raises for a bad name, path or device

@@ -25,6 +25,7 @@ Limit: the settings fingerprint is the dataclass repr; a change in code that doe
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -135,10 +136,17 @@ class ResultCache:
         stats.misses += 1
         task: asyncio.Task[ToolResponse] = asyncio.ensure_future(self._compute_and_store(key, compute))
         self._flights[key] = task
-        task.add_done_callback(lambda _: self._flights.pop(key, None))
+        task.add_done_callback(functools.partial(self._landed, key))
         response = await asyncio.shield(task)
         assert isinstance(response, response_type), (type(response), response_type)
         return response
+
+    def _landed(self, key: str, task: asyncio.Task[ToolResponse]) -> None:
+        """A flight ended: forget it, and take its exception here, as every waiter may have gone (a caller whose
+        connection was closed or reclaimed), which asyncio would log as never retrieved."""
+        self._flights.pop(key, None)
+        if not task.cancelled():
+            task.exception()
 
     async def _compute_and_store(self, key: str, compute: Callable[[], Awaitable[R]]) -> R:
         response = await compute()

@@ -40,6 +40,7 @@ from typing import Any
 import httpx
 import tenacity
 
+from conductor.http import retry_after
 from subagents.handles import Attachment
 
 logger = logging.getLogger(__name__)
@@ -232,9 +233,9 @@ def _wait(state: tenacity.RetryCallState) -> float:
     """The pause before the next attempt: a 429's Retry-After (at most MAX_RETRY_AFTER_S), else backoff."""
     failure = state.outcome.exception() if state.outcome is not None else None
     if isinstance(failure, _RetriedStatus):
-        header = failure.response.headers.get("Retry-After", "")
-        if header.replace(".", "", 1).isdigit():  # seconds; the HTTP-date form falls back to backoff
-            return min(float(header), MAX_RETRY_AFTER_S)
+        asked = retry_after(failure.response.headers)  # seconds; an HTTP date or a "²" falls back to backoff
+        if asked is not None:
+            return min(asked, MAX_RETRY_AFTER_S)
     return _backoff(state)
 
 

@@ -1,6 +1,7 @@
 """The tool server's settings: frozen dataclasses read from one TOML file.
 
-    [server]            host, port, token_env, token_file, max_body_bytes, max_batch_calls, allowed_hosts, ...
+    [server]            host, port, token_env, token_file, max_body_bytes, max_batch_calls, allowed_hosts,
+                        allowed_api_key_envs, ...
     [files]             subagents.common.Files: the local folders the tools may read
     [fetch]             subagents.fetch.FetchConfig (SSRF guard limits)
     [cache]             CacheConfig
@@ -20,12 +21,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from conductor.models import BUILTIN_MODELS
-from conductor.settings import build, check_keys, check_range, read_settings, sub_table
+from conductor.models import BUILTIN_MODELS, DEFAULT_READER
+from conductor.settings import ConfigError, build, check_keys, check_range, read_settings, sub_table
 from subagents import SUBAGENTS
 from subagents.common import Files
 from subagents.fetch import FetchConfig
@@ -78,9 +79,18 @@ ToolsConfig = Mapping[str, ToolSettings[Any]]
 """Each sub-agent's settings, under its name in subagents.SUBAGENTS."""
 
 
+# The model a sub-agent runs on when its `[<tool>.model]` names none other than BackendConfig's default (SmolLM2,
+# the policy's own model): page_qa reads with the strongest frozen reader built in (docs/reader.md).
+DEFAULT_MODELS: dict[str, BackendConfig] = {"page_qa": BackendConfig(model=DEFAULT_READER)}
+
+
 def default_tools() -> dict[str, ToolSettings[Any]]:
     """Every sub-agent of `SUBAGENTS` with its default Config, model and limits."""
-    return {name: ToolSettings(module.Config()) for name, module in SUBAGENTS.items()}
+    return {name: _defaults(name, module.Config()) for name, module in SUBAGENTS.items()}
+
+
+def _defaults(name: str, config: C) -> ToolSettings[C]:
+    return ToolSettings(config, model=DEFAULT_MODELS.get(name, BackendConfig()))
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,11 @@ class ServerConfig:
     """Environment variable holding the bearer token; checked before `token_file`."""
     token_file: Path | None = None
     """File whose first line is the bearer token (keeps it out of the process environment)."""
+    allowed_api_key_envs: tuple[str, ...] = ("OPENAI_API_KEY", "CONDUCTOR_READER_API_KEY")
+    """The environment variables a model's `api_key_env` may name, in this file and in a hot swap
+    (/admin/backends): the variable's value is sent as a bearer token to the model's `base_url`, so a swap naming
+    any other variable (a cloud credential, the server's own `token_env`, which this list may not hold) would hand
+    it to whatever URL the swap gave."""
     max_body_bytes: int = 2_000_000
     """Request body cap (HTTP 413 above it): tool arguments are a URL, a question, an id; 2 MB is generous."""
     max_batch_calls: int = 32
@@ -140,11 +155,23 @@ class ServerConfig:
     retry a closed pooled connection; a new loopback connection costs well under a millisecond."""
     max_connections: int = 2048
     """Open connections in all (tool_server/connections.py): past it the longest-idle one is closed to make room,
-    and when none is idle requests get 503 (/health excepted). Far above the real peak (rollout clients pool <= 16
-    connections each) and below the file-descriptor limit (one each; raise `ulimit -n` above ~2,500)."""
+    else one whose calls only wait is answered 503 and closed; requests past this many running at once get 503
+    (/health excepted). Far above the real peak (rollout clients pool <= 16 connections each) and below the
+    file-descriptor limit (one each, 64 more for /health; raise `ulimit -n` above ~2,500)."""
     max_connections_per_peer: int = 256
-    """Open connections from one IP address, under the same rule: sixteen rollout clients of 16 connections on one
-    host. On loopback every client is one peer, so there `max_connections` is the bound that matters."""
+    """Open connections and running requests from one IP address, under the same rule (a reclaimed one answered
+    429): sixteen rollout clients of 16 connections on one host. On loopback every client is one peer, so there
+    this is the bound that matters."""
+    max_queued_calls: int = 256
+    """Tool calls that may wait for a slot at the per-tool gates at once, all tools together (tool_server/gates.py):
+    a call that would wait past it is refused at once with HTTP 429 + Retry-After. A queue deeper than its tools
+    turn over within their queue deadline (page_qa: 8 slots, 10-20 s a call, 20 s) only holds connections for 429s
+    later; 256 is eight clients' 32 concurrent calls. Bounded in time only, 280 calls waiting on a silent reader
+    held every connection of their address."""
+    max_queued_calls_per_peer: int = 64
+    """Of those, the calls from one IP address: one client cannot fill the queue for the others (four rollout
+    clients' 16 concurrent calls). On loopback every client is one peer, so this is the bound that matters there;
+    the calls over it free their connections at once, never more than the gates' slots plus this many wait."""
     files: Files = field(default_factory=Files)
     """The local folders the tools may read (`[files]`)."""
     fetch: FetchConfig = field(default_factory=FetchConfig)
@@ -170,6 +197,8 @@ SERVER_BOUNDS: dict[str, tuple[float, float]] = {
     "keep_alive_s": (0.1, 600),  # as request_timeout_s, for the gap between requests
     "max_connections": (1, 1_000_000),  # one file descriptor each: a million is past any OS limit
     "max_connections_per_peer": (1, 1_000_000),  # and at most max_connections (check_server)
+    "max_queued_calls": (0, 1_000_000),  # 0: never wait, refuse when every slot is taken
+    "max_queued_calls_per_peer": (0, 1_000_000),  # and at most max_queued_calls (check_server)
 }
 
 
@@ -179,6 +208,23 @@ def check_server(cfg: ServerConfig) -> None:
         check_range(name, getattr(cfg, name), low, high)
     if cfg.max_connections_per_peer > cfg.max_connections:
         raise ValueError("max_connections_per_peer must not exceed max_connections")
+    if cfg.max_queued_calls_per_peer > cfg.max_queued_calls:
+        raise ValueError("max_queued_calls_per_peer must not exceed max_queued_calls")
+    if cfg.token_env in cfg.allowed_api_key_envs:
+        raise ValueError(
+            f"allowed_api_key_envs must not hold token_env ({cfg.token_env}): the server's own token"
+        )
+    for name, tool in cfg.tools.items():
+        check_api_key_env(tool.model, cfg.allowed_api_key_envs, where=f"[{name}.model]")
+
+
+def check_api_key_env(model: BackendConfig, allowed: Sequence[str], *, where: str) -> None:
+    """ValueError when `model` names a key variable `allowed` ([server] allowed_api_key_envs) lacks."""
+    if model.api_key_env is not None and model.api_key_env not in allowed:
+        raise ValueError(
+            f"{where} api_key_env {model.api_key_env[:64]!r} is not one of [server] allowed_api_key_envs "
+            f"({', '.join(allowed) or 'none'})"
+        )
 
 
 TABLES = ("files", "fetch", "cache")
@@ -213,9 +259,13 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
     server = sub_table(data, "server", "the settings")
     check_keys(server, [f.name for f in fields(ServerConfig) if f.name not in (*TABLES, "tools")], "[server]")
     tools = {name: _tool(module.Config, data, name) for name, module in SUBAGENTS.items()}
-    own = build(ServerConfig, server, "[server]", base=ServerConfig(tools=tools))
+    own = build(ServerConfig, server, "[server]")
     tables = {key: data[key] for key in TABLES if key in data}
-    return build(ServerConfig, tables, "the settings", moved=MOVED, base=own)
+    cfg = build(ServerConfig, tables, "the settings", moved=MOVED, base=own)
+    try:  # the tools last: their models are checked against [server] (allowed_api_key_envs)
+        return replace(cfg, tools=tools)
+    except ValueError as exc:
+        raise ConfigError(f"the settings: {exc}") from exc
 
 
 def _tool(config_type: type[C], data: Mapping[str, Any], name: str) -> ToolSettings[C]:
@@ -225,7 +275,7 @@ def _tool(config_type: type[C], data: Mapping[str, Any], name: str) -> ToolSetti
     own = {key: value for key, value in table.items() if key not in ("model", "limits")}
     config = build(config_type, own, f"[{name}]", moved=_moved(name))
     nested = {key: value for key, value in table.items() if key in ("model", "limits")}
-    return build(ToolSettings, nested, f"[{name}]", base=ToolSettings(config))
+    return build(ToolSettings, nested, f"[{name}]", base=_defaults(name, config))
 
 
 def _moved(section: str) -> dict[str, str]:

@@ -18,138 +18,66 @@ rules, each a `[server]` setting:
 - Response lifetime (`response_timeout_s`): a response not finished this long after its request arrived has its
   connection closed, so no stream or stuck handler holds a slot for ever. (The MCP endpoint opens no streams at
   all: a GET for one is 405, app.py.)
-- Caps (`max_connections` in all, `max_connections_per_peer` from one IP address): a connection that takes its
-  peer or the server past a cap first makes room by closing the longest-idle connection (of that peer, else of
-  anyone). Idle means running no request: between requests, or still receiving one (its headers or its body; the
-  app starts on the headers but only waits for the body), in the order they opened or finished their last
-  response, so a trickling sender is closed before a client that has just connected. An idle socket holds no work:
-  closing it costs its owner a reconnect (clients retry a closed kept-alive connection), never the server a slot;
-  nginx treats keep-alive connections the same way when it runs out.
-- Where no idle connection can make room (every one is running a request), requests past a cap are answered 503
-  with Retry-After and Connection: close, except the open paths (/health): the HEALTH_RESERVE connections over
-  `max_connections` serve only those. Past that reserve a new socket is closed at once: the file-descriptor budget.
+- Request heads: one that could be read two ways is answered 400 and its connection closed before h11 reads it:
+  both Content-Length and Transfer-Encoding (h11 followed the chunked framing and kept the connection, so bytes
+  past the chunked body ran as a second request: smuggling past a proxy that reads Content-Length), or a folded
+  header line (obs-fold, a line starting with a space or tab; RFC 9112 lets a server refuse it, and h11 joined it
+  into the line above). (Two Authorization headers: limits.AuthMiddleware.)
+- States: a connection is unread (it has sent nothing yet), idle (running no request: between requests, or still
+  receiving one, its headers or its body; the app starts on the headers but only waits for the body), running
+  (a whole request arrived and is not answered), or waiting: running a request whose calls all only wait, for a
+  tool's slot or an equal call's result (gates.Caller), holding no slot, for two turns of the event loop or
+  more (a call about to take a free slot is not waiting).
+- Admission (`max_connections` in all, `max_connections_per_peer` from one IP address): a request runs while its
+  peer and the server run at most that many requests (waiting ones not counted: the gates bound them,
+  gates.QueueBounds); past a cap it is answered 503 with Retry-After and Connection: close, except the open
+  paths (/health), always admitted.
+- Making room: a new connection that takes its peer or the server past those caps of open connections first
+  closes the longest-idle connection (that peer's past its share, anyone's past the total), in the order they
+  went idle, so a trickling sender is closed before a client that has just finished a request. An idle socket
+  holds no work: closing it costs its owner a reconnect (clients retry a closed kept-alive connection), never
+  the server a slot; nginx treats keep-alive connections the same way when it runs out. With none idle it
+  reclaims the connection that began waiting last: its request is answered 429 (past the peer's share) or 503
+  (past the total), Retry-After, Connection: close, never dropped silently, and nothing is lost (the call held
+  no slot; an equal call's result still lands in the cache). With none waiting either, the new connection
+  stays, past the share.
+- Unread connections are never closed to make room while the file-descriptor budget (`max_connections` +
+  registry.HEALTH_RESERVE open sockets) has room: what one carries (a health probe, a call) is read first.
+  Closing the longest-idle of them let every new connection of a flood close the one before it unread: /health
+  answered 3 of 38 probes under 280 connections holding whole calls. Past that budget the longest-idle
+  connection goes, unread or not, else the last to begin waiting; with none, the new socket is closed at once.
 
-On loopback every client is one peer, the policy's own tool client included: there the total cap with eviction
-is what keeps room, and the per-tool gates (limits.ToolGate) bound the work itself.
+On loopback every client is one peer, the policy's own tool client included: there the per-peer caps are the ones
+met, eviction and reclaims keep room, and the gates (gates.ToolGate, gates.QueueBounds) bound the work itself and
+how many calls may wait for it, so calls that only wait never fill a share.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
-import math
-from collections import Counter
-from collections.abc import Callable
+import re
 from typing import Any
 
 import h11
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from tool_server.gates import CALLER_EXTENSION, Caller
+from tool_server.registry import ConnectionRegistry
+
 logger = logging.getLogger(__name__)
 
-# Connections beyond `max_connections` accepted for the open paths only (/health): enough for a few probes at
-# once while every slot runs a request; each costs one file descriptor.
-HEALTH_RESERVE = 64
 # Before a request body's rate is judged: its first bytes may wait out one lost packet's retransmission (Linux's
 # initial retransmission timeout is 1 s), and a body of a few packets is whole long before.
 BODY_GRACE_S = 2.0
-# A line logged on every occurrence of what an attack repeats (a 503, a client gone) is said at most this often,
-# counting the occurrences since: under attack a warning per refusal was 1,465 lines a minute, burying the log.
-LOG_EVERY_S = 10.0
+# The blank line that ends a request head (h11 accepts a bare \n as a line end).
+HEAD_END = re.compile(rb"\n\r?\n")
 # What a refused request is told to wait: a tool call's queue turns over within its queue deadline (20 s), but
 # a connection frees as soon as any request ends, usually well within a second.
 RETRY_AFTER_S = 1
-
-
-class LogThrottle:
-    """When a line logged on every occurrence of something may be said: the first at once, then at most once per
-    LOG_EVERY_S, with the occurrences since the last. Event-loop confined."""
-
-    def __init__(self) -> None:
-        self.total = 0
-        """Every occurrence counted (for tests and metrics)."""
-        self._since = 0
-        self._said_at = -math.inf
-
-    def occurred(self, *, now: float) -> int | None:
-        """Count one occurrence at `now` (a monotonic clock); the occurrences to report if a line is due, else None."""
-        self.total += 1
-        self._since += 1
-        if now - self._said_at < LOG_EVERY_S:
-            return None
-        count, self._since, self._said_at = self._since, 0, now
-        return count
-
-
-class ConnectionRegistry:
-    """The open connections of one server, counted per peer, with the idle ones (running no request: module
-    docstring) in the order they went idle (the longest idle first). Event-loop confined: only the protocol
-    callbacks touch it."""
-
-    def __init__(self, *, max_connections: int, per_peer: int, open_paths: frozenset[str]) -> None:
-        self.max_connections = max_connections
-        self.per_peer = per_peer
-        self.open_paths = open_paths
-        self._peer_of: dict[GuardedH11Protocol, str] = {}
-        self._peers: Counter[str] = Counter()
-        self._idle: dict[GuardedH11Protocol, None] = {}  # insertion order: the longest idle first
-        self.evicted = 0
-        """Idle connections closed to make room (for tests and logs)."""
-        self.refusals = LogThrottle()
-        """Requests answered 503, and when to say so."""
-
-    def __len__(self) -> int:
-        return len(self._peer_of)
-
-    @property
-    def busy_count(self) -> int:
-        """Connections running a request now."""
-        return len(self._peer_of) - len(self._idle)
-
-    def opened(self, conn: GuardedH11Protocol, peer: str) -> bool:
-        """Count a new (idle) connection, making room for it; False when it is past the reserve: close it."""
-        self._peer_of[conn] = peer
-        self._peers[peer] += 1
-        if self._peers[peer] > self.per_peer:
-            self._evict(lambda other: other is not conn and self._peer_of[other] == peer)
-        if len(self) > self.max_connections:
-            self._evict(lambda other: other is not conn)
-        self._idle[conn] = None
-        return len(self) <= self.max_connections + HEALTH_RESERVE
-
-    def closed(self, conn: GuardedH11Protocol) -> None:
-        """Forget `conn` (idempotent: an evicted connection was forgotten when it was closed)."""
-        peer = self._peer_of.pop(conn, None)
-        self._idle.pop(conn, None)
-        if peer is not None:
-            self._peers[peer] -= 1
-            if not self._peers[peer]:
-                del self._peers[peer]
-
-    def busy(self, conn: GuardedH11Protocol) -> None:
-        self._idle.pop(conn, None)
-
-    def idle(self, conn: GuardedH11Protocol) -> None:
-        """`conn` runs no request; one that just finished goes to the end (the most recently idle), one that
-        was idle already keeps its place, whatever bytes it sends meanwhile."""
-        if conn in self._peer_of and conn not in self._idle:
-            self._idle[conn] = None
-
-    def admits(self, conn: GuardedH11Protocol, path: str) -> bool:
-        """Whether a request on `conn` may run: always for the open paths, else within both caps."""
-        peer = self._peer_of.get(conn, "")
-        return path in self.open_paths or (
-            len(self) <= self.max_connections and self._peers[peer] <= self.per_peer
-        )
-
-    def _evict(self, eligible: Callable[[GuardedH11Protocol], bool]) -> None:
-        """Close the longest-idle connection `eligible` accepts, if any."""
-        victim = next((other for other in self._idle if eligible(other)), None)
-        if victim is not None:
-            self.closed(victim)
-            self.evicted += 1
-            victim.evict()
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -169,6 +97,11 @@ class GuardedH11Protocol(H11Protocol):
         self._send_timer: asyncio.TimerHandle | None = None
         self._body_started: float | None = None  # when the body being received began (its headers were in)
         self._body_bytes = 0
+        self._head_due = False  # a request head may be whole: `handle_events` checks it before h11 reads it
+        self._tail = b""  # the last 2 bytes received: a head's blank line may span two reads
+        self._task: asyncio.Task[Any] | None = None  # the task running this connection's request
+        self._caller: Caller | None = None  # that request's, as the gates see it
+        self._reclaimed_with: int | None = None  # the status its request is answered with once reclaimed
         self._app, self.app = self.app, self._admit  # every request passes `_admit` first
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -178,6 +111,9 @@ class GuardedH11Protocol(H11Protocol):
             self._close(f"over {len(self.registry)} connections")
 
     def data_received(self, data: bytes) -> None:
+        if HEAD_END.search(data) or HEAD_END.search(self._tail + data[:2]):
+            self._head_due = True
+        self._tail = data[-2:] if len(data) >= 2 else (self._tail + data)[-2:]
         super().data_received(data)
         if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):  # a request has begun and is not whole yet
             if self._request_timer is None:
@@ -187,7 +123,18 @@ class GuardedH11Protocol(H11Protocol):
         self._watch_body(len(data))
         self._track()
 
+    def handle_events(self) -> None:
+        """h11 reads what came; a request head that could be read two ways is refused before it does."""
+        if self._head_due and self.conn.their_state is h11.IDLE:
+            self._head_due = False
+            problem = head_problem(self.conn.trailing_data[0])
+            if problem is not None:
+                self._refuse_head(problem)
+                return
+        super().handle_events()
+
     def on_response_complete(self) -> None:
+        self._head_due = True  # a pipelined request's head may wait whole in h11's buffer
         super().on_response_complete()
         self._track()
 
@@ -217,6 +164,40 @@ class GuardedH11Protocol(H11Protocol):
     def evict(self) -> None:
         """Close this idle connection to make room for another (called by the registry)."""
         self._close("running no request, evicted to make room")
+
+    def reclaim(self, status: int) -> None:
+        """Answer this connection's request `status` and close it, to make room for another: its calls only
+        wait (called by the registry). Its task is cancelled; `_admit` answers."""
+        count = self.registry.reclaims.occurred(now=self.loop.time())
+        if count is not None:
+            message = "reclaimed %d requests that only waited, to make room (this: %d; since last said)"
+            logger.info(message, count, status)
+        if self._task is None:  # its request ended meanwhile
+            self._close("reclaimed to make room")
+            return
+        self._reclaimed_with = status
+        self._task.cancel()
+
+    def _caller_waits(self, caller: Caller, only_waiting: bool, *, turns: int = 2) -> None:
+        """Tell the registry whether this connection's request only waits: at once when it stops, after `turns`
+        turns of the event loop when it starts (if it still does then), so that a call about to take a free slot
+        (its cache flight's task starts on the next turn) is never reclaimed as waiting."""
+        if caller is not self._caller:  # a request of this connection that ended (a cache flight outlives it)
+            return
+        if not only_waiting or not caller.only_waiting:
+            self.registry.waiting(self, False)
+        elif turns:
+            self.loop.call_soon(functools.partial(self._caller_waits, caller, True, turns=turns - 1))
+        else:
+            self.registry.waiting(self, True)
+
+    def _refuse_head(self, problem: str) -> None:
+        """Answer 400 and close: h11 would read the head one way, a proxy in front perhaps another."""
+        logger.debug("refusing a request head from %s: %s", self.client, problem)
+        body = json.dumps({"error": {"kind": "bad_request", "message": f"{problem}: refused"}}).encode()
+        head = b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        self.transport.write(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+        self.transport.close()
 
     def _watch_body(self, received: int) -> None:
         """Time the request body being received, if any, against `min_body_rate` (`_check_body_rate`)."""
@@ -275,20 +256,54 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.close()
 
     async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.registry.admits(self, scope["path"]):
-            await self._app(scope, receive, send)
+        if not self.registry.admits(self, scope["path"]):
+            count = self.registry.refusals.occurred(now=self.loop.time())
+            if count is not None:
+                message = "503 to %s: running-request caps reached (%d refused since last said)"
+                logger.warning(message, self.client, count)
+            await _refuse(send, 503, "the server has no free connection; retry")
             return
-        count = self.registry.refusals.occurred(now=self.loop.time())
-        if count is not None:
-            message = (
-                "503 to %s: connection caps reached, no idle connection to close (%d refused since last said)"
-            )
-            logger.warning(message, self.client, count)
-        body = b'{"error": {"kind": "overloaded", "message": "the server has no free connection; retry"}}'
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        headers += [(b"retry-after", str(RETRY_AFTER_S).encode()), (b"connection", b"close")]
-        await send({"type": "http.response.start", "status": 503, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        peer = self.client[0] if self.client else ""
+        caller = Caller(peer, on_waiting=lambda waits: self._caller_waits(caller, waits))
+        scope["extensions"] = {**(scope.get("extensions") or {}), CALLER_EXTENSION: caller}
+        task = asyncio.current_task()
+        self._task, self._caller = task, caller
+        try:
+            await self._app(scope, receive, send)
+        except asyncio.CancelledError:
+            if self._reclaimed_with is None or task is None or task.uncancel():
+                raise  # not (only) a reclaim: the client went away, the server stops
+            await self._answer_reclaimed(send, self._reclaimed_with)
+        finally:
+            self._task = self._caller = None
+
+    async def _answer_reclaimed(self, send: Send, status: int) -> None:
+        if self.cycle.response_started:  # not while its calls only wait; closed all the same
+            self._close("reclaimed mid-response")
+        else:
+            await _refuse(send, status, "your call was waiting, and its connection was needed for another")
+
+
+async def _refuse(send: Send, status: int, message: str) -> None:
+    """Answer `status` (429 or 503) with an `overloaded` error, Retry-After and Connection: close."""
+    body = json.dumps({"error": {"kind": "overloaded", "message": f"{message}; retry", "retryable": True}})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(b"retry-after", str(RETRY_AFTER_S).encode()), (b"connection", b"close")]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body.encode()})
+
+
+def head_problem(buffer: bytes) -> str | None:
+    """Why the server refuses the request head at the start of `buffer` (whole or not yet), or None: a folded
+    header line, or both Content-Length and Transfer-Encoding (module docstring)."""
+    end = HEAD_END.search(buffer)
+    lines = buffer[: end.start() if end else len(buffer)].split(b"\n")[1:]  # after the request line
+    if any(line[:1] in (b" ", b"\t") for line in lines):
+        return "a folded header line (obs-fold)"
+    names = {line.split(b":", 1)[0].strip().lower() for line in lines}
+    if {b"content-length", b"transfer-encoding"} <= names:
+        return "both Content-Length and Transfer-Encoding"
+    return None
 
 
 def _cancelled(timer: asyncio.TimerHandle | None) -> asyncio.TimerHandle | None:

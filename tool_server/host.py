@@ -2,8 +2,9 @@
 
 A call: validate the arguments (invalid -> an `invalid_args` result), take a lease on the tool's current
 backend (so a hot swap mid-call does not pull the model away), look in the cache (cacheable tools only),
-wait for a concurrency slot (bounded by the queue deadline), run the sub-agent under the call deadline,
-record metrics. `Runtime` is built per call, so the call keeps the LLM it started with.
+wait for a concurrency slot (bounded in time and number: tool_server/gates.py), run the sub-agent under the call
+deadline, record metrics. `Runtime` is built per call, so the call keeps the LLM it started with. From the cache
+lookup until it holds a slot the call tells its `Caller` it only waits: its connection may be reclaimed meanwhile.
 
 Hot swap: a `Backend` counts its holders (tool slots pointing at it plus calls running on it) and closes
 its LLM when the last one lets go, so a replaced model finishes its in-flight calls and is then closed.
@@ -36,7 +37,8 @@ from subagents.llm import LLM, BackendConfig
 from subagents.transformers_llm import TransformersLLM
 from tool_server.cache import ResultCache, cache_key
 from tool_server.config import ServerConfig
-from tool_server.limits import Overloaded, ToolGate, ToolMetrics
+from tool_server.gates import Caller, Overloaded, QueueBounds, ToolGate
+from tool_server.limits import ToolMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -258,11 +260,9 @@ class ToolHost:
     ) -> ToolHost:
         names = list(subagents)
         roots = cfg.files.roots
+        queue = QueueBounds(total=cfg.max_queued_calls, per_peer=cfg.max_queued_calls_per_peer)
         states = {}
-        for (
-            name,
-            module,
-        ) in subagents.items():  # each tool's own state; blocking (an index build), so a thread
+        for name, module in subagents.items():  # each tool's own state; blocking (an index build): a thread
             states[name] = await asyncio.to_thread(module.start, cfg.tools[name].config, roots)
         return cls(
             cfg=cfg,
@@ -272,7 +272,7 @@ class ToolHost:
             states=states,
             cache=ResultCache(cfg.cache),
             slots=await build_backends(cfg, subagents, llm_factory),
-            gates={name: ToolGate(name, cfg.tools[name].limits) for name in names},
+            gates={name: ToolGate(name, cfg.tools[name].limits, queue=queue) for name in names},
             metrics={name: ToolMetrics() for name in names},
             handles=Handles(),
         )
@@ -282,13 +282,16 @@ class ToolHost:
             await slot.close()
         await self.fetcher.aclose()
 
-    async def call(self, name: str, arguments: bytes | Mapping[str, Any], *, session: str) -> ToolResponse:
-        """Run tool `name` on raw JSON or parsed arguments. Raises Overloaded past the queue deadline."""
+    async def call(
+        self, name: str, arguments: bytes | Mapping[str, Any], *, session: str, caller: Caller | None = None
+    ) -> ToolResponse:
+        """Run tool `name` on raw JSON or parsed arguments for `caller` (None: one with no address). Raises
+        Overloaded when the tool's queue is full or past its deadline (gates.py)."""
         module = self.subagents[name]
         start = time.perf_counter()
         error: str | None = "internal"  # what is recorded if a bug escapes
         try:
-            response = await self._call(module, arguments, session=session)
+            response = await self._call(module, arguments, session=session, caller=caller or Caller(""))
             error = response.error.kind if response.error is not None else None
         except Overloaded:
             error = "overloaded"
@@ -320,12 +323,14 @@ class ToolHost:
             self.handles.add(session, handle_for(kind, key), Ref(kind, source, label))
         return [handle_for(kind, key) for kind, _, key, _ in attachments]
 
-    async def call_as_result(self, name: str, arguments: Mapping[str, Any], *, session: str) -> ToolResponse:
+    async def call_as_result(
+        self, name: str, arguments: Mapping[str, Any], *, session: str, caller: Caller | None = None
+    ) -> ToolResponse:
         """Like `call`, but every outcome is a result (batch items, MCP): an overload refusal is `overloaded`,
         and a bug escaping the call is this call's own `internal` result, its traceback logged here, so one
         bad call never fails the calls sent with it and no exception text reaches the caller."""
         try:
-            return await self.call(name, arguments, session=session)
+            return await self.call(name, arguments, session=session, caller=caller)
         except Overloaded as exc:
             return fail(self.subagents[name].Response, "overloaded", str(exc))
         except Exception:  # the boundary of one call: the bug is logged whole and answered as `internal`
@@ -333,7 +338,7 @@ class ToolHost:
             return fail(self.subagents[name].Response, "internal", INTERNAL_MESSAGE)
 
     async def _call(
-        self, module: SubAgent, arguments: bytes | Mapping[str, Any], *, session: str
+        self, module: SubAgent, arguments: bytes | Mapping[str, Any], *, session: str, caller: Caller
     ) -> ToolResponse:
         try:
             if isinstance(arguments, bytes):
@@ -346,27 +351,30 @@ class ToolHost:
             resolved = resolve_handles(request, self.handles, session)
         except ToolFailure as exc:
             return module.Response(ok=False, error=exc.error)
-        response = await self._compute(module, resolved, session=session)
+        with caller.waiting():  # until it holds a slot (`_run`), or for an equal call's result
+            response = await self._compute(module, resolved, session=session, caller=caller)
         return naming_handles(response, request)
 
-    async def _compute(self, module: SubAgent, request: BaseModel, *, session: str) -> ToolResponse:
+    async def _compute(
+        self, module: SubAgent, request: BaseModel, *, session: str, caller: Caller
+    ) -> ToolResponse:
         """The response to a request whose handles are resolved: from the cache, or run."""
         async with self.slots[module.NAME].lease() as llm:
             rt = Runtime(
                 llm=llm, fetcher=self.fetcher, state=self.states[module.NAME], roots=self.cfg.files.roots,
                 session=session, count_tokens=llm.count_tokens, handles=self.handles,
             )  # fmt: skip
-            compute = lambda: self._run(module, request, rt)  # noqa: E731
+            compute = lambda: self._run(module, request, rt, caller)  # noqa: E731
             if not module.CACHEABLE or not self.cfg.cache.enabled:
                 return await compute()
             settings = repr(self.cfg.tools[module.NAME].config)
             key = cache_key(module.NAME, llm.model_id, request, settings=settings)
             return await self.cache.get_or_compute(module.NAME, key, module.Response, compute)
 
-    async def _run(self, module: SubAgent, request: BaseModel, rt: Runtime) -> ToolResponse:
+    async def _run(self, module: SubAgent, request: BaseModel, rt: Runtime, caller: Caller) -> ToolResponse:
         settings = self.cfg.tools[module.NAME]
         deadline = settings.limits.call_timeout_s
-        async with self.gates[module.NAME].slot():
+        async with self.gates[module.NAME].slot(caller):
             try:
                 async with asyncio.timeout(deadline):
                     return await module.run(request, settings.config, rt)

@@ -1,5 +1,4 @@
-"""What protects the tool server: Host/Origin checks, bearer-token auth, a body-size cap, a request deadline
-per connection, per-tool concurrency gates, metrics.
+"""What protects the tool server: Host/Origin checks, bearer-token auth, a body-size cap; per-tool metrics.
 
 Host/Origin rules (HostGuardMiddleware, every route and /mcp): see its docstring; 421 / 403 otherwise.
 
@@ -9,46 +8,35 @@ Auth rules (AuthMiddleware):
 - Once a token is configured it guards every route except GET /health (liveness probes carry no secret).
   Missing or wrong: 401 with `WWW-Authenticate: Bearer`. Compared with `hmac.compare_digest`.
 - /admin/* always needs the token, loopback or not; with no token configured admin is disabled (403).
+- Two Authorization headers are 400 on every route, whatever they say: which one counts would be a guess (a
+  proxy may read the other), and the first won before.
 
 Connection rules (request deadline, keep-alive, response lifetime, connection caps per peer and in all, a
 reserve for /health): tool_server/connections.py.
 
-Overload rule (ToolGate): each tool runs at most `max_concurrency` calls; a call waits at most
-`queue_timeout_s` for a slot, then `Overloaded` (HTTP 429 + Retry-After). Nothing waits unboundedly.
+Overload rules (per-tool gates, queue bounds): tool_server/gates.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import ipaddress
 import json
 import math
 import os
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tool_server.config import ServerConfig, ToolLimits
+from tool_server.config import ServerConfig
 
 # Latencies kept per tool for p50/p95: a thousand recent calls give stable percentiles in bounded memory.
 LATENCY_WINDOW = 1000
 OPEN_PATHS = frozenset({"/health"})
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")  # the Host names a loopback server is reached by
-
-
-class Overloaded(Exception):
-    """A tool's concurrency cap was full for its whole queue deadline."""
-
-    def __init__(self, tool: str, *, waited_s: float, retry_after_s: int) -> None:
-        super().__init__(
-            f"{tool} is at capacity: no slot within {waited_s:g} s; retry after {retry_after_s} s"
-        )
-        self.retry_after_s = retry_after_s
 
 
 def load_token(cfg: ServerConfig) -> str | None:
@@ -179,10 +167,13 @@ class AuthMiddleware:
         self._token = token.encode() if token is not None else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
-            return
-        if self._token is None and scope["path"].startswith("/admin"):
+        elif len(Headers(scope=scope).getlist("authorization")) > 1:  # which one counts would be a guess
+            await _send_json(send, 400, _error("bad_request", "more than one Authorization header"), {})
+        elif scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+        elif self._token is None and scope["path"].startswith("/admin"):
             message = "admin endpoints are disabled: the server has no token configured"
             await _send_json(send, 403, _error("forbidden", message), {})
         elif self._token is not None and not self._authorised(Headers(scope=scope)):
@@ -243,42 +234,6 @@ class BodyLimitMiddleware:
     async def _refuse(self, send: Send) -> None:
         message = f"request body over the {self.max_bytes}-byte limit"
         await _send_json(send, 413, _error("too_large", message), {"Connection": "close"})
-
-
-class ToolGate:
-    """At most `max_concurrency` calls of one tool at once; a slot is awaited at most `queue_timeout_s`."""
-
-    def __init__(self, tool: str, limits: ToolLimits) -> None:
-        self.tool = tool
-        self.limits = limits
-        self._slots = asyncio.Semaphore(limits.max_concurrency)
-        self.waiting = 0
-        self.running = 0
-
-    @property
-    def retry_after_s(self) -> int:
-        """What 429 answers suggest: one queue deadline, by when a full queue has turned over once."""
-        return max(1, math.ceil(self.limits.queue_timeout_s))
-
-    @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """Hold one of the tool's slots; raises Overloaded when none frees up within the queue deadline."""
-        self.waiting += 1
-        try:
-            async with asyncio.timeout(self.limits.queue_timeout_s):
-                await self._slots.acquire()
-        except TimeoutError:
-            raise Overloaded(
-                self.tool, waited_s=self.limits.queue_timeout_s, retry_after_s=self.retry_after_s
-            ) from None
-        finally:
-            self.waiting -= 1
-        self.running += 1
-        try:
-            yield
-        finally:
-            self.running -= 1
-            self._slots.release()
 
 
 def percentile(values: list[float], q: float) -> float:

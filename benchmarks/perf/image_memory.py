@@ -52,9 +52,9 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import ROOT
+from benchmarks.perf.slow_body import StubModel
 from conductor.heap import trim_heap
 from subagents.common import Files
-from subagents.llm import Generation, Message
 from tool_server.app import create_app, uvicorn_config
 from tool_server.config import ServerConfig
 
@@ -62,24 +62,6 @@ OUT = ROOT / "benchmarks" / "results" / "image_memory.json"
 SETTLE_S = 2.0  # after the last answer: anything the server frees late is freed by then
 CALL_TIMEOUT_S = 300.0  # a call's HTTP timeout: 8 calls of ~10 s on 2 busy cores, queued, fit inside
 SESSION_HEADER = "X-Conductor-Session"
-
-
-class StubModel:
-    """The sub-agents' model where none is asked (image_ops): start-up builds one per tool, so it must exist."""
-
-    model_id, multimodal, scores = "stub", False, False
-
-    async def generate(self, messages: list[Message], *, max_new_tokens: int) -> Generation:
-        raise AssertionError("the image memory benchmark calls image_ops only")
-
-    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
-        raise AssertionError("the image memory benchmark calls image_ops only")
-
-    def count_tokens(self, text: str) -> int:
-        return len(text.split())
-
-    async def aclose(self) -> None:
-        pass
 
 
 def write_png(path: Path, side: int, seed: int) -> None:

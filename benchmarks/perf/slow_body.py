@@ -65,15 +65,16 @@ QUERIES = ("GRPO advantage", "licence plates", "BM25 ranking", "tool server", "S
 
 
 class StubModel:
-    """The sub-agents' model where none is asked (search): start-up builds one per tool, so it must exist."""
+    """The sub-agents' model where none is asked (the benchmarks that call search or image_ops only): start-up
+    builds one per tool, so it must exist."""
 
     model_id, multimodal, scores = "stub", False, False
 
     async def generate(self, messages: list[Message], *, max_new_tokens: int) -> Generation:
-        raise AssertionError("the slow-body benchmark calls search only")
+        raise AssertionError("this benchmark calls no model")
 
-    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
-        raise AssertionError("the slow-body benchmark calls search only")
+    async def score(self, prompts: list[list[Message]], replies: list[str]) -> list[list[float]]:
+        raise AssertionError("this benchmark calls no model")
 
     def count_tokens(self, text: str) -> int:
         return len(text.split())
