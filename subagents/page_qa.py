@@ -24,7 +24,7 @@ text beyond `max_page_chars` is dropped, and the answer is only as good as the s
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 import re
 from collections.abc import Iterator
@@ -35,7 +35,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from conductor.settings import ConfigError
-from subagents import spans
+from subagents import spans, workers
 from subagents.common import Runtime, ToolFailure, ToolResponse, bm25_terms, guarded, truncate
 from subagents.documents import extract_page
 from subagents.llm import LLM, BackendError, Message
@@ -164,8 +164,10 @@ class Reply:
 
 async def _answer(request: Request, cfg: Config, rt: Runtime[None]) -> Response:
     page = await rt.fetcher.fetch(request.url)
-    # Extraction and ranking are CPU-bound (tens of ms on a large page): keep them off the event loop.
-    prep = await asyncio.to_thread(prepare, page.body, page.content_type, question=request.question, cfg=cfg)
+    # Extraction and ranking are CPU-bound (tens of ms on a large page, seconds on a PDF made to be slow): in
+    # the documents pool, where work that outlives this call's deadline cannot pile up (subagents/workers.py).
+    work = functools.partial(prepare, question=request.question, cfg=cfg)
+    prep = await workers.run("documents", work, page.body, page.content_type)
     chunks = ["\n".join(chunk) for chunk in prep.top]
     try:
         reply = await _reply(prep, request.question, cfg=cfg, rt=rt)
@@ -220,7 +222,7 @@ async def _extract(
     prompts = [messages]
     if rule.pmi_weight:
         prompts.append(prior_prompt(chunks) if rule.prior == "page" else bare_prompt())
-    scores = [await rt.llm.score(prompt, replies) for prompt in prompts]
+    scores = await rt.llm.score(prompts, replies)  # both prompts open with the page: the model reads it once
     best = spans.choose(found, scores[0], scores[1] if rule.pmi_weight else None, question, rule)
     fed = [m.content for prompt in prompts for m in prompt] + replies * len(prompts)
     read = sum(rt.count_tokens(text) for text in fed)  # everything the model was given

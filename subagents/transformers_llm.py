@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from conductor.batching import GenerationError
@@ -52,9 +53,11 @@ class TransformersLLM:
         self.scores = True  # `score`: page_qa's "extract" ranks page spans by it
         self.device = models.default_device()
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        dtype = models.torch_dtype(cfg.dtype, self.device, getattr(config, "dtype", None))
+        self.model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
         self.model.to(self.device).eval()  # type: ignore[arg-type]  # transformers mistypes the wrapped `to`
-        self.context = AutoConfig.from_pretrained(path, local_files_only=True).max_position_embeddings
+        self.context = config.max_position_embeddings
         eos = self.model.generation_config.eos_token_id
         eos_list = eos if isinstance(eos, list) else [eos]
         self.eos_ids = frozenset(e for e in [*eos_list, self.tokenizer.eos_token_id] if e is not None)
@@ -62,7 +65,14 @@ class TransformersLLM:
         self.pad_id: int = pad if pad is not None else min(self.eos_ids)
         self.max_batch = batch_for(self.device, cfg.max_batch)
         self.batcher = MicroBatcher(self.generate_batch, max_batch=self.max_batch, wait_ms=cfg.batch_wait_ms)
-        logger.info("loaded %s from %s on %s (micro-batch %d)", cfg.model, path, self.device, self.max_batch)
+        logger.info(
+            "loaded %s from %s on %s in %s (micro-batch %d)",
+            cfg.model,
+            path,
+            self.device,
+            dtype,
+            self.max_batch,
+        )
 
     @property
     def queue_depth(self) -> int:
@@ -114,67 +124,63 @@ class TransformersLLM:
             )  # [batch, width + generated]
         return [cut_at_eos(row, self.eos_ids) for row in out[:, width:].tolist()]
 
-    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
-        """Log-probability of each reply as the model's whole answer to `messages` (its tokens, then EOS).
+    async def score(self, prompts: list[list[Message]], replies: list[str]) -> list[list[float]]:
+        """Log-probability of each reply as the model's whole answer (its tokens, then EOS) to each of `prompts`.
 
-        One forward of the prompt, then one forward of every reply packed into one row over its KV cache
-        (outside the micro-batcher: a scoring call is already one batch).
+        The prompts' shared first tokens (page_qa's question and prior prompts share the page) go through the
+        model once; then every prompt's own tokens and every reply under it, packed into one row over that
+        cache (outside the micro-batcher: a scoring call is already one batch).
         """
-        prompt = self.render(messages)
+        rendered = [self.render(messages) for messages in prompts]
         eos = self.tokenizer.eos_token_id
         assert eos is not None, "scoring needs the tokenizer's end-of-turn token"
         ids = [self.tokenizer.encode(r, add_special_tokens=False) + [eos] for r in replies]
-        if len(prompt) + max(map(len, ids), default=0) > self.context:
-            raise context_error(len(prompt), max_new_tokens=max(map(len, ids)), context=self.context)
-        return await asyncio.to_thread(self.score_batch, prompt, ids) if ids else []
+        longest = max(map(len, rendered), default=0)
+        if longest + max(map(len, ids), default=0) > self.context:
+            raise context_error(longest, max_new_tokens=max(map(len, ids)), context=self.context)
+        if not ids or not rendered:
+            return [[] for _ in rendered]
+        return await asyncio.to_thread(self.score_batch, rendered, ids)
 
-    def score_batch(self, prompt: list[int], replies: list[list[int]]) -> list[float]:
-        """Blocking: summed log-probs of each (non-empty) reply after `prompt`.
+    def score_batch(self, prompts: list[list[int]], replies: list[list[int]]) -> list[list[float]]:
+        """Blocking: summed log-probs of each (non-empty) reply after each prompt, [prompt][reply].
 
-        The replies are packed one after another into one row after the prompt's cache, each at the positions
-        it would have alone, under a mask that lets a reply's tokens see the prompt and its own earlier tokens
-        only: the same sums as a batch of one row a reply (equal to ~1e-4 nats), without the batch's padding to
-        the longest reply or a copy of the prompt's cache a row (3.4x faster for 97 replies after a 261-token
-        prompt on one core: 8.6 s against 29.4 s).
+        The prompts' shared prefix fills a KV cache once. After it, one packed row holds each prompt's own tokens
+        followed by every reply under it, each token at the position it would have alone, under a mask that lets
+        a prompt's tokens see the prefix and their own earlier tokens, and a reply's see the prefix, its prompt
+        and its own earlier tokens: the same sums as one prompt and one reply a row (to ~1e-4 nats in float32),
+        without padding, a copy of the cache a row, or the shared page twice. Only the rows that predict a
+        reply's token go through the output head (`logits_to_keep`): a reply's last token (EOS) predicts
+        nothing scored, and a prompt's tokens but its last predict nothing at all.
         """
         import torch
         from transformers.cache_utils import DynamicCache
 
         from conductor.models import past_key_values_accepted
 
-        flat = torch.tensor([t for r in replies for t in r])  # [T]
-        owner = torch.repeat_interleave(torch.arange(len(replies)), torch.tensor([len(r) for r in replies]))
-        starts = torch.tensor([0, *itertools.accumulate(len(r) for r in replies)][:-1])  # [R]
-        offset = torch.arange(len(flat)) - starts[owner]  # each token's place within its reply, [T]
+        shared = shared_prefix(prompts)
+        row = packed_row(prompts, replies, shared)
+        dtype = next(self.model.parameters()).dtype
         with torch.inference_mode(), past_key_values_accepted():
             cache = DynamicCache(config=self.model.config)
-            # Only the last position's logits: the whole prompt's would be P x vocab (for Gemma 3's 262k-token
-            # vocabulary, ~70 GFLOP and ~400 MB for a 400-token prompt), and only the next token is read.
-            out = self.model(
-                input_ids=torch.tensor([prompt], device=self.device),
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )  # logits [1, 1, vocab]
-            first = torch.log_softmax(
-                out.logits[0, -1].float(), -1
-            ).cpu()  # [vocab]: each reply's first token
-            logits = (
+            if shared:
                 self.model(
-                    input_ids=flat[None].to(self.device),
-                    position_ids=(len(prompt) + offset)[None].to(self.device),
+                    input_ids=torch.tensor([prompts[0][:shared]], device=self.device),
                     past_key_values=cache,
-                    attention_mask=packed_mask(owner, len(prompt)).to(self.device),
+                    use_cache=True,
+                    logits_to_keep=1,
                 )
-                .logits[0]
-                .float()
-            )  # [T, vocab]
-            # Token t of a reply is predicted at its reply's token t - 1; a reply's first token by `first`.
-            later = offset[1:] > 0  # [T - 1]: positions whose next token is the same reply's
-            scored = logits[:-1][later].cpu()  # [N, vocab]
-            logp = scored.gather(1, flat[1:][later, None])[:, 0] - torch.logsumexp(scored, -1)  # [N]
-            totals = first[flat[starts]].index_add(0, owner[1:][later], logp)  # [R]
-        return totals.tolist()
+            logits = self.model(
+                input_ids=row.tokens[None].to(self.device),
+                position_ids=row.positions[None].to(self.device),
+                past_key_values=cache,
+                attention_mask=row.mask(shared, dtype).to(self.device),
+                logits_to_keep=row.kept.to(self.device),
+            ).logits[0]  # [K, vocab]
+            logp = torch.log_softmax(logits.float(), -1).cpu()  # [K, vocab]
+            token_logp = logp[row.source, row.target]  # [N]: each scored token's log-prob
+            totals = torch.zeros(len(prompts) * len(replies)).index_add(0, row.owner, token_logp)
+        return totals.view(len(prompts), len(replies)).tolist()
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
@@ -183,12 +189,67 @@ class TransformersLLM:
         await self.batcher.aclose()
 
 
-def packed_mask(owner: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """The additive attention mask [1, 1, T, P + T] of replies packed after a P-token prompt: token i sees the
-    prompt and the tokens j <= i of its own reply (`owner[i]`, [T]), nothing of the other replies."""
+def shared_prefix(prompts: list[list[int]]) -> int:
+    """How many first tokens every prompt shares, leaving each prompt at least its last token of its own (whose
+    logits predict every reply's first token under it)."""
+    first, limit = prompts[0], min(map(len, prompts)) - 1
+    return next((i for i in range(limit) if any(p[i] != first[i] for p in prompts[1:])), limit)
+
+
+@dataclass(frozen=True)
+class PackedRow:
+    """Every prompt's own tokens after their shared prefix, each followed by every reply, as one row
+    (`TransformersLLM.score_batch`); T tokens in the row, K of them read through the output head, N scored."""
+
+    tokens: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]: where each token would sit alone after its prompt
+    segment: torch.Tensor  # [T]: which prompt's own tokens, or which reply, it belongs to
+    context: torch.Tensor  # [T]: for a reply's token the segment of its prompt's tokens; -1 for a prompt's
+    kept: torch.Tensor  # [K]: places whose logits are read
+    source: torch.Tensor  # [N]: for each scored token, the row of `kept` that predicts it
+    target: torch.Tensor  # [N]: the token scored
+    owner: torch.Tensor  # [N]: prompt x len(replies) + reply
+
+    def mask(self, prefix: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive attention mask [1, 1, T, prefix + T]: every token sees the shared prefix and its own
+        segment's earlier tokens; a reply's tokens also see all of their prompt's own tokens."""
+        import torch
+
+        place = torch.arange(len(self.tokens))
+        own = (self.segment[:, None] == self.segment[None, :]) & (place[None, :] <= place[:, None])
+        seen = own | (self.context[:, None] == self.segment[None, :])  # [T, T]
+        seen = torch.cat([torch.ones(len(place), prefix, dtype=torch.bool), seen], 1)
+        return torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)[None, None]
+
+
+def packed_row(prompts: list[list[int]], replies: list[list[int]], shared: int) -> PackedRow:
+    """The packed row of `prompts` after their first `shared` tokens, each prompt's tokens then every reply."""
     import torch
 
-    place = torch.arange(len(owner))
-    own = (owner[:, None] == owner[None, :]) & (place[None, :] <= place[:, None])  # [T, T]
-    seen = torch.cat([torch.ones(len(owner), prompt_len, dtype=torch.bool), own], 1)  # [T, P + T]
-    return torch.zeros(seen.shape).masked_fill(~seen, torch.finfo(torch.float32).min)[None, None]
+    cols: dict[str, list[int]] = {k: [] for k in ("tokens", "positions", "segment", "context")}
+    kept: dict[int, int] = {}  # place -> its row among the kept, in the order first read
+    scored: dict[str, list[int]] = {"source": [], "target": [], "owner": []}
+
+    def put(tokens: list[int], start: int, segment: int, context: int) -> int:
+        for j, token in enumerate(tokens):
+            for key, value in zip(cols, (token, start + j, segment, context), strict=True):
+                cols[key].append(value)
+        return len(cols["tokens"]) - 1  # the place of its last token
+
+    def score(place: int, target: int, owner: int) -> None:
+        row = kept.setdefault(place, len(kept))
+        for key, value in zip(scored, (row, target, owner), strict=True):
+            scored[key].append(value)
+
+    segments = itertools.count()
+    for k, prompt in enumerate(prompts):
+        own = next(segments)
+        last = put(prompt[shared:], shared, own, -1)
+        for r, reply in enumerate(replies):
+            place = put(reply, len(prompt), next(segments), own) - len(reply) + 1
+            for j, token in enumerate(
+                reply
+            ):  # token j predicted at its reply's token j - 1, the first at `last`
+                score(last if j == 0 else place + j - 1, token, k * len(replies) + r)
+    tensors = {key: torch.tensor(values) for key, values in (cols | scored).items()}
+    return PackedRow(kept=torch.tensor(list(kept)), **tensors)

@@ -92,7 +92,7 @@ class VLLMLLM:
             text=answer.text.strip(), prompt_tokens=len(prompt), completion_tokens=len(answer.token_ids)
         )
 
-    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
+    async def score(self, prompts: list[list[Message]], replies: list[str]) -> list[list[float]]:
         raise cannot_score_error(self.model_id)
 
     def count_tokens(self, text: str) -> int:

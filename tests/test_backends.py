@@ -225,7 +225,7 @@ async def test_openai_cannot_score(endpoint: tuple[str, list[dict[str, object]]]
     base_url, requests = endpoint
     llm = OpenAILLM(openai_cfg(base_url))
     with pytest.raises(BackendError, match="cannot score") as caught:
-        await llm.score(USER, ["Paris"])
+        await llm.score([USER], ["Paris"])
     await llm.aclose()
     assert not llm.scores and not caught.value.retryable and requests == []
 
@@ -418,32 +418,40 @@ async def test_vllm_backend_answers_like_transformers() -> None:
 
 
 async def test_scored_replies_equal_their_full_forward_log_probs(tiny_policy: Path) -> None:
-    """`score` (the prompt once, then the replies packed into one row over its KV cache under a mask that keeps
-    them apart) gives each reply the summed log-prob of its tokens and EOS that one forward of prompt + reply
-    gives: page_qa's "extract" mode ranks answer spans by it, so packing or cache reuse must not change a
-    reply's score, whatever the replies' lengths."""
+    """`score` (the prompts' shared first tokens once, then each prompt's own tokens and every reply packed into one
+    row over that cache, under a mask that keeps them apart) gives each reply under each prompt the summed log-prob
+    of its tokens and EOS that one forward of prompt + reply gives: page_qa's "extract" mode ranks answer spans by
+    it, so packing, sharing the page or cache reuse must not change a reply's score, whatever the lengths."""
     import torch
 
-    llm = TransformersLLM(BackendConfig(model=str(tiny_policy)))
+    llm = TransformersLLM(BackendConfig(model=str(tiny_policy), dtype="float32"))
     assert llm.scores
-    messages = [Message("system", "Answer briefly."), Message("user", "Where is the tower? Paris, France.")]
+    page = "Page: The tower stands in Paris, France. It is 330 metres tall."
+    prompts = [
+        [Message("system", "Answer briefly."), Message("user", f"{page}\nQuestion: Where is the tower?")],
+        [Message("system", "Answer briefly."), Message("user", f"{page}\nShort answer:")],
+        [Message("system", "Answer briefly."), Message("user", "Short answer:")],
+    ]
     replies = [
         "Paris",
         "Paris, France",
         "not in the page",
         "The tower stands in Paris, the capital of France",
     ]
-    scores = await llm.score(messages, replies)
-    prompt = llm.render(messages)
+    scores = await llm.score(prompts, replies)
     eos = llm.tokenizer.eos_token_id
-    for reply, score in zip(replies, scores, strict=True):
-        ids = llm.tokenizer.encode(reply, add_special_tokens=False) + [eos]
-        with torch.inference_mode():
-            logits = llm.model(input_ids=torch.tensor([prompt + ids])).logits[0].float()  # [P + R, vocab]
-        logp = torch.log_softmax(logits, -1)
-        expected = sum(logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(ids))
-        assert score == pytest.approx(expected, abs=1e-3), (reply, score, expected)
-    assert await llm.score(messages, []) == []
+    for messages, row in zip(prompts, scores, strict=True):
+        prompt = llm.render(messages)
+        for reply, score in zip(replies, row, strict=True):
+            ids = llm.tokenizer.encode(reply, add_special_tokens=False) + [eos]
+            with torch.inference_mode():
+                logits = llm.model(input_ids=torch.tensor([prompt + ids])).logits[0].float()  # [P + R, vocab]
+            logp = torch.log_softmax(logits, -1)
+            expected = sum(logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(ids))
+            assert score == pytest.approx(expected, abs=1e-3), (reply, score, expected)
+    [alone] = await llm.score(prompts[:1], replies)  # a prompt scores alone as it does in company
+    assert alone == pytest.approx(scores[0], abs=1e-3)
+    assert await llm.score(prompts, []) == [[], [], []]
     await llm.aclose()
 
 

@@ -101,7 +101,7 @@ async def test_a_candidate_reader_loads_generates_and_scores(name: str) -> None:
         messages = [Message("user", f"{page}\n\nWhere was Steven Blankaart born? Answer in a few words.")]
         generation = await llm.generate(messages, max_new_tokens=24)
         assert generation.text and generation.completion_tokens <= 24, generation
-        scores = await llm.score(messages, ["Middelburg", "Amsterdam", "not in the page"])
+        [scores] = await llm.score([messages], ["Middelburg", "Amsterdam", "not in the page"])
         assert len(scores) == 3 and all(-1e4 < s < 0 for s in scores), scores
     finally:
         await llm.aclose()
@@ -149,3 +149,39 @@ def test_a_small_machine_gives_vllm_every_core_unless_told_otherwise(monkeypatch
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     models.vllm_cpu_cores()
     assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+
+
+def _prepared(folder: Path, model: BuiltinModel) -> Path:
+    """A folder shaped like a prepared checkpoint of `model`, its source recorded as `prepare` records it."""
+    folder.mkdir()
+    (folder / "config.json").write_text("{}", encoding="utf-8")
+    (folder / "model.safetensors").write_bytes(b"weights as converted")
+    models.record_source(model, folder)
+    return folder
+
+
+def test_a_loaded_checkpoint_is_the_one_made_from_the_pinned_gguf(tmp_path: Path) -> None:
+    """A pinned model's checkpoint loads only when it records the pinned GGUF and its dtype, and its weights
+    still hash as written: a file changed after `prepare`, or one made by an earlier version (no record, or
+    another dtype), says to prepare again instead of loading."""
+    model = BuiltinModel(
+        name="m",
+        packages=("p==1",),
+        parts=(("p", "a"), ("p", "b")),
+        about="",
+        sha256="0" * 64,
+        dtype="bfloat16",
+    )
+    models.check_source(model, _prepared(tmp_path / "ok", model))
+    changed = _prepared(tmp_path / "changed", model)
+    (changed / "model.safetensors").write_bytes(b"weights as tampered")
+    with pytest.raises(ModelNotFound, match="has changed since it was prepared"):
+        models.check_source(model, changed)
+    older = _prepared(tmp_path / "older", dataclasses.replace(model, dtype="float32"))
+    assert not models.source_matches(model, older)
+    with pytest.raises(ModelNotFound, match="--force"):
+        models.check_source(model, older)
+    (older / models.SOURCE_FILE).unlink()
+    assert not models.source_matches(model, older)
+    unpinned = dataclasses.replace(model, sha256=None)  # one whole GGUF in its own package: nothing to check
+    assert models.source_matches(unpinned, older)

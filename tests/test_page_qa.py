@@ -7,27 +7,31 @@ Unit tests use a scripted LLM and a dictionary fetcher. Integration tests serve 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gzip
+import io
 import json
 import threading
 from collections.abc import Iterator
 from functools import partial
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import lxml.html
 import pydantic
+import pypdf
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from conductor.settings import ConfigError
-from subagents import documents, page_qa, spans
+from subagents import documents, page_qa, spans, workers
 from subagents.common import Runtime, ToolFailure, approx_tokens
 from subagents.fetch import FetchConfig, FetchedPage, Fetcher
 from subagents.llm import BackendError, Generation, Message, cannot_score_error
-from tests.pdf import minimal_pdf
+from tests.pdf import damaged_pdf, minimal_pdf
+from tests.tool_server_fakes import serving_handler
 from training.tasks import multihop
 
 FILLER = [
@@ -64,7 +68,7 @@ class ScriptedLLM:
             text=self.reply, prompt_tokens=prompt_tokens, completion_tokens=approx_tokens(self.reply)
         )
 
-    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
+    async def score(self, prompts: list[list[Message]], replies: list[str]) -> list[list[float]]:
         raise cannot_score_error(self.model_id)
 
     def count_tokens(self, text: str) -> int:
@@ -309,7 +313,10 @@ class ScoringLLM(ScriptedLLM):
         self.table = table
         self.scored: list[list[str]] = []
 
-    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
+    async def score(self, prompts: list[list[Message]], replies: list[str]) -> list[list[float]]:
+        return [self.score_one(messages, replies) for messages in prompts]
+
+    def score_one(self, messages: list[Message], replies: list[str]) -> list[float]:
         self.calls.append(messages)
         self.scored.append(replies)
         return [self.table.get(reply, -100.0) for reply in replies]
@@ -326,7 +333,7 @@ class PromptScoringLLM(ScoringLLM):
         super().__init__(question)
         self.prior = prior
 
-    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
+    def score_one(self, messages: list[Message], replies: list[str]) -> list[float]:
         table = self.table if "Question:" in messages[-1].content else self.prior
         self.calls.append(messages)
         self.scored.append(replies)
@@ -618,3 +625,98 @@ async def test_real_smollm2_extracts_a_grounded_span(shared_data: Path, smollm2_
     assert (gold.answer, gold.supported) == ("Middelburg", True), gold.answer
     assert gold.answer in gold.quote and gold.quote in texts[12]
     assert other.answer == page_qa.NOT_FOUND or (other.supported and other.answer in texts[0]), other.answer
+
+
+# ---------------------------------------------------------------- attacks: charsets, damaged PDFs, the pool
+
+SHORT_PAGE = [FILLER[0], f"{ANSWER_PARAGRAPH} The café nearby sells crème brûlée."]
+SHORT_BODIES = {
+    "text/html": "<html><head><title>Paris</title></head><body><article>"
+    + "".join(f"<p>{p}</p>" for p in SHORT_PAGE) + "</article></body></html>",
+    "text/plain": "\n\n".join(SHORT_PAGE),
+    "text/markdown": "# Paris\n\n" + "\n\n".join(SHORT_PAGE),
+}  # fmt: skip
+
+
+@contextlib.contextmanager
+def typed_pages(pages: dict[str, tuple[str, bytes]]) -> Iterator[str]:
+    """A loopback HTTP server answering GET /<name> with `pages[name]`: (Content-Type, body); yields its URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            content_type, body = pages[self.path.lstrip("/")]
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:  # keep test output clean
+            pass
+
+    with serving_handler(Handler) as url:
+        yield url
+
+
+async def ask_over_loopback(url: str) -> page_qa.Response:
+    """page_qa on `url` through the real SSRF-safe fetcher (loopback allowed) and a scripted model."""
+    fetcher = Fetcher(FetchConfig(allow_private_cidrs=("127.0.0.0/8",)))
+    rt = Runtime(llm=ScriptedLLM("330 metres"), fetcher=fetcher, state=None)  # type: ignore[arg-type]
+    request = page_qa.Request(url=url, question="How tall is the Eiffel Tower?")
+    try:
+        return await page_qa.run(request, page_qa.Config(), rt)
+    finally:
+        await fetcher.aclose()
+
+
+@pytest.mark.parametrize("charset", ["undefined", "idna", "punycode", "unicode_escape", "rot13"])
+@pytest.mark.parametrize("media", ["text/html", "text/plain", "text/markdown"])
+async def test_a_charset_that_names_no_page_encoding_is_read_as_utf8(media: str, charset: str) -> None:
+    """The attack: a page served over HTTP with `charset=undefined` or `charset=idna` (HTML, text or Markdown)
+    made the decoder raise UnicodeError, an HTTP 500. A charset naming no encoding a page is written in (those,
+    punycode, the escape codecs, bytes-to-bytes codecs like rot13) is read as UTF-8, accents included."""
+    body = SHORT_BODIES[media].encode()
+    with typed_pages({"page": (f"{media}; charset={charset}", body)}) as base:
+        response = await ask_over_loopback(f"{base}/page")
+    assert response.ok, response.observation()
+    assert "crème brûlée" in " ".join(response.chunks), response.chunks
+
+
+def test_only_text_encodings_decode_a_page() -> None:
+    """Bytes-to-bytes codecs (base64, zip, hex) and unknown names read as UTF-8; a real charset still decodes."""
+    body = "Crème brûlée".encode()
+    for charset in ("base64", "zip", "hex", "no-such-charset"):
+        assert documents.extract_page(body, f"text/plain; charset={charset}").text == "Crème brûlée"
+    assert documents.extract_page(body, "text/plain; charset=latin-1").text == body.decode("latin-1")
+
+
+async def test_a_damaged_pdf_is_unsupported_media_not_a_crash() -> None:
+    """The attack: a PDF with 4 bytes of its trailer changed, served over HTTP, made pypdf raise AttributeError
+    (real pypdf, checked here), which escaped page_qa as an HTTP 500. It is unsupported_media, saying why."""
+    damaged = damaged_pdf()
+    with pytest.raises(AttributeError):
+        pypdf.PdfReader(io.BytesIO(damaged))
+    with typed_pages({"bad.pdf": ("application/pdf", damaged)}) as base:
+        response = await ask_over_loopback(f"{base}/bad.pdf")
+    assert not response.ok and response.error is not None
+    assert response.error.kind == "unsupported_media" and "damaged PDF" in response.error.message
+
+
+async def test_page_qa_extracts_in_the_bounded_documents_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """page_qa's extraction runs in workers' documents pool: while that pool and its queue are held (here by
+    work whose caller went away), a new call is refused at once as overloaded and retryable, not queued."""
+    monkeypatch.setitem(workers.POOLS, "documents", workers.Pool(threads=1, queue=0))
+    monkeypatch.setattr(workers, "_executors", {})  # a pool of the size above, not one an earlier test made
+    monkeypatch.setattr(workers, "_busy", {})
+    release = threading.Event()
+    held = asyncio.ensure_future(workers.run("documents", release.wait))
+    try:
+        while workers.busy("documents") < 1:
+            await asyncio.sleep(0.01)
+        response, llm = await ask("330 metres", page(HTML))
+    finally:
+        release.set()
+        await held
+        workers._executors["documents"].shutdown()
+    assert response.error is not None and response.error.kind == "overloaded" and response.error.retryable
+    assert llm.calls == []

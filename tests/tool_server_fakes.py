@@ -116,7 +116,7 @@ class FakeLLM:
             text=self.answer, prompt_tokens=sum(len(m.content) for m in messages), completion_tokens=2
         )
 
-    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
+    async def score(self, prompts: list[list[Message]], replies: list[str]) -> list[list[float]]:
         raise cannot_score_error(self.model_id)
 
     def count_tokens(self, text: str) -> int:

@@ -51,11 +51,12 @@ PROMPTS = ("question", "page", "none")
 MAX_NOT_FOUND = 0.10  # the most "not in the page" on tune's gold pages a chosen rule may say
 
 
-def fingerprint(model: str) -> str:
+def fingerprint(model: str, dtype: str = "float32") -> str:
     """What a features line must have been made with to be reused."""
     cfg = page_qa.Config()
     prompts = [page_qa.build_prompt(["P"], "Q"), page_qa.prior_prompt(["P"]), page_qa.bare_prompt()]
     key = [model, SUPERSET, cfg.chunk_chars, cfg.top_k, cfg.max_page_chars, repr(prompts), FEATURES_VERSION]
+    key += [] if dtype == "float32" else [dtype]  # float32's lines were recorded before the setting existed
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
 
 
@@ -72,7 +73,12 @@ async def features(item: reader_items.Item, pages: Path, llm) -> dict:
         "page": page_qa.prior_prompt(chunks),
         "none": page_qa.bare_prompt(),
     }
-    scores = {name: [round(s, 4) for s in await llm.score(p, replies)] for name, p in prompts.items()}
+    # the two prompts that show the page share it (one pass over it), the bare prompt is scored alone
+    paged = await llm.score([prompts["question"], prompts["page"]], replies)
+    bare = await llm.score([prompts["none"]], replies)
+    scores = {
+        name: [round(s, 4) for s in values] for name, values in zip(prompts, [*paged, *bare], strict=True)
+    }
     return dataclasses.asdict(item) | {
         "candidates": [[c.span.text, c.kind, c.rank] for c in found],
         "scores": scores,
@@ -84,14 +90,14 @@ def _media(path: Path) -> str:
     return {".html": "text/html", ".md": "text/markdown", ".txt": "text/plain"}[path.suffix]
 
 
-async def score(todo: list[reader_items.Item], pages: Path, out: Path, *, model: str) -> None:
+async def score(todo: list[reader_items.Item], pages: Path, out: Path, *, model: str, dtype: str) -> None:
     """Stage 1: the features of every question not yet recorded under this fingerprint."""
-    print_ = fingerprint(model)
+    print_ = fingerprint(model, dtype)
     done = {r["item_id"] for r in load(out, print_)}
     missing = [i for i in todo if i.item_id not in done]
     if not missing:
         return
-    llm = build_llm(BackendConfig(model=model))
+    llm = build_llm(BackendConfig(model=model, dtype=dtype))  # type: ignore[arg-type]  # argparse's choices
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         for k, item in enumerate(missing, 1):
@@ -255,6 +261,12 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1000, help="questions per split (the first n; default all)")
     parser.add_argument("--splits", nargs="+", default=list(reader_items.SPLITS), choices=reader_items.SPLITS)
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "auto"),
+        help="the reader's (BackendConfig)",
+    )
     parser.add_argument("--work", type=Path, default=ROOT / "runs", help="bench_reader's pages live here")
     parser.add_argument("--out", type=Path, default=RESULTS / "reader_rules.json")
     args = parser.parse_args()
@@ -268,11 +280,13 @@ def main() -> None:
     if args.stage == "score":
         for split in args.splits:  # a file a split: two processes may score the two at once
             mine = [i for i in todo if i.split == split]
-            asyncio.run(score(mine, pages, folder / f"{split}.jsonl", model=args.model))
+            asyncio.run(score(mine, pages, folder / f"{split}.jsonl", model=args.model, dtype=args.dtype))
         return
     by_split = {}
     for split in args.splits:
-        records = {r["item_id"]: r for r in load(folder / f"{split}.jsonl", fingerprint(args.model))}
+        records = {
+            r["item_id"]: r for r in load(folder / f"{split}.jsonl", fingerprint(args.model, args.dtype))
+        }
         by_split[split] = [records[i.item_id] for i in todo if i.split == split and i.item_id in records]
     chosen, tuned = choose(by_split["tune"])
     print(f"chosen on tune ({len(by_split['tune'])} lines): {chosen}\n  {tuned}")
