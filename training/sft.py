@@ -186,7 +186,7 @@ class SFTConfig:
     """corpus_qa's expert on a question with two supporting pages: search again with what the first read
     answered and read two more (docs/research-assistant.md#chained-demonstrations); false: search, read the top
     hit and answer what it answered, the shipped adapter's plan, whose research_corpus F1 no chained retrain
-    has matched (its model card)."""
+    has matched (its model card's history, conductor/policies/default/HISTORY.md)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The budgets the demonstrations and both evaluations play under (`[rollout]`): the training defaults, so
     every demonstration fits the turns and tokens RL will allow."""
