@@ -148,10 +148,10 @@ def measure(records: list[dict], rule: spans.Choice) -> dict:
     }
 
 
-def objective(m: dict) -> float:
+def objective(m: dict, max_not_found: float = MAX_NOT_FOUND) -> float:
     """What the grid maximises on tune: EM, plus half the rate of "not in the page" on negatives (a wrong
-    answer there misleads the policy, but a reader's job is answering); -1 past MAX_NOT_FOUND on gold pages."""
-    if m["not_found_on_gold_page"] > MAX_NOT_FOUND:
+    answer there misleads the policy, but a reader's job is answering); -1 past `max_not_found` on gold pages."""
+    if m["not_found_on_gold_page"] > max_not_found:
         return -1.0
     return m["em"] + 0.5 * m["not_found_on_negatives"]
 
@@ -230,10 +230,10 @@ def fast_measure(t: Table, rule: spans.Choice) -> dict:
     }
 
 
-def choose(tune: list[dict]) -> tuple[spans.Choice, dict]:
+def choose(tune: list[dict], max_not_found: float = MAX_NOT_FOUND) -> tuple[spans.Choice, dict]:
     """The rule of the grid with the best objective on tune (ties: the earlier in grid order), and its measures."""
     arrays = table(tune)
-    best = max(grid(), key=lambda rule: objective(fast_measure(arrays, rule)))
+    best = max(grid(), key=lambda rule: objective(fast_measure(arrays, rule), max_not_found))
     measured, fast = measure(tune, best), fast_measure(arrays, best)
     assert all(abs(measured[k] - fast[k]) < 1e-9 for k in fast), (measured, fast)
     return best, measured
@@ -262,6 +262,12 @@ def main() -> None:
     parser.add_argument("--splits", nargs="+", default=list(reader_items.SPLITS), choices=reader_items.SPLITS)
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument(
+        "--max-not-found",
+        type=float,
+        default=MAX_NOT_FOUND,
+        help='the most "not in the page" on tune\'s gold pages a chosen rule may say',
+    )
+    parser.add_argument(
         "--dtype",
         default="float32",
         choices=("float32", "bfloat16", "auto"),
@@ -288,7 +294,7 @@ def main() -> None:
             r["item_id"]: r for r in load(folder / f"{split}.jsonl", fingerprint(args.model, args.dtype))
         }
         by_split[split] = [records[i.item_id] for i in todo if i.split == split and i.item_id in records]
-    chosen, tuned = choose(by_split["tune"])
+    chosen, tuned = choose(by_split["tune"], args.max_not_found)
     print(f"chosen on tune ({len(by_split['tune'])} lines): {chosen}\n  {tuned}")
     rows = []
     for name, rule in ablations(chosen).items():
@@ -305,7 +311,9 @@ def main() -> None:
         print(f"{row['rule']:<34} {cells}")
     report = {
         "grid": {k: list(v) for k, v in GRID.items()},
-        "max_not_found": MAX_NOT_FOUND,
+        "max_not_found": args.max_not_found,
+        "model": args.model,
+        "dtype": args.dtype,
         "chosen": dataclasses.asdict(chosen),
         "rows": rows,
     }
