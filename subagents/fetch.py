@@ -24,13 +24,13 @@ import logging
 import mimetypes
 import re
 import socket
-import zlib
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from conductor.http import ACCEPT_ENCODING, CappedDecoder, ReplyRefused
 from subagents.addresses import IPAddress, allowed_network, check_address
 from subagents.common import FetchedPage, ToolFailure, local_file, shown_path
 
@@ -41,10 +41,6 @@ Resolver = Callable[[str, int], Awaitable[list[str]]]
 _LOOPBACK_V4 = ipaddress.IPv4Address("127.0.0.1")
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _WEB_SCHEMES = ("http", "https")
-# zlib window bits per Content-Encoding we can decode with a hard output cap; we advertise exactly these.
-_DECODERS = {"gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
-ACCEPT_ENCODING = ", ".join(_DECODERS)
-"""The Accept-Encoding of a client whose replies `CappedDecoder` decodes (the fetcher's, the reader client's)."""
 _HOSTNAME = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*")
 _NUMERIC_LABEL = re.compile(r"[0-9]+|0x[0-9a-f]*")  # WHATWG URL: a host ending in a number is IPv4
 
@@ -130,45 +126,19 @@ async def resolve_host(host: str, port: int) -> list[str]:
     return [str(info[4][0]) for info in infos]
 
 
-class CappedDecoder:
-    """Decodes a Content-Encoding chunk by chunk, never producing more than `cap` bytes in total. Raises
-    ToolFailure (too_large past the cap, fetch_failed for an encoding it cannot bound) and zlib.error for a
-    corrupt stream."""
-
-    def __init__(self, encoding: str, cap: int) -> None:
-        encoding = encoding.strip().lower()
-        if encoding not in ("", "identity", *_DECODERS):
-            raise ToolFailure("fetch_failed", f"unsupported Content-Encoding {encoding!r}", retryable=False)
-        self._zlib = zlib.decompressobj(_DECODERS[encoding]) if encoding in _DECODERS else None
-        self._cap = cap
-        self._total = 0
-
-    def feed(self, chunk: bytes) -> bytes:
-        # max_length = room + 1: reaching it proves the cap is exceeded without inflating further.
-        out = self._zlib.decompress(chunk, self._cap - self._total + 1) if self._zlib else chunk
-        return self._count(out)
-
-    def flush(self) -> bytes:
-        return self._count(self._zlib.flush()) if self._zlib else b""
-
-    def _count(self, out: bytes) -> bytes:
-        self._total += len(out)
-        if self._total > self._cap:
-            raise ToolFailure("too_large", f"body exceeds {self._cap} bytes after decoding")
-        return out
-
-
 @contextlib.contextmanager
 def _transport_errors(url: httpx.URL) -> Iterator[None]:
-    """Turn httpx's network errors into ToolFailure."""
+    """Turn httpx's network errors and a refused body into ToolFailure."""
     try:
         yield
     except httpx.TimeoutException as exc:
         raise ToolFailure("timeout", f"{url}: {type(exc).__name__}") from exc
     except httpx.TransportError as exc:
         raise ToolFailure("fetch_failed", f"{url}: {type(exc).__name__}: {exc}") from exc
-    except zlib.error as exc:
-        raise ToolFailure("fetch_failed", f"{url}: corrupt compressed body: {exc}", retryable=False) from exc
+    except ReplyRefused as exc:  # past the cap, or an encoding no cap can bound (conductor/http.py)
+        if exc.too_large:
+            raise ToolFailure("too_large", f"{url}: the body is {exc}") from exc
+        raise ToolFailure("fetch_failed", f"{url}: {exc}", retryable=False) from exc
 
 
 def _check_status(response: httpx.Response, url: httpx.URL) -> None:

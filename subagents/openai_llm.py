@@ -2,38 +2,37 @@
 llm.py.
 
 The endpoint is configured, not discovered, but what it sends is untrusted input, as a page is: a proxy's login
-page, a crashed server's half reply, a broken or hostile endpoint. So the client is written here on httpx rather
-than the openai SDK (which follows redirects, reads a whole body into memory and lets a malformed reply escape as
-a TypeError or AttributeError), and every exchange keeps these rules:
-- No redirect is followed: a 3xx is a BackendError. The prompt, page text included, goes only to `base_url`; a
-  redirect could hand it to any port of this machine, ports the fetch guard (fetch.py) keeps closed to the tools.
-- The reply is read as a stream and decoded here (gzip, deflate: `fetch.CappedDecoder`) with a cap on decoded
-  bytes (MAX_REPLY_BYTES), so a huge body or a gzip bomb stops at the cap; a longer Content-Length is refused unread.
-- Each attempt has one deadline for the whole exchange (`request_timeout_s`): httpx's timeouts are per read, and a
-  reader sending a byte every few seconds would restart them until the tool's call deadline.
-- Whatever comes back that is not a chat completion (not JSON, not UTF-8, wrong types, a list ...) is a
-  BackendError saying what came, in a few hundred characters, never another exception: page_qa reports it as
-  `backend_error` and the policy reads it.
-- Retries: at most `max_retries`, on transient failures only (a refused or broken connection, a timeout,
-  408/409/429/5xx), after a jittered exponential backoff or the reply's Retry-After (at most MAX_BACKOFF_S).
+page, a crashed server's half reply, a broken or hostile endpoint. The `openai` package speaks the protocol over
+the project's hardened client (conductor/http.py: no redirect followed, replies decoded under a cap, the whole
+exchange within `request_timeout_s`, retries on transient failures only, at most `max_retries`). Here:
+- The reply's body is read by this module's strict models, not the SDK's (which build their objects without
+  validating them): whatever comes back that is not a chat completion (not JSON, not UTF-8, wrong types, a list,
+  a token count past MAX_USAGE_TOKENS ...) is a BackendError saying what came, in a few hundred characters.
+- Every failure is a BackendError, never another exception: page_qa reports it as `backend_error` and the policy
+  reads it. `retryable` says whether the same call may yet succeed (conductor/http.py's `transient`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
 import os
-import random
 import re
-import zlib
 
 import httpx
+import openai
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from conductor.http import header_number, retry_after
-from subagents.common import ToolFailure, approx_tokens
-from subagents.fetch import ACCEPT_ENCODING, CappedDecoder
+from conductor.http import (
+    CONNECT_TIMEOUT_S,
+    MAX_ERROR_BYTES,
+    ReplyRefused,
+    openai_client,
+    reason,
+    retried,
+    transient,
+)
+from subagents.common import approx_tokens
 from subagents.llm import (
     BackendConfig,
     BackendError,
@@ -45,21 +44,8 @@ from subagents.llm import (
 
 logger = logging.getLogger(__name__)
 
-
-# A server that accepts the connection but cannot answer within the request budget is as good as down; a
-# refused or unreachable host should fail in seconds, not after the whole budget.
-CONNECT_TIMEOUT_S = 5.0
-# Decoded bytes of a reply: the longest answer a BackendConfig allows (8,192 tokens, ~32 KB of text; ~200 KB even
-# if every character came \u-escaped) fits five times over. Eight page_qa calls at once hold at most 8 MiB.
-MAX_REPLY_BYTES = 1 << 20
-# Of an error reply, this much is read (an error message is a line; an HTML error page is cut) and this much quoted.
-MAX_ERROR_BYTES = 64 << 10
+# Of an error reply's text, this much is quoted in a BackendError.
 MAX_QUOTED_CHARS = 200
-# Backoff before retry n: a uniform wait in [0, BACKOFF_S * 2**n], at most MAX_BACKOFF_S, which also caps a
-# Retry-After: the openai SDK's values, kept when this client replaced it.
-BACKOFF_S = 0.5
-MAX_BACKOFF_S = 8.0
-RETRIED_STATUS = frozenset({408, 409, 429})  # and every 5xx: the statuses whose cause may pass
 # Most tokens a reply's `usage` may report for one request: ten times the longest context window served today
 # (10M tokens). Past it the count is no count (a reader said 10**30) and would swamp tokens_read in metrics.
 MAX_USAGE_TOKENS = 100_000_000
@@ -134,14 +120,6 @@ class _Completion(_Strict):
     usage: _Usage | None = None
 
 
-class _Transient(BackendError):
-    """A failure the same request may not meet again (module docstring); `wait_s`: the Retry-After it came with."""
-
-    def __init__(self, message: str, *, wait_s: float | None = None) -> None:
-        super().__init__(message, retryable=True)
-        self.wait_s = wait_s
-
-
 class OpenAILLM:
     """Any OpenAI-compatible chat-completions endpoint, under the rules of the module docstring.
 
@@ -164,28 +142,15 @@ class OpenAILLM:
         self.multimodal = cfg.multimodal
         self.scores = False
         try:
-            self._http = httpx.AsyncClient(
-                base_url=cfg.base_url,
-                headers={"Authorization": f"Bearer {api_key}", "Accept-Encoding": ACCEPT_ENCODING},
-                # Per phase; `_attempt` puts one deadline of the same budget on the whole exchange.
-                timeout=httpx.Timeout(cfg.request_timeout_s, connect=CONNECT_TIMEOUT_S),
-                follow_redirects=False,  # a redirect is an error (module docstring)
-            )
+            self._openai = openai_client(cfg.base_url, api_key=api_key, reply_timeout_s=cfg.request_timeout_s)
         except httpx.InvalidURL as exc:  # past BackendConfig's check: a host that is no IDNA name
             raise BackendError(f"base_url is not usable: {_quoted(str(exc))}", retryable=False) from None
 
     async def generate(self, messages: list[Message], *, max_new_tokens: int) -> Generation:
         if not self.multimodal and any(m.images for m in messages):
             raise text_only_error(self.model_id)
-        body = {
-            "model": self.cfg.model,
-            "messages": [_openai_message(m) for m in messages],
-            "max_tokens": max_new_tokens,  # not max_completion_tokens: older local servers only know this
-            "temperature": 0,
-            "seed": self.cfg.seed,
-        }
         try:
-            completion = _completion(*await self._post(body))
+            completion = _completion(await self._post(messages, max_new_tokens))
         except BackendError as error:
             logger.warning("%s: %s", self.model_id, error)
             raise
@@ -210,111 +175,59 @@ class OpenAILLM:
         return approx_tokens(text)
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._openai.close()
 
-    async def _post(self, body: dict[str, object]) -> tuple[int, str, bytes]:
-        """A 2xx reply to `body`: status, Content-Type and decoded body; transient failures retried (docstring)."""
-        attempt = 0
-        while True:
-            try:
-                return await self._attempt(body)
-            except _Transient as error:
-                if attempt >= self.cfg.max_retries:
-                    raise
-                attempt += 1
-                backoff = random.uniform(0, BACKOFF_S * 2**attempt)
-                wait = min(MAX_BACKOFF_S, backoff if error.wait_s is None else error.wait_s)
-                logger.info("%s: %s; retry %d in %.2f s", self.model_id, error, attempt, wait)
-                await asyncio.sleep(wait)
-
-    async def _attempt(self, body: dict[str, object]) -> tuple[int, str, bytes]:
-        """One exchange, the whole of it within `request_timeout_s`."""
-        budget = self.cfg.request_timeout_s
+    async def _post(self, messages: list[Message], max_new_tokens: int) -> httpx.Response:
+        """The 2xx reply, its body read; transient failures retried (conductor/http.py), others a BackendError."""
+        wire = [_openai_message(m) for m in messages]
         try:
-            async with (
-                asyncio.timeout(budget),
-                self._http.stream("POST", "chat/completions", json=body) as response,
-            ):
-                return await _read(response)
-        except (TimeoutError, httpx.TimeoutException):
-            raise _Transient(f"endpoint timed out after {budget:g} s") from None
-        except httpx.ConnectError as exc:
-            raise _Transient(f"cannot reach endpoint: {_quoted(str(exc))}") from None
-        except httpx.TransportError as exc:  # a read or protocol error: a reply cut short, a connection reset
-            raise _Transient(
-                f"the endpoint's reply broke off: {type(exc).__name__}: {_quoted(str(exc))}"
-            ) from None
+            reply = await retried(
+                lambda: self._openai.chat.completions.with_raw_response.create(
+                    model=self.cfg.model,
+                    messages=wire,  # type: ignore[arg-type]  # the wire shape, not the SDK's TypedDicts
+                    max_tokens=max_new_tokens,  # not max_completion_tokens: older local servers only know this
+                    temperature=0,
+                    seed=self.cfg.seed,
+                ),
+                max_retries=self.cfg.max_retries,
+            )
+        except openai.APIError as exc:
+            raise _backend_error(exc, budget_s=self.cfg.request_timeout_s) from None
+        return reply.http_response
 
 
-async def _read(response: httpx.Response) -> tuple[int, str, bytes]:
-    """A 2xx reply's status, Content-Type and body (at most MAX_REPLY_BYTES decoded); BackendError otherwise."""
-    status, content_type = response.status_code, response.headers.get("content-type", "")
-    if 300 <= status < 400:
-        raise BackendError(
-            f"endpoint answered {status}, a redirect, which is not followed: set base_url to the endpoint itself",
-            retryable=False,
+def _backend_error(error: openai.APIError, *, budget_s: float) -> BackendError:
+    """What `error` says, as a BackendError; retryable where the same call may yet succeed."""
+    retryable = transient(error)
+    if isinstance(error, openai.APITimeoutError):
+        return BackendError(f"endpoint timed out after {budget_s:g} s", retryable=retryable)
+    if isinstance(error, openai.APIStatusError):
+        said = _said(error.response.headers.get("content-type", ""), error.response.content)
+        if error.status_code == 400 and _CONTEXT_WORDING.search(said):
+            return BackendError(f"context length exceeded: {said[:MAX_QUOTED_CHARS]}", retryable=False)
+        return BackendError(
+            f"endpoint answered {error.status_code}: {said[:MAX_QUOTED_CHARS]}", retryable=retryable
         )
-    if status < 300:
-        return status, content_type, await _body(response, MAX_REPLY_BYTES)
-    said = _said(content_type, await _head_of_body(response, MAX_ERROR_BYTES))
-    if status == 400 and _CONTEXT_WORDING.search(said):
-        raise BackendError(f"context length exceeded: {said[:MAX_QUOTED_CHARS]}", retryable=False)
-    message = f"endpoint answered {status}: {said[:MAX_QUOTED_CHARS]}"
-    if status >= 500 or status in RETRIED_STATUS:
-        raise _Transient(message, wait_s=retry_after(response.headers))
-    raise BackendError(message, retryable=False)
+    cause = error.__cause__
+    if isinstance(cause, ReplyRefused):
+        return BackendError(f"the endpoint's reply is refused: {_quoted(str(cause))}", retryable=False)
+    if isinstance(cause, httpx.ConnectError):
+        return BackendError(f"cannot reach endpoint: {_quoted(str(cause))}", retryable=retryable)
+    # a read or protocol error: a reply cut short, a connection reset
+    return BackendError(f"the endpoint's reply broke off: {_quoted(reason(error))}", retryable=retryable)
 
 
-async def _body(response: httpx.Response, cap: int) -> bytes:
-    """The decoded body, read as it streams; BackendError past `cap` decoded bytes (a longer Content-Length is
-    refused unread), or for an encoding that cannot be decoded under a cap (br, zstd) or a corrupt one."""
-    declared = header_number(response.headers.get("content-length", ""))
-    if declared is not None and declared > cap:
-        raise BackendError(
-            f"the reply is too large: Content-Length {declared:.0f} over {cap} bytes", retryable=False
-        )
-    encoding = response.headers.get("content-encoding", "")
+def _completion(response: httpx.Response) -> _Completion:
+    """The chat completion `response` holds; BackendError naming the first problem (never quoting the body)."""
     try:
-        decoder = CappedDecoder(encoding, cap)
-        chunks = [decoder.feed(chunk) async for chunk in response.aiter_raw()]
-        return b"".join(chunks) + decoder.flush()
-    except ToolFailure as exc:
-        what = "too large" if exc.error.kind == "too_large" else "not readable"
-        raise BackendError(
-            f"the reply is {what}: {exc.error.message[:MAX_QUOTED_CHARS]}", retryable=False
-        ) from None
-    except zlib.error as exc:
-        raise BackendError(
-            f"the reply's {encoding[:20]!r} encoding is corrupt: {exc}", retryable=False
-        ) from None
-
-
-async def _head_of_body(response: httpx.Response, cap: int) -> bytes:
-    """At most the first `cap` decoded bytes of an error reply, the rest unread; b"" if none can be decoded."""
-    chunks: list[bytes] = []
-    try:
-        decoder = CappedDecoder(response.headers.get("content-encoding", ""), cap)
-        async for chunk in response.aiter_raw():
-            chunks.append(decoder.feed(chunk))
-    except (
-        ToolFailure,
-        zlib.error,
-    ):  # past the cap, or not decodable: what came so far says enough, or nothing
-        pass
-    return b"".join(chunks)
-
-
-def _completion(status: int, content_type: str, body: bytes) -> _Completion:
-    """The chat completion `body` holds; BackendError naming the first problem (never quoting the body)."""
-    try:
-        return _Completion.model_validate_json(body)
+        return _Completion.model_validate_json(response.content)
     except ValidationError as exc:
         error = exc.errors(include_url=False, include_input=False)[0]
         problem = f"{'.'.join(map(str, error['loc'])) or 'the body'}: {error['msg']}"
-        media = content_type.partition(";")[0].strip() or "no Content-Type"
+        media = response.headers.get("content-type", "").partition(";")[0].strip() or "no Content-Type"
         raise BackendError(
-            f"endpoint answered {status} with no chat completion ({_quoted(media)}, {len(body)} bytes): "
-            f"{_quoted(problem)}",
+            f"endpoint answered {response.status_code} with no chat completion ({_quoted(media)}, "
+            f"{len(response.content)} bytes): {_quoted(problem)}",
             retryable=False,
         ) from None
 

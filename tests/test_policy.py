@@ -12,6 +12,7 @@ from main_agent.transformers_policy import TransformersPolicy, load_model
 from tests.fake_openai_server import serve, unused_port
 from tests.fake_vllm_server import completions_app
 from tests.fakes import ByteChatTokenizer
+from tests.misbehaving_reader import misbehaving_reader
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +105,27 @@ async def test_unreachable_policy_endpoint_raises_policy_error():
     with pytest.raises(PolicyError, match="unreachable"):
         await policy.sample([1, 2], max_new_tokens=4)
     await policy.aclose()
+
+
+async def test_the_policy_endpoint_is_held_to_the_readers_bars() -> None:
+    """The policy reaches its endpoint through the reader's hardened client (conductor/http.py): a redirect, a
+    reply past the cap, a gzip bomb and a body that is not JSON are each one PolicyError at the first request;
+    a 503 is retried (twice) before it is one."""
+    with misbehaving_reader() as reader:
+        reader.huge_bytes = 100 << 20
+        for shape, wording in [
+            ("loop", "redirect"),
+            ("huge", "too large"),
+            ("gzip_bomb", "too large"),
+            ("not_json", "not JSON"),
+            ("retry_after_superscript", "503"),
+        ]:
+            policy = OpenAIPolicy(reader.url(shape), "m", ByteChatTokenizer())
+            with pytest.raises(PolicyError, match=wording):
+                await policy.sample([1, 2], max_new_tokens=4)
+            await policy.aclose()
+        sent = [path.split("/")[1] for path in reader.requests]
+    assert sent == ["loop", "huge", "gzip_bomb", "not_json", *["retry_after_superscript"] * 3]
 
 
 def test_auto_samples_with_vllm_when_it_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 
+from conductor.http import MAX_REPLY_BYTES
 from subagents.backends import build_llm
 from subagents.common import Files
 from subagents.llm import BackendConfig, BackendError, Message
-from subagents.openai_llm import MAX_REPLY_BYTES, OpenAILLM
+from subagents.openai_llm import OpenAILLM
 from tests.fake_openai_server import Script, create_openai_app, serve
 from tests.misbehaving_reader import SHAPES, Reader, gzip_bomb, misbehaving_reader
 from tests.tool_server_fakes import PAGE, FakeLLM, make_config, running
