@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_READER = "smollm2-135m-instruct"
+DEFAULT_READER = "qwen2.5-coder-0.5b-instruct"
 """The frozen model page_qa reads pages with unless `[page_qa.model]` names another (tool_server/config.py's
 DEFAULT_MODELS; `--reader-model NAME` in `conductor ask` and `serve`): docs/reader.md chooses it."""
 DEFAULT_POLICY = "conductor-default"

@@ -268,30 +268,47 @@ def question_type(question: str) -> str:
 
 @dataclass(frozen=True)
 class Choice:
-    """How page_qa's "extract" picks its answer among the scored candidates (`choose`). Every default was chosen
-    on bench_reader's tune split (benchmarks/studies/reader/rules.py: the grid, the objective, each term's
-    ablation on both splits); `Choice(max_candidates=48, pmi_weight=0, kind_weight=0, rank_weight=0,
-    length_weight=0)` is the log-prob alone, the rule before it."""
+    """How page_qa's "extract" picks its answer among the scored candidates (`choose`). The defaults are the rule
+    chosen for the default reader (conductor/models.py DEFAULT_READER) on bench_reader's tune split
+    (benchmarks/studies/reader/rules.py: the grid, the objective, each term's ablation;
+    benchmarks/results/reader_rules_qwen.json); RULES holds each built-in reader's own. `Choice(max_candidates=48,
+    pmi_weight=0, kind_weight=0, rank_weight=0, length_weight=0)` is the log-prob alone, the rule before."""
 
-    max_candidates: int = 32
-    """Candidates scored (plus "not in the page"), in `candidates`' order (48 before this study: as good)."""
-    pmi_weight: float = 0.25
+    max_candidates: int = 48
+    """Candidates scored (plus "not in the page"), in `candidates`' order."""
+    pmi_weight: float = 0.0
     """Weight of the prior subtracted from a reply's log-prob (PMI-style: how much the question, not the page or
     the reply's own commonness, makes it likely); 0: no prior is scored (a second forward of the replies)."""
     prior: Literal["page", "none"] = "page"
     """The prior's prompt: the page without the question, or the system prompt alone."""
-    kind_weight: float = 4.0
+    kind_weight: float = 1.0
     """Added to a candidate of the kind its question wants (EXPECTED_KIND: a "who" question wants a name)."""
-    rank_weight: float = 2.0
+    rank_weight: float = 0.5
     """Taken from a candidate per place of its sentence in the order of closeness to the question."""
     length_weight: float = 0.5
     """Added to a candidate per word: a log-prob favours the shortest reply, an answer is often a longer name."""
-    null_margin: float = 0.0
+    null_margin: float = 1.0
     """The best candidate answers only when it beats "not in the page" by this much (in nats)."""
 
     def __post_init__(self) -> None:
         if self.max_candidates < 1:
             raise ValueError(f"max_candidates must be at least 1, not {self.max_candidates}")
+
+
+RULES: dict[str, Choice] = {
+    # SmolLM2-135M-Instruct, chosen on tune in float32 (benchmarks/results/reader_rules.json)
+    "smollm2-135m-instruct": Choice(
+        max_candidates=32,
+        pmi_weight=0.25,
+        kind_weight=4.0,
+        rank_weight=2.0,
+        length_weight=0.5,
+        null_margin=0.0,
+    ),
+    # Qwen2.5-Coder-0.5B-Instruct, chosen on tune in bfloat16 (benchmarks/results/reader_rules_qwen.json)
+    "qwen2.5-coder-0.5b-instruct": Choice(),
+}
+"""Each built-in reader's own rule, by its name: `--reader-model NAME` sets it with the model (tool_server/config.py)."""
 
 
 def choose(

@@ -52,7 +52,6 @@ class TransformersLLM:
             raise BackendError("the transformers backend is text-only; use openai or vllm", retryable=False)
         path = models.resolve_model(cfg.model)
         torch.manual_seed(cfg.seed)
-        self.model_id = f"transformers:{cfg.model}"
         self.multimodal = False
         self.scores = True  # `score`: page_qa's "extract" ranks page spans by it
         self.device = models.default_device()
@@ -60,6 +59,8 @@ class TransformersLLM:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         dtype = models.torch_dtype(cfg.dtype, self.device, getattr(config, "dtype", None))
         self.model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        # In the result cache's keys: the same model in bfloat16 answers differently from float32.
+        self.model_id = f"transformers:{cfg.model}" + ("" if dtype == torch.float32 else f":{str(dtype)[6:]}")
         self.model.to(self.device).eval()  # type: ignore[arg-type]  # transformers mistypes the wrapped `to`
         self.context = config.max_position_embeddings
         eos = self.model.generation_config.eos_token_id
@@ -183,7 +184,9 @@ class TransformersLLM:
             ).logits[0]  # [K, vocab]
             # Each row's normaliser in float32, a few rows at a time: [K, vocab] in float32 whole is ~600 MB for
             # the ~1,000 rows of 96 candidates under three prompts, and the peak stays in the process's heap.
-            norm = torch.cat([torch.logsumexp(rows.float(), -1) for rows in logits.split(NORMALISER_ROWS)])  # [K]
+            norm = torch.cat(
+                [torch.logsumexp(rows.float(), -1) for rows in logits.split(NORMALISER_ROWS)]
+            )  # [K]
             token_logp = (logits[row.source, row.target].float() - norm[row.source]).cpu()  # [N]
             totals = torch.zeros(len(prompts) * len(replies)).index_add(0, row.owner, token_logp)
         return totals.view(len(prompts), len(replies)).tolist()

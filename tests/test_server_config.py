@@ -12,6 +12,7 @@ from conductor.models import DEFAULT_READER
 from conductor.settings import ConfigError
 from subagents import SUBAGENTS
 from subagents.llm import BackendConfig
+from subagents.spans import RULES
 from tool_server.config import ServerConfig, ToolLimits, load_config, parse_config, reader_overrides
 
 
@@ -210,7 +211,8 @@ def test_the_reader_flags_are_page_qa_model_overrides(tmp_path: Path) -> None:
     from_file = load_config(path, reader_overrides(url, "m")).tools["page_qa"]
     assert from_file.config.answer_mode == "align"  # "align" generates: any backend answers it
     assert from_file.model == BackendConfig(backend="openai", base_url=url, model="m", max_new_tokens=32)
-    builtin = load_config(None, reader_overrides(None, "qwen2.5-coder-0.5b-instruct")).tools["page_qa"].model
-    assert builtin == BackendConfig(model="qwen2.5-coder-0.5b-instruct")  # in process, by its built-in name
+    builtin = load_config(None, reader_overrides(None, "smollm2-135m-instruct")).tools["page_qa"]
+    assert builtin.model == BackendConfig(model="smollm2-135m-instruct")  # in process, by its built-in name
+    assert builtin.config.extract == RULES["smollm2-135m-instruct"]  # with the rule chosen for it
     with pytest.raises(ValueError, match="'big' is not a built-in model; built in: smollm2-135m-instruct"):
         reader_overrides(None, "big")

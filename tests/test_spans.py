@@ -158,13 +158,25 @@ def test_choose_weighs_prior_kind_rank_length_and_margin() -> None:
     assert spans.choose([], [-1.0], None, who, PLAIN) is None
 
 
-def test_the_default_choice_is_the_one_chosen_on_the_tune_split() -> None:
-    """page_qa's default rule is the one benchmarks/results/reader_rules.json records as chosen on tune."""
+def test_each_readers_rule_is_the_one_chosen_for_it_on_the_tune_split() -> None:
+    """page_qa's default rule is the one chosen on tune for the default reader, and each built-in reader's rule in
+    RULES is the one its record (benchmarks/results/reader_rules*.json) names as chosen for that model."""
     import json
     from pathlib import Path
 
-    recorded = json.loads((Path(__file__).parents[1] / "benchmarks/results/reader_rules.json").read_text())
-    assert dataclasses.asdict(spans.Choice()) == recorded["chosen"]
+    from conductor.models import DEFAULT_READER
+
+    results = Path(__file__).parents[1] / "benchmarks/results"
+    records = {
+        "smollm2-135m-instruct": "reader_rules.json",
+        "qwen2.5-coder-0.5b-instruct": "reader_rules_qwen.json",
+    }
+    assert set(records) == set(spans.RULES)
+    for model, name in records.items():
+        recorded = json.loads((results / name).read_text())
+        assert recorded.get("model", "smollm2-135m-instruct") == model
+        assert dataclasses.asdict(spans.RULES[model]) == recorded["chosen"], model
+    assert spans.Choice() == spans.RULES[DEFAULT_READER]
 
 
 def test_align_snaps_a_restated_answer_to_its_new_words() -> None:

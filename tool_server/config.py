@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -31,6 +31,7 @@ from subagents import SUBAGENTS
 from subagents.common import Files
 from subagents.fetch import FetchConfig
 from subagents.llm import BackendConfig
+from subagents.spans import RULES
 
 C = TypeVar("C")
 
@@ -242,11 +243,15 @@ def reader_overrides(url: str | None, model: str) -> tuple[str, ...]:
     stand for: page_qa's model behind an OpenAI-compatible endpoint, exactly `[page_qa.model] backend = "openai"`,
     `base_url`, `model` in a server TOML; page_qa's `answer_mode` "auto" then means "free" (an endpoint cannot
     score spans; an explicit "extract" is refused at start-up). `--reader-model NAME` alone: the built-in model
-    NAME in process (`[page_qa.model] model = NAME`; ValueError listing them for any other name)."""
+    NAME in process (`[page_qa.model] model = NAME`; ValueError listing them for any other name), with the
+    "extract" rule chosen for it where one was (`[page_qa.extract]`, subagents/spans.py RULES)."""
     if url is None:
         if model not in BUILTIN_MODELS:
             raise ValueError(f"{model!r} is not a built-in model; built in: {', '.join(BUILTIN_MODELS)}")
-        return (f"page_qa.model.model={json.dumps(model)}",)
+        rule = asdict(RULES[model]) if model in RULES else {}
+        return (f"page_qa.model.model={json.dumps(model)}",) + tuple(
+            f"page_qa.extract.{key}={json.dumps(value)}" for key, value in rule.items()
+        )
     keys = {"backend": "openai", "base_url": url, "model": model}
     return tuple(f"page_qa.model.{key}={json.dumps(value)}" for key, value in keys.items())
 

@@ -2,18 +2,20 @@
 
     python -m benchmarks.perf.reader [--model qwen2.5-coder-0.5b-instruct] [--n 24] [--out ...]
 
-On the first `--n` questions of bench_reader's tune split (pages as page_qa reads them, the shipped rule's
-candidates and "not in the page"), each call scores its replies under the question's prompt and the page's
-prompt without the question, as page_qa does. Every question runs through each path in turn, so a machine
-that gets busier mid-run slows them alike:
+On the first `--n` questions of bench_reader's tune split (pages as page_qa reads them), each path scores what
+page_qa's "extract" scores. Every question runs through each path in turn, so a machine that gets busier
+mid-run slows them alike. Each path adds one change to the one above it:
 
-- before: float32, each prompt alone (the page twice), every position of the replies' row through the 152k-token
-  output head (`score_batch` as of commit d73757e, kept here as the baseline)
-- shared page: float32, both prompts in one call: the page once, then each prompt's own tokens and its replies
-  packed into one row, only the rows that predict a scored token through the head (`TransformersLLM.score`)
+- before: float32, the rule before (SmolLM2's: 32 candidates and "not in the page" under the question's prompt
+  and under the page's prompt without the question), each prompt alone (the page twice), every position of the
+  replies' row through the 152k-token output head (`score_batch` as of commit d73757e, kept here)
+- shared page: both prompts in one call, the page once, only the rows that predict a scored token through the
+  head (`TransformersLLM.score`)
 - bfloat16: the same in bfloat16 weights (`dtype = "auto"` on a CPU with AVX512-BF16 or AMX)
+- chosen rule: the rule chosen for this reader on tune (spans.RULES: no prior, so one prompt; 48 candidates),
+  in bfloat16: what page_qa's default call scores
 
-For each path: p50 / p90 per call, and the share of the time in the output head (timed by hooks on it). Then,
+For each path: p50 / p90 per call and the share of the time in the output head (timed by hooks on it). Then,
 for the last path, 8 calls in flight against the same 8 one at a time (throughput), and the RSS a process adds
 by loading the reader in each dtype (a fresh process each). Prints a table, writes JSON.
 """
@@ -67,8 +69,8 @@ class HeadClock:
         )
 
 
-def calls(n: int) -> list[Call]:
-    """The first `n` tune questions' prompts and replies (writes bench_reader's pages if missing)."""
+def calls(n: int, rule: spans.Choice) -> list[Call]:
+    """The first `n` tune questions' prompts and replies under `rule` (writes bench_reader's pages if missing)."""
     pages = ROOT / "runs" / "bench_reader" / "pages"
     todo = reader_items.split_items(data_root(None), pages, "tune", n=n, hotpotqa_n=HOTPOTQA_N)[:n]
     cfg = page_qa.Config()
@@ -78,10 +80,9 @@ def calls(n: int) -> list[Call]:
         path = pages / item.page
         prep = page_qa.prepare(path.read_bytes(), media[path.suffix], question=item.question, cfg=cfg)
         chunks = ["\n".join(chunk) for chunk in prep.top]
-        found = spans.candidates(
-            page_qa.page_sentences(prep.top), item.question, limit=cfg.extract.max_candidates
-        )
-        prompts = [page_qa.build_prompt(chunks, item.question), page_qa.prior_prompt(chunks)]
+        found = spans.candidates(page_qa.page_sentences(prep.top), item.question, limit=rule.max_candidates)
+        prompts = [page_qa.build_prompt(chunks, item.question)]
+        prompts += [page_qa.prior_prompt(chunks)] if rule.pmi_weight else []
         out.append(Call(prompts, [c.span.text for c in found] + [page_qa.NOT_FOUND]))
     return out
 
@@ -187,23 +188,25 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=24, help="tune questions timed (after one warm-up)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "perf_reader.json")
     args = parser.parse_args()
-    todo = calls(args.n + 1)
+    before = calls(args.n + 1, spans.RULES["smollm2-135m-instruct"])
+    chosen = calls(args.n + 1, spans.RULES.get(args.model, spans.Choice()))
     f32 = TransformersLLM(BackendConfig(model=args.model, dtype="float32"))
     b16 = TransformersLLM(BackendConfig(model=args.model, dtype="auto"))
     clocks = {id(f32): HeadClock(), id(b16): HeadClock()}
     for llm in (f32, b16):
         clocks[id(llm)].attach(llm)
     paths = {
-        "before": (f32, lambda call: score_before(f32, call)),
-        "shared page": (f32, lambda call: f32.score_batch(*tokenised(f32, call))),
-        "bfloat16": (b16, lambda call: b16.score_batch(*tokenised(b16, call))),
+        "before": (f32, lambda k: score_before(f32, before[k])),
+        "shared page": (f32, lambda k: f32.score_batch(*tokenised(f32, before[k]))),
+        "bfloat16": (b16, lambda k: b16.score_batch(*tokenised(b16, before[k]))),
+        "chosen rule": (b16, lambda k: b16.score_batch(*tokenised(b16, chosen[k]))),
     }
     times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in paths}
     agree = []
-    for k, call in enumerate(todo):
+    for k in range(len(before)):
         results = {}
         for name, (llm, fn) in paths.items():
-            seconds, head, results[name] = timed(lambda fn=fn: fn(call), clocks[id(llm)])
+            seconds, head, results[name] = timed(lambda fn=fn, k=k: fn(k), clocks[id(llm)])
             if k:  # the first question warms every path up
                 times[name][0].append(seconds)
                 times[name][1].append(head)
@@ -223,7 +226,7 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "paths": rows,
         "best_reply_same_as_before": statistics.mean(agree),
-        "in_flight": asyncio.run(in_flight(b16, todo[1 : 1 + IN_FLIGHT])),
+        "in_flight": asyncio.run(in_flight(b16, chosen[1 : 1 + IN_FLIGHT])),
         "rss_added_gb": {dtype: rss_added(args.model, dtype) for dtype in ("float32", "auto")},
     }
     _print(report)

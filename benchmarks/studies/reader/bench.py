@@ -104,9 +104,9 @@ class SharedGenerations:
         self.kept = {key: (generation, time.perf_counter() - start)}  # only the last question's is kept
         return generation
 
-    async def score(self, messages: list[Message], replies: list[str]) -> list[float]:
-        scores = await self.llm.score(messages, replies)
-        self.scored.append({"replies": replies, "scores": [round(s, 4) for s in scores]})
+    async def score(self, prompts: list[list[Message]], replies: list[str]) -> list[list[float]]:
+        scores = await self.llm.score(prompts, replies)
+        self.scored += [{"replies": replies, "scores": [round(s, 4) for s in row]} for row in scores]
         return scores
 
     def count_tokens(self, text: str) -> int:
