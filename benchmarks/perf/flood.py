@@ -39,7 +39,6 @@ import selectors
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -53,7 +52,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import ROOT
-from benchmarks.perf.slow_body import QUERIES, StubModel, server_config, single_attempt
+from benchmarks.perf.slow_body import QUERIES, Background, StubModel, server_config, single_attempt
 from subagents.llm import Generation, Message
 from tool_server.app import check_fd_limit, create_app, uvicorn_config
 from tool_server.client import ToolClient, ToolServerError
@@ -123,21 +122,12 @@ def rss_mb(pid: int) -> float:
     raise ValueError(f"no VmRSS for process {pid}")
 
 
-class RssPeak:
+class RssPeak(Background):
     """The highest RSS of process `pid` sampled every RSS_EVERY_S while inside."""
 
     def __init__(self, pid: int) -> None:
+        super().__init__()
         self.pid, self.peak = pid, rss_mb(pid)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> RssPeak:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
     def _run(self) -> None:
         while not self._stop.wait(RSS_EVERY_S):
@@ -155,26 +145,17 @@ def page_qa_call(port: int) -> Callable[[int], bytes]:
     return request
 
 
-class WholeCalls:
+class WholeCalls(Background):
     """`count` connections, each holding a whole request (`request(i)`, its number), each reopened with the next
     as soon as the server answers or closes it; one thread drives them all."""
 
     def __init__(self, port: int, count: int, request: Callable[[int], bytes]) -> None:
+        super().__init__()
         self.port, self.count, self.request = port, count, request
         self.sent = 0
         self.answers: Counter[str] = Counter()
         """How the attacking requests ended: the HTTP status they were answered, or `closed` unanswered."""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
         self._selector = selectors.DefaultSelector()
-
-    def __enter__(self) -> WholeCalls:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
     def _run(self) -> None:
         try:

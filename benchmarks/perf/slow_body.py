@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import uvicorn
@@ -109,11 +109,32 @@ def tool_server(cfg: ServerConfig) -> Iterator[int]:
         thread.join(timeout=60)
 
 
-class SlowBodies:
+class Background:
+    """A loop (`_run`, until `_stop` is set) in a daemon thread from `with` to its end: the attackers and samplers
+    of the benchmarks on loopback."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class SlowBodies(Background):
     """`count` connections each sending its request body a byte every `every_s`, each reopened as soon as the
     server closes or answers it; one thread drives them all."""
 
     def __init__(self, port: int, count: int, *, every_s: float = 1.0) -> None:
+        super().__init__()
         self.port, self.count, self.every_s = port, count, every_s
         self.opened = 0
         self.lifetimes: list[float] = []
@@ -124,19 +145,9 @@ class SlowBodies:
             f"POST /v1/tools/search HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {DECLARED_BODY}\r\n\r\n{{"
         ).encode()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
         self._selector = selectors.DefaultSelector()
         self._due: dict[socket.socket, float] = {}  # when each sends its next byte
         self._born: dict[socket.socket, float] = {}
-
-    def __enter__(self) -> SlowBodies:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
     def _run(self) -> None:
         try:
