@@ -21,6 +21,7 @@ from mcp.types import TextContent
 from PIL import Image
 from pydantic import BaseModel, Field
 
+from conductor.models import DEFAULT_MODEL, DEFAULT_READER
 from main_agent.rollout import RolloutConfig, RolloutTask, rollout
 from subagents import SUBAGENTS
 from subagents.common import Files
@@ -259,12 +260,16 @@ async def test_unknown_image_is_404() -> None:
 
 
 async def test_shared_backend_config_builds_one_model() -> None:
-    """Tools with equal BackendConfigs share one LLM (one model in memory); it is closed at shutdown."""
+    """Tools with equal BackendConfigs share one LLM (one model in memory): by default page_qa's reader and one
+    model every other tool shares; each is closed at shutdown."""
     factory = FakeFactory()
     app = create_app(make_config(), subagents=fake_subagents(Counter()), llm_factory=factory)
     async with running(app):
-        assert len(factory.built) == 1 and not factory.built[0].closed
-    assert factory.built[0].closed
+        assert sorted(llm.model_id for llm in factory.built) == sorted(
+            [f"fake:{DEFAULT_READER}", f"fake:{DEFAULT_MODEL}"]
+        )
+        assert not any(llm.closed for llm in factory.built)
+    assert all(llm.closed for llm in factory.built)
 
 
 # ---------------------------------------------------------------- real loopback HTTP
@@ -435,9 +440,8 @@ def test_real_page_qa_over_http_quotes_the_page() -> None:
     assert "1815" in body["quote"]
     assert body["tokens_read"] > 0 and body["observation"].count("1815") >= 1
     assert again["cached"] is True and again["quote"] == body["quote"]
-    assert (
-        len(factory.built) == 1 and "When was Ada Lovelace born?" in factory.built[0].prompts[0][-1].content
-    )
+    [reader] = [llm for llm in factory.built if llm.model_id == f"fake:{DEFAULT_READER}"]
+    assert "When was Ada Lovelace born?" in reader.prompts[0][-1].content
 
 
 # Issue 66: bidi embeddings, overrides, isolates and marks, and zero-width characters, as a hostile page sends them.
