@@ -274,12 +274,6 @@ def test_item_tasks_bundle_one_split_deterministically(shared_data: Path) -> Non
     assert audit[0].attachments == tuple(i.attachments[0] for i in audit[0].items)
 
 
-def test_the_item_families_are_exactly_those_that_score_items() -> None:
-    """`ITEM_FAMILIES` lists the families with `item_reward` (what loaders and SFT ask instead of probing)."""
-    scoring = {name for name, family in T.FAMILIES.items() if "item_reward" in vars(family)}
-    assert T.ITEM_FAMILIES == scoring == {"plate_audit", "multihop_batch"}
-
-
 def test_item_rewards_score_each_line_against_its_item(shared_data: Path) -> None:
     """Reward is the mean per-line score (missing lines 0); success needs every line; one recorded item is
     scored by its own reference."""

@@ -645,7 +645,7 @@ def test_the_trained_weights_load_in_process_whatever_samples(
     async def started():
         session = local_session(cfg, resume=None, force=False, transport=fake_tool_server())
         async with session as (_, collector, learner):
-            return collector.sampler.policy, learner.trainable.model
+            return collector.sampler.policy, learner.learner.model
 
     policy, model = asyncio.run(started())
     assert isinstance(policy, TransformersPolicy) and model is not policy.model
@@ -728,7 +728,7 @@ def test_a_run_plays_trains_and_saves_the_sizes_its_learner_chose(
         session = local_session(cfg, resume=None, force=False, transport=fake_tool_server())
         async with session as (run, collector, learner):
             learner.save(1, run)
-            return run.cfg, collector, learner.trainable.cfg
+            return run.cfg, collector, learner.learner.cfg
 
     run_cfg, collector, learned = asyncio.run(started())
     for used in (run_cfg, collector.cfg, learned):

@@ -3,7 +3,7 @@
     values, stats = await branch_values(groups, tasks, policy=..., tools=..., tokenizer=..., cfg=cfg, step=s)
     # values[g][i]: the BranchValues of episode i of group g, for training.advantages.branch_advantages
 
-For every trainable episode (not infra-failed, exact, with turns) `branch_turns` turns are chosen at random
+For every learnable episode (not infra-failed, exact, with turns) `branch_turns` turns are chosen at random
 (seeded by the run's seed, the step, the task and the episode's place in its group, so a resumed run chooses the
 same). Around a chosen turn t the states needed are "before t" (t turns replayed; none for t = 0, where the
 group's other episodes are the continuations) and "after t" (t + 1 turns replayed; none after the last turn).
@@ -67,18 +67,20 @@ def chosen_turns(n_turns: int, how_many: int, rng: random.Random) -> list[int]:
     return sorted(rng.sample(range(n_turns), how_many))
 
 
-def trainable(episode: Episode) -> bool:
+def learnable(episode: Episode) -> bool:
+    """Whether the update can learn from the episode: not infra-failed, exact (the sampler's own ids and
+    log-probs), with turns. The update lays only these into the loss (training/step.py `lay`)."""
     return episode.stop_reason != "infra_failed" and episode.exact and bool(episode.turns)
 
 
 def plan(
     groups: Sequence[list[Episode]], tasks: Sequence[Task], cfg: TrainConfig, step: int
 ) -> dict[tuple[int, int], list[int]]:
-    """The chosen turns of every trainable episode, keyed by (group, episode in the group)."""
+    """The chosen turns of every learnable episode, keyed by (group, episode in the group)."""
     chosen = {}
     for g, (task, group) in enumerate(zip(tasks, groups, strict=True)):
         for i, episode in enumerate(group):
-            if trainable(episode):
+            if learnable(episode):
                 rng = random.Random(f"{cfg.run.seed}/{step}/{task.task_id}/{i}")
                 chosen[(g, i)] = chosen_turns(len(episode.turns), cfg.credit.branch_turns, rng)
     return chosen
@@ -107,7 +109,7 @@ async def branch_values(
 ) -> tuple[list[list[list[BranchValues]]], BranchStats]:
     """Sample the continuations every chosen turn needs and return each episode's BranchValues; `reward_of`
     scores a continuation (or an episode of the group) exactly as the trainer scores its episodes. `chosen`
-    (keyed as `plan`'s, trainable episodes only) replaces the run's random choice: the credit study
+    (keyed as `plan`'s, learnable episodes only) replaces the run's random choice: the credit study
     (benchmarks/studies/credit/bench.py) branches around the turns it scores."""
     start = time.monotonic()
     chosen = plan(groups, tasks, cfg, step) if chosen is None else chosen

@@ -107,7 +107,7 @@ class TrainConfig:
     reward_kind: Literal["task", "graded"] = "task"
     """The final reward trained on: "task", the family's own (plates: exact match; QA: token F1); "graded",
     partial credit where the family's own is all-or-nothing (plate_reading, plate_audit: 1 - normalised edit
-    distance per plate; training/tasks GRADED), the family's own elsewhere. `success` is logged by the family's
+    distance per plate; `Family.graded_reward`), the family's own elsewhere. `success` is logged by the family's
     exact rule either way; evaluation always reports the family's own reward."""
     lr: float | None = None
     """AdamW learning rate; None: 1e-5 for full fine-tuning, 1e-4 with LoRA (adapters need larger steps)."""

@@ -29,7 +29,7 @@ from training.tasks import Task
 def load_tasks(cfg: TrainConfig) -> list[Task]:
     """The split's tasks; for an item family, its tasks at every horizon the curriculum can reach (prepared
     together, drawn by the current one)."""
-    if cfg.task not in task_data.ITEM_FAMILIES:
+    if not task_data.family_named(cfg.task).has_items:
         tasks = task_data.load_family(cfg.task, cfg.run.split, data_dir=cfg.run.data_dir, limit=cfg.run.limit)
     else:
         load = functools.partial(

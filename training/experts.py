@@ -16,7 +16,6 @@ real tool server, the demonstrations SFT imitates (training/sft.py) and the benc
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from collections.abc import Sequence
 
@@ -26,7 +25,7 @@ from main_agent.types import Episode, Turn
 from tool_server.client import ToolClient
 from training import tasks as task_data
 from training.play import play
-from training.tasks import Task, corpus_qa
+from training.tasks import Task
 
 
 class OraclePolicy:
@@ -39,8 +38,8 @@ class OraclePolicy:
     With `mistakes` > 0, at a turn where its family offers one (`mistake_reply`: a call a policy gets wrong
     there, refused or leading nowhere), it makes that mistake with this probability (drawn from the task id, the
     turn and `seed`, so a rerun makes the same ones); the turn is marked untrained (`Sample.trained`): the
-    demonstration shows the recovery from it, and never teaches the mistake. `chain` picks
-    corpus_qa's plan for two-page questions (`SFTConfig.chain`).
+    demonstration shows the recovery from it, and never teaches the mistake. `chain=False` plays the family's
+    other plan where it has one (`Family.unchained_reply`, corpus_qa's; `SFTConfig.chain`).
     """
 
     def __init__(
@@ -54,9 +53,8 @@ class OraclePolicy:
         chain: bool = True,
     ) -> None:
         self.family = task_data.family_of(task)
-        self.reply = self.family.oracle_reply
-        if task.family == corpus_qa.NAME:  # the one expert with a choice of plan (`SFTConfig.chain`)
-            self.reply = functools.partial(corpus_qa.oracle_reply, chain=chain)
+        other = self.family.unchained_reply
+        self.reply = self.family.oracle_reply if chain or other is None else other
         self.task = task
         self.tokenizer = tokenizer
         self.trust_reference = trust_reference
@@ -81,7 +79,7 @@ class OraclePolicy:
 
     def _mistake(self) -> str | None:
         """The family's mistake for this turn when the draw says so, else None."""
-        offer = task_data.MISTAKES.get(self.task.family)
+        offer = self.family.mistake_reply
         if offer is None or draw(self.seed, self.task.task_id, len(self.turns)) >= self.mistakes:
             return None
         return offer(self.task, self.turns)
@@ -129,11 +127,11 @@ async def play_experts(
 
 
 def worth_imitating(task: Task, episode: Episode) -> bool:
-    """A right answer, or the family's plain give-up (`GAVE_UP`) once the expert's attempts ran out; for an item
-    task, a full ledger with at least half its items right and every trained
-    call served (a deliberate mistake's refusal is the lesson, `SFTConfig.mistakes`): the item expert records
-    what the reader showed, and a misread plate is the reader's error, not a lesson in what to do (the all-right
-    rule would keep few long audits: the reader gets ~4 plates in 5)."""
+    """A right answer, or the family's plain give-up (`Family.gave_up`) once the expert's attempts ran out; for
+    an item task, a full ledger with at least half its items right and every trained call served (a deliberate
+    mistake's refusal is the lesson, `SFTConfig.mistakes`): the item expert records what the reader showed, and
+    a misread plate is the reader's error, not a lesson in what to do (the all-right rule would keep few long
+    audits: the reader gets ~4 plates in 5)."""
     if not task.items:
         return task_data.success(task, episode.answer) or task_data.gave_up(task, episode.answer)
     entries = list(enumerate(episode.ledger, start=1))

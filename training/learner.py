@@ -1,8 +1,8 @@
 """The trained policy and what steps it, built alike wherever a run trains.
 
-    trainable = load_learner(cfg)                  # the policy on its device, its reference, AdamW, the schedule;
-                                                   # trainable.cfg: precision and sizes made concrete for it
-    state = resume_learner(trainable, checkpoint)  # a checkpoint's weights, optimizer, schedule, RNG: its state
+    learner = load_learner(cfg)                    # the policy on its device, its reference, AdamW, the schedule;
+                                                   # learner.cfg: precision and sizes made concrete for it
+    state = resume_learner(learner, checkpoint)    # a checkpoint's weights, optimizer, schedule, RNG: its state
     model, tokenizer = trained_model(cfg, device="cpu")   # the policy's structure alone (a Ray rollout worker's)
 
 Built in this process (training/local_session.py) and in every data-parallel trainer worker on Ray
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Trainable:
+class Learner:
     """The trained policy and what steps it: in this process (training/local_session.py) and in every
     data-parallel trainer worker on Ray (training/ray_trainer.py)."""
 
@@ -58,7 +58,7 @@ def trained_model(cfg: TrainConfig, *, device: str):
     return load_model(resolve_model(cfg.run.policy), lora_rank=cfg.lora_rank, device=device)
 
 
-def load_learner(cfg: TrainConfig) -> Trainable:
+def load_learner(cfg: TrainConfig) -> Learner:
     """The policy on its device (`trained_model`), its frozen reference when kl_coef > 0, AdamW and the linear
     warm-up schedule."""
     model, tokenizer = trained_model(cfg, device=cfg.device)
@@ -71,7 +71,7 @@ def load_learner(cfg: TrainConfig) -> Trainable:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / (cfg.warmup_steps + 1))
     )
-    return Trainable(cfg, model, tokenizer, optimizer, scheduler, ref_model)
+    return Learner(cfg, model, tokenizer, optimizer, scheduler, ref_model)
 
 
 def with_precision(cfg: TrainConfig, device: str) -> TrainConfig:
@@ -83,7 +83,7 @@ def with_precision(cfg: TrainConfig, device: str) -> TrainConfig:
     return dataclasses.replace(cfg, precision=precision)
 
 
-def resume_learner(learner: Trainable, checkpoint: Path) -> TrainState:
+def resume_learner(learner: Learner, checkpoint: Path) -> TrainState:
     """Load `checkpoint` into `learner` (weights, optimizer, schedule, RNG) at the configured learning rate;
     returns its TrainState."""
     state = ckpt.load_checkpoint(

@@ -32,7 +32,7 @@ from training.branching import BranchStats, branch_values
 from training.checkpoint import TrainState
 from training.config import TrainConfig, config_json
 from training.data_order import seed_step
-from training.learner import Trainable, load_learner, resume_learner
+from training.learner import Learner, load_learner, resume_learner
 from training.run import Run, StepHook, open_run
 from training.sampler import Sampler, sampler_settings
 from training.step import rewarded
@@ -77,13 +77,13 @@ class LocalCollector:
 class LocalLearner:
     """Steps the trained model in this process and loads its weights into the collector's sampler."""
 
-    trainable: Trainable
+    learner: Learner
     sampler: Sampler
 
     async def update(self, sequences: Sequence[TrainSequence]) -> tuple[UpdateStats, float]:
         """One optimizer step (training/update.py) in a worker thread, the schedule moved after a step that was
         not skipped; the stats and the learning rate the step used."""
-        t = self.trainable
+        t = self.learner
         lr = t.optimizer.param_groups[0]["lr"]
         stats = await asyncio.to_thread(update, t.model, t.optimizer, sequences, t.cfg, ref_model=t.ref_model)
         if stats.skipped is None:
@@ -93,12 +93,12 @@ class LocalLearner:
     async def sync(self) -> float:
         """The trained weights into the sampler, its version one up; the seconds it took."""
         start = time.monotonic()
-        await self.sampler.load(self.trainable.model, self.sampler.version + 1)
+        await self.sampler.load(self.learner.model, self.sampler.version + 1)
         return time.monotonic() - start
 
     def save(self, step: int, run: Run) -> None:
         """Checkpoint `step_N` (training/checkpoint.py): weights, optimizer, schedule, the run's state."""
-        t, cfg = self.trainable, self.trainable.cfg
+        t, cfg = self.learner, self.learner.cfg
         ckpt.save_checkpoint(
             cfg.run_dir, step, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, state=run.state,
             config_json=config_json(cfg), keep_last=cfg.keep_last, tokenizer=t.tokenizer,
@@ -114,11 +114,11 @@ async def local_session(
     on_step: StepHook | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> AsyncIterator[tuple[Run, LocalCollector, LocalLearner]]:
-    """The run opened (training.run.open_run: the learner in this process, `start_trainable`; the tool client
+    """The run opened (training.run.open_run: the learner in this process, `start_learner`; the tool client
     from `[tools]`, or `transport` in tests), and the sampler holding the run's current weights; all released
     whatever happens."""
     opened = open_run(
-        cfg, resume=resume, force=force, start_learner=start_trainable, on_step=on_step, transport=transport
+        cfg, resume=resume, force=force, start_learner=start_learner, on_step=on_step, transport=transport
     )
     async with opened as (run, learner, tools):
         sampler = Sampler(sampler_settings(run.cfg), learner.tokenizer)
@@ -130,9 +130,9 @@ async def local_session(
 
 
 @contextlib.asynccontextmanager
-async def start_trainable(
+async def start_learner(
     cfg: TrainConfig, checkpoint: Path | None
-) -> AsyncIterator[tuple[Trainable, TrainConfig, TrainState | None]]:
+) -> AsyncIterator[tuple[Learner, TrainConfig, TrainState | None]]:
     """The policy on its device, its optimizer and schedule (training/learner.py), loaded from `checkpoint` when
     resuming; the settings as it resolved them, and the checkpoint's state."""
     learner = load_learner(cfg)

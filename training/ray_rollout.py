@@ -282,6 +282,18 @@ def split(tasks: list[Task], n: int) -> list[list[Task]]:
 def lost(task: Task, group_size: int, version: int, reason: str, wall_s: float) -> list[Episode]:
     """The group of a task whose worker died: `group_size` infra-failed episodes saying why."""
     return [
-        Episode(task.task_id, task.question, [], [], None, "infra_failed", version, wall_s, 0.0, 0.0, reason)
+        Episode(
+            task_id=task.task_id,
+            question=task.question,
+            prompt_ids=[],
+            turns=[],
+            answer=None,
+            stop_reason="infra_failed",
+            policy_version=version,
+            wall_s=wall_s,
+            policy_s=0.0,
+            tools_s=0.0,
+            infra_error=reason,
+        )
         for _ in range(group_size)
     ]

@@ -183,10 +183,9 @@ class SFTConfig:
     zoom on a region before find_text, or on r2 right after it), untrained, so that the demonstration shows the
     recovery a refused call needs, or the retry a read without a plate needs (`OraclePolicy`). 0: none."""
     chain: bool = True
-    """corpus_qa's expert on a question with two supporting pages: search again with what the first read
-    answered and read two more (docs/research-assistant.md#chained-demonstrations); false: search, read the top
-    hit and answer what it answered, the shipped adapter's plan, whose research_corpus F1 no chained retrain
-    has matched (its model card's history, conductor/policies/default/HISTORY.md)."""
+    """corpus_qa's expert on a question with two supporting pages: where the first read said "not in the page",
+    read the search's next two hits and answer the first useful read (`training.tasks.corpus_qa`); false: answer
+    what the first read answered whatever it was (v24's plan)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The budgets the demonstrations and both evaluations play under (`[rollout]`): the training defaults, so
     every demonstration fits the turns and tokens RL will allow."""
@@ -217,7 +216,7 @@ def family_tasks(cfg: SFTConfig, split: str, limit: int | None, limits: Sequence
     return [
         t
         for family in cfg.tasks
-        for n in (cfg.items if family in task_data.ITEM_FAMILIES else (None,))
+        for n in (cfg.items if task_data.family_named(family).has_items else (None,))
         for t in load(family, limit=own.get(family, limit), items=n)
     ]
 

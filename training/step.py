@@ -27,7 +27,7 @@ from main_agent.tokens import TrainSequence, to_sequences
 from main_agent.types import Episode, Turn
 from training import tasks as task_data
 from training.advantages import BranchValues, EpisodeCredit, TurnCredit, branch_advantages, group_advantages
-from training.branching import BranchStats
+from training.branching import BranchStats, learnable
 from training.checkpoint import TrainState
 from training.config import TrainConfig
 from training.metrics import memory_metrics, reward_metrics, rollout_metrics
@@ -121,9 +121,10 @@ def group_credit(
 
 
 def lay(episodes: Sequence[Episode], advantages: Sequence[list[float]]) -> list[TrainSequence]:
-    """The advantages laid onto the episodes' tokens; episodes without turns, or inexact, have nothing to train."""
-    trainable = zip(episodes, advantages, strict=True)
-    return [s for e, a in trainable if e.turns and e.exact for s in to_sequences(e, a)]
+    """The advantages laid onto the tokens of the learnable episodes (training/branching.py `learnable`): one
+    without turns, inexact or infra-failed has nothing to learn from."""
+    pairs = zip(episodes, advantages, strict=True)
+    return [s for e, a in pairs if learnable(e) for s in to_sequences(e, a)]
 
 
 def group_to_sequences(

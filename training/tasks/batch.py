@@ -24,10 +24,10 @@ import dataclasses
 import random
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from types import ModuleType
 
 from main_agent.parse import ANSWER_CLOSE, ANSWER_OPEN
 from main_agent.types import Turn
+from training.tasks.family import Family
 from training.tasks.task import Task, TaskMeta, answer_text
 
 BUNDLE_SEED = 20_261_201  # fixes which items share a bundle; changing it changes every bundle's items
@@ -76,7 +76,7 @@ def attached(items: Sequence[Task]) -> tuple:
     return tuple(dict.fromkeys(a for item in items for a in item.attachments))
 
 
-def reward(answer: str, reference: str, item_family: ModuleType) -> float:
+def reward(answer: str, reference: str, item_family: Family) -> float:
     """Mean item reward over the reference's lines."""
     return mean_item_score(answer, reference, item_family.reward)
 
@@ -92,7 +92,7 @@ def mean_item_score(answer: str, reference: str, score: Callable[[str, str], flo
     return sum(scores) / len(scores)
 
 
-def success(answer: str, reference: str, item_family: ModuleType) -> bool:
+def success(answer: str, reference: str, item_family: Family) -> bool:
     """Every line right by the item family's rule."""
     references = reference.splitlines()
     lines = answer.splitlines()
@@ -105,7 +105,7 @@ def success(answer: str, reference: str, item_family: ModuleType) -> bool:
 def prepared(
     tasks: Sequence[Task],
     work_dir: Path,
-    item_family: ModuleType,
+    item_family: Family,
     item_lines: ItemLines,
     *,
     data_dir: Path | None,
@@ -125,7 +125,7 @@ def _with_items(task: Task, items: list[Task], item_lines: ItemLines) -> Task:
 # ---------------------------------------------------------------- the expert
 
 
-def oracle_reply(task: Task, turns: list[Turn], item_family: ModuleType, *, trust_reference: bool) -> str:
+def oracle_reply(task: Task, turns: list[Turn], item_family: Family, *, trust_reference: bool) -> str:
     """The item expert's next reply for the current item; its answer becomes a record, alone in its turn (the
     acknowledgement names the next item and its handle, or says every item is recorded); after the last, the
     closing answer."""
@@ -138,8 +138,12 @@ def oracle_reply(task: Task, turns: list[Turn], item_family: ModuleType, *, trus
     return reply
 
 
-def mistake_reply(task: Task, turns: list[Turn], item_family: ModuleType) -> str | None:
+def mistake_reply(task: Task, turns: list[Turn], item_family: Family) -> str | None:
     """The item family's mistake for the current item, judged on that item's turns alone; None after the last."""
+    if item_family.mistake_reply is None:
+        raise ValueError(
+            f"{item_family.name}'s expert makes no mistakes, so {task.family}'s has none to offer"
+        )
     item, since = _current_item(turns)
     if item > len(task.items):
         return None

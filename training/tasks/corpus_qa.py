@@ -8,23 +8,32 @@ as in `conductor ask` with no attachment. The other questions' pages are the dis
 Reward: SQuAD token F1 against the gold answer; success: normalised exact match (as multihop_pages).
 
 Expert: a question with two supporting pages and no decomposition (HotpotQA's bridge and comparison questions)
-is chained: search with the question, read the top hit with it, search again with the question and what that read
-answered, read the two best hits not read yet, answer. A decomposed question (MuSiQue) goes hop by hop: a search
-with the hop's question (`#k` filled from the answer it observed for hop k), page_qa on the top hit, and after the
-last hop the answer. A question with one page (research_corpus) is one search and one read. Each is a rule a small
-policy can follow from what it saw: the best match is read first (demonstrations that read a lower hit when the
-metadata knew it was the supporting page taught a 135M policy to read the second hit whatever the question), and
-every argument is the question, a handle search showed or a span a read returned. A chained question's answer is
-the first useful read's answer, as written (`_first_useful`: a rule the policy can see, chosen on train); the
-others copy a read's answer where one is right, else the reference where a read showed it (inside a quote), else
-what the last read answered. A demonstration whose answer is wrong fails and is not imitated. `conductor sft
---set chain=false` stops a two-page question after its first read and answers what that read answered
-(`_one_read`).
+reads on where its first read did not answer: search with the question, read the top hit with it; if that read
+answered, answer it; if it said "not in the page", read the search's next two hits (`CHAIN_READS`) and answer
+the first useful read. A decomposed question (MuSiQue) goes hop by hop: a search with the hop's question (`#k`
+filled from the answer it observed for hop k), page_qa on the top hit, and after the last hop the answer. A
+question with one page (research_corpus) is one search and one read. Each is a rule a small policy can follow
+from what it saw: the best match is read first (demonstrations that read a lower hit when the metadata knew it
+was the supporting page taught a 135M policy to read the second hit whatever the question), and every argument
+is the question, a handle search showed or a span a read returned. A chained question's answer is the first
+useful read's answer, as written (`_first_useful`: a rule the policy can see, chosen on train); the others copy a
+read's answer where one is right, else the reference where a read showed it (inside a quote), else what the
+last read answered. A demonstration whose answer is wrong fails and is not imitated. `conductor sft --set
+chain=false` stops a two-page question after its first read and answers what that read answered (`_one_read`).
 
-Why the second search adds the first read's answer to the question: on the first 60 HotpotQA train questions the
+Why it reads on only where the first read did not answer: the earlier chain (search again with the question and
+the first read's answer, read the two best unread hits, always) answered by the same `_first_useful` rule, so
+wherever the first read answered, its three more calls changed nothing; and where the first read said "not in
+the page", its second search was the question again, word for word, whose two best unread hits are the first
+search's second and third. Reading those directly gives the same answer on every question, with two calls fewer
+where the first read answered and without demonstrating a copied query (the copy six RL runs drifted to,
+docs/learning.md). The second-query study below chose the earlier chain's query on train and still holds for
+a policy that writes its own.
+
+Why a second query adds the first read's answer to the question: on the first 60 HotpotQA train questions the
 top hit of the question was a supporting page for 43; for those, the other supporting page was the best unread hit
 of a second search on 11 (the first read's answer alone: 5; the question with the sentence it quoted: 9; the
-first search's second hit: 9) and one of the two best on 21, so the second read takes two pages.
+first search's second hit: 9) and one of the two best on 21.
 """
 
 from __future__ import annotations
@@ -39,13 +48,15 @@ from pathlib import Path
 from main_agent.types import Turn
 from training.rewards import contains_evidence, exact_match
 from training.tasks import multihop
+from training.tasks.family import Family
 from training.tasks.task import NO_ANSWER, Task, answer_text, call_text, data_root, payload_field
 
 NAME = "corpus_qa"
 TOOLS = ("search", "page_qa")
 SEARCH_K = 5  # the search tool's default: 5 hits with snippets fit one observation
-# A chained question's second read: its two best unread hits hold the other supporting page for 21 of 43 train
-# questions, the best one alone for 11 (see the module docstring); each more read costs a page_qa call (~3 s).
+# Where the first read said "not in the page", the next two hits are read: the earlier chain's two best unread hits
+# held the other supporting page for 21 of 43 train questions, the best one alone for 11 (see the module
+# docstring); each more read costs a page_qa call (~1.4 s with the 0.5B reader).
 CHAIN_READS = 2
 _NOT_NAME = re.compile(r"[^A-Za-z0-9]+")
 
@@ -158,24 +169,29 @@ def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool, chain:
     return answer_text(_from_reads(task, reading[-1:], answers, trust_reference))
 
 
+def unchained_reply(task: Task, turns: list[Turn], *, trust_reference: bool) -> str:
+    """`oracle_reply` with `chain=False`: the family's other plan (`Family.unchained_reply`, `SFTConfig.chain`)."""
+    return oracle_reply(task, turns, trust_reference=trust_reference, chain=False)
+
+
 def _chained(task: Task, turns: list[Turn], trust_reference: bool) -> str:
-    """search(q) -> page_qa(top hit, q) -> search(q + that answer) -> page_qa(the two best unread hits, q) ->
-    answer (`_first_useful`). A search with no hit (or no unread one) ends the plan early."""
+    """search(q) -> page_qa(top hit, q) -> answer that read's answer, or where it said "not in the page",
+    page_qa(the search's next two hits, q) -> answer the first useful read (`_first_useful`). A search with no
+    hit (or no unread one) ends the plan early."""
     question, n = task.question, len(turns)
     if n == 0:
         return call_text("search", query=question)
-    if n == 2:
-        first = _read_answer(turns[1])
-        return call_text("search", query=question if first == NO_ANSWER else f"{question} {first}")
-    if n in (1, 3):
-        read = {
-            str(call.arguments.get("url")) for turn in turns for call in turn.calls if call.name == "page_qa"
-        }
-        hits = [handle for handle, _ in _hits(turns[-1]) if handle not in read]
+    if n == 1 or (n == 2 and _read_answer(turns[1]) == NO_ANSWER):
+        hits = [handle for handle, _ in _hits(turns[0]) if handle not in _read_handles(turns)]
         pages = hits[:1] if n == 1 else hits[:CHAIN_READS]
         if pages:
             return "\n".join(call_text("page_qa", url=page, question=question) for page in pages)
     return answer_text(task.reference if trust_reference else _first_useful(turns))
+
+
+def _read_handles(turns: list[Turn]) -> set[str]:
+    """The handles page_qa was called on so far."""
+    return {str(call.arguments.get("url")) for turn in turns for call in turn.calls if call.name == "page_qa"}
 
 
 def _one_read(task: Task, turns: list[Turn], trust_reference: bool) -> str:
@@ -195,7 +211,8 @@ def _first_useful(turns: list[Turn]) -> str:
     on every expert episode of train 240-335 (benchmarks/studies/research/answer_rule.py) 0.104 / 0.120, 10 of
     the 11 questions any read answered. The policy sees every read's answer, so it can follow this rule; the
     gold inside a quote it rarely could."""
-    useful = [a for turn in turns[1::2] if (a := _read_answer(turn)) != NO_ANSWER]
+    reading = [t for t in turns if t.calls and t.calls[0].name == "page_qa"]
+    useful = [a for turn in reading if (a := _read_answer(turn)) != NO_ANSWER]
     return useful[0] if useful else NO_ANSWER
 
 
@@ -232,3 +249,9 @@ def _read_answer(turn: Turn) -> str:
         if answer and "not in the page" not in answer.lower():
             return answer
     return NO_ANSWER
+
+
+FAMILY = Family(
+    name=NAME, tools=TOOLS, load=load, reward=reward, success=success, prepared=prepared,
+    oracle_reply=oracle_reply, unchained_reply=unchained_reply,
+)  # fmt: skip

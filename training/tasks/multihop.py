@@ -31,6 +31,7 @@ from pathlib import Path
 from main_agent.types import Turn
 from subagents.handles import Attachment
 from training.rewards import contains_evidence, exact_match, token_f1
+from training.tasks.family import Family
 from training.tasks.task import (
     NO_ANSWER,
     Task,
@@ -46,6 +47,7 @@ from training.tasks.task import (
 logger = logging.getLogger(__name__)
 
 NAME = "multihop_pages"
+TOOLS = ("page_qa",)
 MAX_PAGES_PER_TURN = 4  # the rollout's default per-turn call cap
 _PLACEHOLDER = re.compile(r"#(\d+)")
 
@@ -113,7 +115,7 @@ def _parse(parse: Callable[[dict], _Parsed], row: dict, split: str) -> _WithPage
         return None
     paths = tuple(f"{task_id}/{n}.html" for n in range(len(titles)))
     meta = TaskMeta(support, titles, paths, hops=hops, split=split)
-    return Task(task_id, NAME, question, ("page_qa",), answer, "", meta), paragraphs
+    return Task(task_id, NAME, question, TOOLS, answer, "", meta), paragraphs
 
 
 def _records(data_dir: Path, split: str) -> Iterator[_WithPages]:
@@ -269,3 +271,9 @@ def _grounded(task: Task, turns: list[Turn], guess: str, trust_reference: bool) 
     """The reference when an observation showed it (or when trusted), else the expert's own reading."""
     seen = "\n".join(r.observation for r in results(turns) if r.ok)
     return task.reference if trust_reference or contains_evidence(seen, task.reference) else guess
+
+
+FAMILY = Family(
+    name=NAME, tools=TOOLS, load=load, reward=reward, success=success, prepared=prepared,
+    oracle_reply=oracle_reply,
+)  # fmt: skip

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from main_agent.types import Turn
 from training.tasks import batch, multihop
+from training.tasks.family import Family
 from training.tasks.task import Task
 
 NAME = "multihop_batch"
@@ -32,11 +33,11 @@ def load(data_dir: Path, split: str, *, limit: int | None = None, items: int = D
 
 
 def reward(answer: str, reference: str) -> float:
-    return batch.reward(answer, reference, multihop)
+    return batch.reward(answer, reference, multihop.FAMILY)
 
 
 def success(answer: str, reference: str) -> bool:
-    return batch.success(answer, reference, multihop)
+    return batch.success(answer, reference, multihop.FAMILY)
 
 
 def item_reward(text: str, reference: str) -> float:
@@ -45,9 +46,15 @@ def item_reward(text: str, reference: str) -> float:
 
 @contextlib.contextmanager
 def prepared(tasks: Sequence[Task], work_dir: Path, *, data_dir: Path | None = None) -> Iterator[list[Task]]:
-    with batch.prepared(tasks, work_dir, multihop, item_lines, data_dir=data_dir) as ready:
+    with batch.prepared(tasks, work_dir, multihop.FAMILY, item_lines, data_dir=data_dir) as ready:
         yield ready
 
 
 def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool) -> str:
-    return batch.oracle_reply(task, turns, multihop, trust_reference=trust_reference)
+    return batch.oracle_reply(task, turns, multihop.FAMILY, trust_reference=trust_reference)
+
+
+FAMILY = Family(
+    name=NAME, tools=multihop.TOOLS, load=load, reward=reward, success=success, prepared=prepared,
+    oracle_reply=oracle_reply, item_reward=item_reward,
+)  # fmt: skip

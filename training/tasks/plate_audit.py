@@ -16,6 +16,7 @@ from pathlib import Path
 
 from main_agent.types import Turn
 from training.tasks import batch, plates
+from training.tasks.family import Family
 from training.tasks.task import Task
 
 NAME = "plate_audit"
@@ -36,11 +37,11 @@ def load(data_dir: Path, split: str, *, limit: int | None = None, items: int = D
 
 
 def reward(answer: str, reference: str) -> float:
-    return batch.reward(answer, reference, plates)
+    return batch.reward(answer, reference, plates.FAMILY)
 
 
 def success(answer: str, reference: str) -> bool:
-    return batch.success(answer, reference, plates)
+    return batch.success(answer, reference, plates.FAMILY)
 
 
 def graded_reward(answer: str, reference: str) -> float:
@@ -53,14 +54,20 @@ def item_reward(text: str, reference: str) -> float:
 
 @contextlib.contextmanager
 def prepared(tasks: Sequence[Task], work_dir: Path, *, data_dir: Path | None = None) -> Iterator[list[Task]]:
-    with batch.prepared(tasks, work_dir, plates, item_lines, data_dir=data_dir) as ready:
+    with batch.prepared(tasks, work_dir, plates.FAMILY, item_lines, data_dir=data_dir) as ready:
         yield ready
 
 
 def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool) -> str:
-    return batch.oracle_reply(task, turns, plates, trust_reference=trust_reference)
+    return batch.oracle_reply(task, turns, plates.FAMILY, trust_reference=trust_reference)
 
 
 def mistake_reply(task: Task, turns: list[Turn]) -> str | None:
     """The plate expert's mistake at the first turn of each photo (`plates.mistake_reply`)."""
-    return batch.mistake_reply(task, turns, plates)
+    return batch.mistake_reply(task, turns, plates.FAMILY)
+
+
+FAMILY = Family(
+    name=NAME, tools=plates.TOOLS, load=load, reward=reward, success=success, prepared=prepared,
+    oracle_reply=oracle_reply, graded_reward=graded_reward, mistake_reply=mistake_reply, item_reward=item_reward,
+)  # fmt: skip

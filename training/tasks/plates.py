@@ -31,6 +31,7 @@ from conductor.plates import plate_shaped
 from main_agent.types import ToolCall, ToolResult, Turn
 from subagents.handles import Attachment, file_key
 from training.rewards import plate_match, plate_similarity
+from training.tasks.family import Family
 from training.tasks.task import (
     Task,
     TaskMeta,
@@ -42,6 +43,7 @@ from training.tasks.task import (
 )
 
 NAME = "plate_reading"
+TOOLS = ("image_ops",)
 QUESTION = "What is the licence plate number?"
 
 
@@ -67,7 +69,7 @@ def _task(txt: Path) -> Task:
     meta = TaskMeta(image_path=str(image), plate_box=(x, y, w, h), split=hash_split(image.name))
     task_id = f"plate-{txt.parent.name}-{image.stem}"
     photo = Attachment("image", str(image), file_key(image))
-    return Task(task_id, NAME, QUESTION, ("image_ops",), fields[5], photo.line, meta, attachments=(photo,))
+    return Task(task_id, NAME, QUESTION, TOOLS, fields[5], photo.line, meta, attachments=(photo,))
 
 
 def load(data_dir: Path, split: str, *, limit: int | None = None) -> list[Task]:
@@ -215,3 +217,9 @@ def _answer(done: list[tuple[ToolCall, ToolResult]]) -> str:
     """The plate-shaped text of the last read that held some, else GAVE_UP: never the label, which no
     observation shows."""
     return next((p for text in reversed(read_texts(done)) if (p := plate_shaped(text))), GAVE_UP)
+
+
+FAMILY = Family(
+    name=NAME, tools=TOOLS, load=load, reward=reward, success=success, prepared=prepared,
+    oracle_reply=oracle_reply, graded_reward=graded_reward, mistake_reply=mistake_reply, gave_up=GAVE_UP,
+)  # fmt: skip

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from training.tasks import corpus_qa, multihop
+from training.tasks.family import Family
 from training.tasks.task import REPO, Task, TaskMeta
 
 NAME = "research_corpus"
@@ -51,3 +52,9 @@ def prepared(tasks: Sequence[Task], work_dir: Path, *, data_dir: Path | None = N
     if not CORPUS.is_dir():
         raise FileNotFoundError(f"research_corpus needs the example corpus at {CORPUS}")
     yield list(tasks)
+
+
+FAMILY = Family(
+    name=NAME, tools=corpus_qa.TOOLS, load=load, reward=reward, success=success, prepared=prepared,
+    oracle_reply=oracle_reply,  # one page a question: corpus_qa's two plans agree on it (no unchained_reply)
+)  # fmt: skip

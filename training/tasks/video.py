@@ -23,6 +23,7 @@ from pathlib import Path
 from main_agent.types import Turn
 from subagents.handles import Attachment, file_key
 from training.rewards import contains_evidence, exact_match, token_f1
+from training.tasks.family import Family
 from training.tasks.task import (
     NO_ANSWER,
     Task,
@@ -36,6 +37,7 @@ from training.tasks.task import (
 )
 
 NAME = "video_qa"
+TOOLS = ("video_summary",)
 SPEECH_QUESTION = "What sentence is spoken in this video?"
 ACTION_QUESTION = "What action is shown in this video?"
 # One 3-second GRID clip re-encodes in about 0.5 s on one core; 120 s leaves room on a loaded CI machine.
@@ -60,7 +62,7 @@ def _attached(task: Task, clip: Path) -> Task:
 def _task(task_id: str, question: str, answer: str, clip: Path, subtitle: str | None) -> Task:
     clip = clip.resolve()
     meta = TaskMeta(video_path=str(clip), subtitle=subtitle, split=hash_split(clip.name))
-    return _attached(Task(task_id, NAME, question, ("video_summary",), answer, "", meta), clip)
+    return _attached(Task(task_id, NAME, question, TOOLS, answer, "", meta), clip)
 
 
 def load(data_dir: Path, split: str, *, limit: int | None = None) -> list[Task]:
@@ -139,3 +141,9 @@ def oracle_reply(task: Task, turns: list[Turn], *, trust_reference: bool) -> str
     return answer_text(
         task.reference if trust_reference or contains_evidence(seen, task.reference) else guess
     )
+
+
+FAMILY = Family(
+    name=NAME, tools=TOOLS, load=load, reward=reward, success=success, prepared=prepared,
+    oracle_reply=oracle_reply,
+)  # fmt: skip
