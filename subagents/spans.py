@@ -271,7 +271,7 @@ class Choice:
     """How page_qa's "extract" picks its answer among the scored candidates (`choose`). The defaults are the rule
     chosen for the default reader (conductor/models.py DEFAULT_READER) on bench_reader's tune split
     (benchmarks/studies/reader/rules.py: the grid, the objective, each term's ablation;
-    benchmarks/results/reader_rules_qwen.json); RULES holds each built-in reader's own. `Choice(max_candidates=48,
+    benchmarks/results/reader/rules_qwen/summary.json); RULES holds each built-in reader's own. `Choice(max_candidates=48,
     pmi_weight=0, kind_weight=0, rank_weight=0, length_weight=0)` is the log-prob alone, the rule before."""
 
     max_candidates: int = 48
@@ -296,7 +296,7 @@ class Choice:
 
 
 RULES: dict[str, Choice] = {
-    # SmolLM2-135M-Instruct, chosen on tune in float32 (benchmarks/results/reader_rules.json)
+    # SmolLM2-135M-Instruct, chosen on tune in float32 (benchmarks/results/reader/rules/summary.json)
     "smollm2-135m-instruct": Choice(
         max_candidates=32,
         pmi_weight=0.25,
@@ -305,7 +305,7 @@ RULES: dict[str, Choice] = {
         length_weight=0.5,
         null_margin=0.0,
     ),
-    # Qwen2.5-Coder-0.5B-Instruct, chosen on tune in bfloat16 (benchmarks/results/reader_rules_qwen.json)
+    # Qwen2.5-Coder-0.5B-Instruct, chosen on tune in bfloat16 (benchmarks/results/reader/rules_qwen/summary.json)
     "qwen2.5-coder-0.5b-instruct": Choice(),
 }
 """Each built-in reader's own rule, by its name: `--reader-model NAME` sets it with the model (tool_server/config.py)."""

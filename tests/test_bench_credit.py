@@ -15,7 +15,7 @@ import torch
 
 from benchmarks.studies.credit import scores as cs
 from benchmarks.studies.credit.bench import tabled, whole
-from benchmarks.studies.credit.folders import Options, recorded_lines, recorded_ns
+from benchmarks.studies.credit.folders import Options, recorded_lines, recorded_ns, seal
 from benchmarks.studies.credit.pool import plot, pool, with_trends
 from benchmarks.studies.credit.report import MODES, report
 from benchmarks.studies.credit.stages import (
@@ -463,3 +463,28 @@ def test_a_folder_recorded_before_a_config_field_existed_is_still_found(tmp_path
     assert opts.folder(1, dataclasses.replace(cfg, lr=2e-5))[0] != folder
     (folder / "settings.json").write_text(json.dumps({**older, "gone": 1}), encoding="utf-8")
     assert opts.folder(1, cfg)[0] == path != folder
+
+
+def test_a_whole_stage_is_gzipped_once_and_read_in_either_form(tmp_path: Path) -> None:
+    """A running stage appends to <stage>.jsonl; sealing gzips every line into <stage>.jsonl.gz (the committed
+    form) and removes the open file; lines appended after (raised replays) are read after the sealed ones and
+    folded in by the next seal; a seal cut short between its two steps does not count a line twice. The
+    folder's sealed stages still count as recorded (resume, recorded_lines, recorded_ns)."""
+    records = Records(tmp_path / "truth.jsonl")
+    for state in range(3):
+        records.append({"state": state})
+    records.seal()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["truth.jsonl.gz"]
+    records.append({"state": 3})
+    assert [r["state"] for r in records.read()] == [0, 1, 2, 3] and records.exists()
+    open_lines = records.path.read_text(encoding="utf-8")
+    seal(tmp_path)
+    assert [r["state"] for r in Records(tmp_path / "truth.jsonl").read()] == [0, 1, 2, 3]
+    records.path.write_text(open_lines, encoding="utf-8")  # as if cut short after the gzip, before the unlink
+    assert [r["state"] for r in records.read()] == [0, 1, 2, 3] and recorded_lines([tmp_path]) == 4
+    cfg = TrainConfig()
+    opts = Options("plate_audit", [1], 12, 64, 2, 10, tmp_path, work=tmp_path / "work")
+    folder = opts.folder(1, cfg)[0]
+    Records(folder / "episodes.jsonl").append({"group": 0})
+    seal(folder)
+    assert recorded_ns(opts, cfg) == {1} and not (folder / "episodes.jsonl").exists()

@@ -24,6 +24,8 @@ def test_the_tiny_step_measures_every_configuration(smollm2_path: Path, tmp_path
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
+    assert result["command"] == f"python -m benchmarks.perf.gpu_step --tiny --out {out}"  # the stamp
+    assert len(result["commit"].removesuffix("-dirty")) == 40 or result["commit"] == "unknown"
     rows = result["rows"]
     assert [(r["episodes"], r["micro_batch_tokens_set"]) for r in rows] == [(4, False), (4, True)]
     default, small = rows

@@ -34,7 +34,7 @@ def test_the_machine_path_rule_flags_machine_paths_and_passes_relative_ones() ->
     flagged = ["<file:///work/main/examples/corpus/smollm2.html>", "source /work/venv/bin/activate",
                "/root/.cache/x", "/home/alice/conductor", "/tmp/run", "file:///etc/passwd"]  # fmt: skip
     passed = ["~/.cache/conductor/models", "<checkout>/examples/corpus/smollm2.html", "../shared/data",
-              "runs/tmp/x", "http://127.0.0.1:8000/v1", "benchmarks/results/bench_plates_v24.json"]  # fmt: skip
+              "runs/tmp/x", "http://127.0.0.1:8000/v1", "benchmarks/results/plates/v24/summary.json"]  # fmt: skip
     missed = [text for text in flagged if not MACHINE_PATH.search(text)]
     wrongly = [text for text in passed if MACHINE_PATH.search(text)]
     assert not missed and not wrongly, f"missed {missed}, flagged {wrongly}"

@@ -44,7 +44,7 @@ def _record(folder: Path, n: int, credit: str, seed: int, right: float) -> None:
 def test_report_reads_accuracy_cost_and_seed_spread_from_the_records(tmp_path: Path) -> None:
     """p per N is the records' mean, the seconds per episode and audit their ratio, sigma_seed the pooled spread
     of repeated seeds; the size needed uses every dev audit at each N."""
-    horizon = tmp_path / "bench_horizon"
+    horizon = tmp_path / hp.HORIZON
     for credit, rights in {"outcome": (0.2, 0.4), "turn": (0.3, 0.3)}.items():
         for seed, right in enumerate(rights):
             _record(horizon, 4, credit, seed, right)
@@ -70,12 +70,12 @@ def test_bench_learning_seeds_are_pooled_per_mode_and_temperature(tmp_path: Path
     spread is taken apart, never across temperatures (which would add the temperature's effect to the seeds').
     The sampled evaluations ("sampled-outcome-s0-t1.15") measure another thing than the greedy success and are
     left out."""
-    learning = tmp_path / "bench_learning"
-    learning.mkdir()
+    learning = tmp_path / hp.LEARNING
+    learning.mkdir(parents=True)
     dev = {"outcome-s0": 0.9, "outcome-s0-t1.15": 0.1, "outcome-s1-t1.15": 0.3, "explore-t1.15": None}
     dev |= {"sampled-outcome-s0-t1.15": 0.2, "sampled-outcome-s1-t1.15": 0.9, "sampled-turn-s1-t1.15": 0.0}
     for stage, success in dev.items():
         record = {"eval": {"success_rate": success} if success is not None else None}
         (learning / f"{stage}.json").write_text(json.dumps(record), encoding="utf-8")
-    sigma, source = hp.seed_spread(learning, tmp_path / "bench_horizon")
+    sigma, source = hp.seed_spread(learning, tmp_path / hp.HORIZON)
     assert sigma == pytest.approx(statistics.stdev([0.1, 0.3])) and source.startswith("bench_learning")

@@ -160,20 +160,20 @@ def test_choose_weighs_prior_kind_rank_length_and_margin() -> None:
 
 def test_each_readers_rule_is_the_one_chosen_for_it_on_the_tune_split() -> None:
     """page_qa's default rule is the one chosen on tune for the default reader, and each built-in reader's rule in
-    RULES is the one its record (benchmarks/results/reader_rules*.json) names as chosen for that model."""
+    RULES is the one its record (benchmarks/results/reader/rules*/summary.json) names as chosen for that model."""
     import json
     from pathlib import Path
 
     from conductor.models import DEFAULT_READER
 
-    results = Path(__file__).parents[1] / "benchmarks/results"
+    root = Path(__file__).parents[1]
     records = {
-        "smollm2-135m-instruct": "reader_rules.json",
-        "qwen2.5-coder-0.5b-instruct": "reader_rules_qwen.json",
+        "smollm2-135m-instruct": "benchmarks/results/reader/rules/summary.json",
+        "qwen2.5-coder-0.5b-instruct": "benchmarks/results/reader/rules_qwen/summary.json",
     }
     assert set(records) == set(spans.RULES)
     for model, name in records.items():
-        recorded = json.loads((results / name).read_text())
+        recorded = json.loads((root / name).read_text())
         assert recorded.get("model", "smollm2-135m-instruct") == model
         assert dataclasses.asdict(spans.RULES[model]) == recorded["chosen"], model
     assert spans.Choice() == spans.RULES[DEFAULT_READER]

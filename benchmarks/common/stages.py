@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks import ROOT
+from benchmarks.common.pinned import in_place
 from conductor.models import ModelNotFound, resolve_model
 from conductor.stopping import wait_or_stop
 from training.checkpoint import changed_settings, find_latest, saved_config
@@ -61,9 +62,10 @@ def run_differs(checkpoint: Path, config: Path, sets: Sequence[str]) -> list[str
 def warm_start_sha(policy: str, *, made_by: str) -> str:
     """SHA-256 over the warm start's weight files, in name order: which warm start a stage was trained from. An
     adapter's hash covers its base model's weights first (the same adapter on another base is another policy).
-    `policy` is a folder under the project root or a name the project loads (conductor-default). Exits saying
-    how the warm start is made (`made_by`) when it has no weights."""
-    sha = weights_sha(policy)
+    `policy` is a folder under the project root or a name the project loads (conductor-default); a warm start
+    named by commit (pinned.PINNED) is read back from history first. Exits saying how the warm start is made
+    (`made_by`) when it has no weights."""
+    sha = weights_sha(in_place(policy))
     if sha is None:
         sys.exit(f"no weights (*.safetensors) in {policy}: make the warm start first (see {made_by})")
     return sha

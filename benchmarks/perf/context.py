@@ -1,7 +1,7 @@
 """Main-context size with and without page_qa: delegating page reading vs the raw pages in the prompt.
 
     python -m benchmarks.perf.context [--n 50] [--max-turns 4] [--policy NAME_OR_DIR] [--no-prefix]
-                                      [--max-new-tokens 96] [--out benchmarks/results/bench_context.json]
+                                      [--max-new-tokens 96] [--out benchmarks/results/perf/context/summary.json]
 
 On the first `n` HotpotQA dev questions, one greedy policy plays two modes, one after the other, sharing one
 micro-batched `TransformersPolicy`:
@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import dataclasses
 import html
-import json
 import logging
 import re
 import statistics
@@ -37,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 from main_agent.backends import load_policy
 from main_agent.parse import ANSWER_CLOSE, ANSWER_OPEN, parse_completion
 from main_agent.policy import Policy, SamplingConfig
@@ -329,8 +328,8 @@ class BenchResult:
     delegated_questions: list[QuestionResult]
     in_context_questions: list[QuestionResult]
 
-    def to_json(self) -> str:
-        data = {
+    def summary(self) -> dict:
+        return {
             "config": dataclasses.asdict(self.config),
             "reports": [dataclasses.asdict(self.delegated), dataclasses.asdict(self.in_context)],
             "median_context_ratio_in_context_over_delegated": context_ratio(self.delegated, self.in_context),
@@ -339,7 +338,6 @@ class BenchResult:
                 "in_context": [dataclasses.asdict(r) for r in self.in_context_questions],
             },
         }
-        return json.dumps(data, indent=2, ensure_ascii=False)
 
     def table(self) -> str:
         ratio = context_ratio(self.delegated, self.in_context)
@@ -379,7 +377,7 @@ def parse_args(argv: Sequence[str]) -> tuple[BenchConfig, Path]:
     parser.add_argument(
         "--out",
         type=Path,
-        default=ROOT / "benchmarks" / "results" / "bench_context.json",
+        default=summary_path("perf", "context"),
         help="JSON report path",
     )
     parser.add_argument("--max-turns", type=int, default=BenchConfig.max_turns, help="delegated mode's turns")
@@ -413,8 +411,7 @@ def main(argv: Sequence[str]) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per tool call otherwise
     result = asyncio.run(bench(cfg))
     print(result.table())
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(result.to_json() + "\n", encoding="utf-8")
+    write_summary(out, result.summary())
     print(f"wrote {out}")
 
 

@@ -1,6 +1,6 @@
 """Decoding benchmark: the in-process sampler's `generate` against fixed-shape decoders, the same prompts, one run.
 
-    python -m benchmarks.perf.decode [--out benchmarks/results/bench_decode.json]
+    python -m benchmarks.perf.decode [--out benchmarks/results/perf/decode/summary.json]
 
 SmolLM2-135M-Instruct (the built-in policy, float32, on cuda when visible, else cpu) samples the policy's real
 first prompts (the system prompt over the real tool schemas, then one of QUESTIONS: ~370 tokens, ~350 of them
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import statistics
 import time
@@ -39,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 from benchmarks.perf.sampler import installed
 from conductor.batching import left_pad
 from main_agent.policy import SamplingConfig
@@ -237,7 +236,7 @@ def table(measures: list[Measure], idle: dict[str, float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_decode.json")
+    parser.add_argument("--out", type=Path, default=summary_path("perf", "decode"))
     args = parser.parse_args()
     from conductor.models import ensure_default_model
     from main_agent.transformers_policy import load_model
@@ -269,7 +268,7 @@ def main() -> None:
         "wall_s": time.monotonic() - start,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    write_summary(args.out, report)
     print(f"wrote {args.out} ({report['wall_s']:.0f} s)")
 
 

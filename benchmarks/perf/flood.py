@@ -1,7 +1,7 @@
 """Whole tool calls that never end, against the tool server: how much of a well-behaved client is still served.
 
     python -m benchmarks.perf.flood [--attackers 200 280 400 800] [--rounds 30]
-                                    [--out benchmarks/results/flood.json]
+                                    [--out benchmarks/results/perf/flood/summary.json]
 
 The attack: N sockets, each sending a whole `POST /v1/tools/page_qa` about a page of examples/corpus (a question
 of its own, so no two share one cached run) whose reader stays silent: the sub-agents' model never answers, so a
@@ -19,7 +19,7 @@ the attacking requests were answered (HTTP status, or `closed` unanswered) and t
 attack, at its peak (sampled every RSS_EVERY_S) and AFTER_S after it ended. Numbers from a machine busy with
 other work are not comparable.
 
-Measured on 2 shared cores (results/flood.json): before the queue bounds, unread connections kept and waiting
+Measured on 2 shared cores (results/perf/flood/summary.json): before the queue bounds, unread connections kept and waiting
 ones reclaimable (tool_server/gates.py, connections.py), 280 attackers left 12% of ToolClient calls, 0% of single
 attempts and 88% of /health probes answered (8 rounds; the attack's requests were answered 503 by the thousand,
 its calls waiting out the 20 s queue deadline holding the address's whole share); now all three are 100% at
@@ -52,13 +52,14 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 from benchmarks.perf.slow_body import QUERIES, Background, StubModel, server_config, single_attempt
 from subagents.llm import Generation, Message
 from tool_server.app import check_fd_limit, create_app, uvicorn_config
 from tool_server.client import ToolClient, ToolServerError
 from tool_server.limits import percentile
 
-OUT = ROOT / "benchmarks" / "results" / "flood.json"
+OUT = summary_path("perf", "flood")
 ATTACK_WARMUP_S = 3.0  # every attacking socket has sent its call and the queue has filled
 PAUSE_S = 0.2  # between two rounds of the client: a policy's calls are seconds apart, this is busier
 CLIENT_DEADLINE_S = 30.0  # the ToolClient's whole-call budget (the rollout's 240 s: too long here)
@@ -270,12 +271,6 @@ def raise_fd_limit(needed: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (allowed, hard))
 
 
-def commit() -> str:
-    """The checkout's commit (uncommitted changes are not named)."""
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return head.stdout.strip() or "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--attackers", type=int, nargs="+", default=[200, 280, 400, 800])
@@ -290,10 +285,7 @@ def main() -> None:
     rows = [measure(attackers, args.rounds) for attackers in args.attackers]
     Console(width=150).print(report(rows))
     machine = {"python": platform.python_version(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()}
-    command = " ".join(["python -m benchmarks.perf.flood", *sys.argv[1:]])
-    record = {"machine": machine, "commit": commit(), "command": command}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**record, "rows": rows}, indent=2))
+    write_summary(args.out, {"machine": machine, "rows": rows})
     print(f"wrote {args.out}")
 
 

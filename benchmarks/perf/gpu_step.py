@@ -2,7 +2,7 @@
 share of the device's peak FLOP/s, for a few batch sizes and micro-batch sizes.
 
     python -m benchmarks.perf.gpu_step [--tiny] [--episodes 64 256] [--micro-batch-tokens default 65536]
-                                       [--steps 3] [--out benchmarks/results/bench_gpu_step.json]
+                                       [--steps 3] [--out benchmarks/results/perf/gpu_step/summary.json]
 
 The real loop (`training.loop.train`, sync, on cuda when visible, else cpu) with the built-in policy's shape
 (SmolLM2-135M-Instruct's config, random weights: weights do not change speed, and nothing is downloaded; its
@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import dataclasses
 import gc
-import json
 import math
 import statistics
 import tempfile
@@ -43,7 +42,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 from benchmarks.perf.throughput import unique_tokens
 from benchmarks.perf.train import stub_tools
 from main_agent.rollout import RolloutConfig
@@ -320,7 +319,9 @@ def arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, help="steps per run; the means leave out step 1 (default 3)")
     parser.add_argument("--max-new-tokens", type=int, help="sampled tokens per turn (default 128)")
-    parser.add_argument("--out", type=Path, help="default benchmarks/results/bench_gpu_step[_tiny].json")
+    parser.add_argument(
+        "--out", type=Path, help="default benchmarks/results/perf/gpu_step[_tiny]/summary.json"
+    )
     return parser.parse_args(argv)
 
 
@@ -349,10 +350,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     hf_logging.disable_progress_bar()  # the policy is saved and loaded once per run: no bars between the rows
     result = run(shape_of(args))
     print(table(result))
-    name = "bench_gpu_step_tiny.json" if args.tiny else "bench_gpu_step.json"
-    out = args.out or ROOT / "benchmarks" / "results" / name
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    out = write_summary(
+        args.out or summary_path("perf", "gpu_step_tiny" if args.tiny else "gpu_step"), result
+    )
     print(f"wrote {out} ({result['wall_s']:.0f} s)")
 
 

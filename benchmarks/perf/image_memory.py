@@ -1,6 +1,6 @@
 """image_ops' memory under a burst of large images: the server's RSS before, at peak and after.
 
-    python -m benchmarks.perf.image_memory [--clients 8] [--side 7000] [--out benchmarks/results/image_memory.json]
+    python -m benchmarks.perf.image_memory [--clients 8] [--side 7000] [--out benchmarks/results/perf/image_memory/summary.json]
 
 The burst of issue 66: `--clients` clients at once, each in a session of its own, load a `--side` x `--side` PNG
 (49 Mpx at 7000, under image_ops' 50 Mpx input cap; each client its own picture, flat colour with lines of text)
@@ -14,7 +14,7 @@ after is RSS once every client has its answer and SETTLE_S later.
 The image store keeps what its own budget allows (max_total_pixels 200 Mpx: four such images, 800 MB as Pillow
 keeps RGB), so the table shows it apart: `after - store` is what image work left behind.
 
-Measured on 2 shared cores (results/image_memory.json), 8 clients x 7000x7000, every call ok, MB:
+Measured on 2 shared cores (results/perf/image_memory/summary.json), 8 clients x 7000x7000, every call ok, MB:
 
     image code                                   before   peak   after   store   after - store   seconds
     before issue 66 (asyncio.to_thread, no trim)    203   3810    2622     748          +823 %        22
@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -51,14 +48,14 @@ from PIL import Image, ImageDraw, ImageFont
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 from benchmarks.perf.slow_body import StubModel
 from conductor.heap import trim_heap
 from subagents.common import Files
 from tool_server.app import create_app, uvicorn_config
 from tool_server.config import ServerConfig
 
-OUT = ROOT / "benchmarks" / "results" / "image_memory.json"
+OUT = summary_path("perf", "image_memory")
 SETTLE_S = 2.0  # after the last answer: anything the server frees late is freed by then
 CALL_TIMEOUT_S = 300.0  # a call's HTTP timeout: 8 calls of ~10 s on 2 busy cores, queued, fit inside
 SESSION_HEADER = "X-Conductor-Session"
@@ -173,11 +170,6 @@ def report(row: dict[str, Any]) -> Table:
     return table
 
 
-def commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
-    return done.stdout.strip() or "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=8)
@@ -191,12 +183,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "load_avg_at_end": os.getloadavg(),
     }
-    summary = {
-        "commit": commit(),
-        "command": " ".join(["python -m benchmarks.perf.image_memory", *sys.argv[1:]]),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**summary, "machine": machine, "rows": [row]}, indent=2))
+    write_summary(args.out, {"machine": machine, "rows": [row]})
     print(f"wrote {args.out}")
 
 

@@ -2,7 +2,7 @@
 and what the Ray path costs against the single-process one.
 
     python -m benchmarks.perf.ray [--policy runs/sft-plates/model] [--tasks 4] [--steps 2]
-                                  [--out benchmarks/results/bench_ray.json]
+                                  [--out benchmarks/results/perf/ray/summary.json]
 
 1. collect: the same `--tasks` plate photos x 2 episodes from `examples/train_plates.toml`'s policy and budgets,
    seeded alike, played
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import statistics
 import tempfile
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 
 # MKL's results depend on operand alignment unless this is set (read at its first call, so before torch runs
 # anything): with it, one rollout worker samples exactly what one process samples (tests/test_ray_train.py),
@@ -303,7 +303,7 @@ def main() -> None:
         "--gpus", type=float, default=None, help="GPUs per rollout worker (default: 1 where CUDA is, else 0)"
     )
     parser.add_argument("--parts", default="collect,push,train")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_ray.json")
+    parser.add_argument("--out", type=Path, default=summary_path("perf", "ray"))
     args = parser.parse_args()
     if args.gpus is None:
         import torch
@@ -329,7 +329,7 @@ def main() -> None:
             result["train"] = part_train(args, cfg)  # each path its own cluster (train on Ray starts one)
     result["wall_s"] = time.monotonic() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_summary(args.out, result)
     if {"collect", "push", "train"} <= set(result):
         print(table(result))
     print(f"wrote {args.out} ({result['wall_s']:.0f} s)")

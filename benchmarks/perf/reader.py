@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import statistics
 import subprocess
@@ -35,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 from benchmarks.studies.reader import items as reader_items
 from benchmarks.studies.reader.bench import HOTPOTQA_N
 from subagents import page_qa, spans
@@ -186,7 +186,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=READER)
     parser.add_argument("--n", type=int, default=24, help="tune questions timed (after one warm-up)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "perf_reader.json")
+    parser.add_argument("--out", type=Path, default=summary_path("perf", "reader"))
     args = parser.parse_args()
     before = calls(args.n + 1, spans.RULES["smollm2-135m-instruct"])
     chosen = calls(args.n + 1, spans.RULES.get(args.model, spans.Choice()))
@@ -230,7 +230,7 @@ def main() -> None:
         "rss_added_gb": {dtype: rss_added(args.model, dtype) for dtype in ("float32", "auto")},
     }
     _print(report)
-    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_summary(args.out, report)
     print(f"wrote {args.out}")
 
 

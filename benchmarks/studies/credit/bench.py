@@ -1,17 +1,18 @@
 """Credit quality against the truth, without gradient steps: every credit mode's per-turn advantages on episodes of
 one fixed policy, scored against Monte Carlo advantages from exact replays (VinePPO's test of an estimator).
 
-    python -m benchmarks.studies.credit.bench             # the committed warm start; N 1 2 4 8; 24 episodes;
+    python -m benchmarks.studies.credit.bench             # the pinned warm start; N 1 2 4 8; 24 episodes;
                                                           # 16 replays
     python -m benchmarks.studies.credit.bench --recorded  # the table and plot of the records; nothing sampled
                                                           # (an N whose truth is not whole: with --partial)
     python -m benchmarks.studies.credit.bench --policy conductor-default --n-items 1 2 --episodes 2 \\
         --group-size 2 --replays 2 --tag smoke            # the smoke run (docs/credit.md)
 
-The policy (`--policy`) stays fixed. Its default is the plate_audit warm start committed beside the study,
+The policy (`--policy`) stays fixed. Its default is the plate_audit warm start beside the study,
 benchmarks/studies/credit/warm_start/: SmolLM2-135M-Instruct plus a LoRA adapter (its README says how it was made),
-the same bytes on every machine; the records before it (results/bench_credit*) were sampled from a full-weight
-warm start, runs/sft-audit/model, that resumes only where it was made. Any reference the project loads works
+the same bytes on every machine, named by the commit that holds them and read back from it when the study samples
+(benchmarks.common.pinned); the records before it (results/credit/main, warm2, warm2-dev) were sampled from a
+full-weight warm start, runs/sft-audit/model, that resumes only where it was made. Any reference the project loads works
 (`conductor-default`, `smollm2-135m-instruct`, a checkpoint). It samples as training does: the rollout budgets,
 sampling (temperature 1; `--set sampling.temperature=T` for another), final reward (`reward_kind`), turn rewards
 and credit settings of `--config` (examples/train_audit.toml), the family and N from the flags: every stage's
@@ -44,18 +45,20 @@ each with a 95 % bootstrap interval over episodes; and the tokens each mode samp
 the episodes; branch: plus its continuations; outcome_matched: plus the matched episodes). The truth's own tokens
 are reported apart.
 
-Records: benchmarks/results/bench_credit[_tag]/<family>-n<N>-<digest>/ holds settings.json and one JSONL per stage,
-appended a group (episodes, branch) or a state (truth) at a time, each line with the wall seconds since the
-stage's previous line (their sum is the stage's time, over sessions). They are committed, as bench_horizon's are,
-so a study cut short resumes where it stopped on a clean checkout: the same flags find the same folder (the digest
+Records: benchmarks/results/credit/<tag, or main>/records/<family>-n<N>-<digest>/ holds settings.json and one JSONL
+per stage, appended a group (episodes, branch) or a state (truth) at a time, each line with the wall seconds since
+the stage's previous line (their sum is the stage's time, over sessions), and gzipped once the N's stages are
+whole (stages.Records.seal): that is when they are committed, once, as the horizon study's records are. A study
+cut short resumes where it stopped (its open .jsonl files), and on a clean checkout where its committed records
+end: the same flags find the same folder (the digest
 covers every setting but `--replays`), and settings.json's SHA-256 of the policy's weights refuses records of
 another warm start (an adapter's hash covers its base's weights); a resumed folder first replays one recorded
 episode whole and stops (`ToolsChanged`) if a tool observes anything else now than when it was recorded. The tools
-replay recorded episodes exactly on another machine; the SFT command remakes a warm start bit for bit only on the same kind of machine
-(docs/credit.md), which is why the default warm start is committed rather than remade. What a resumed stage
-samples anew is drawn from the same distribution, not the same draws: the sampler's seed is offset by the lines
-recorded so far. Raising `--replays` on a recorded study gives every recorded state the continuations it lacks and
-nothing else; the report uses every continuation recorded.
+replay recorded episodes exactly on another machine; the SFT command remakes a warm start bit for bit only on the
+same kind of machine (docs/credit.md), which is why the default warm start is kept, named by the commit that holds
+it, rather than remade. What a resumed stage samples anew is drawn from the same distribution, not the same
+draws: the sampler's seed is offset by the lines recorded so far. Raising `--replays` on a recorded study gives
+every recorded state the continuations it lacks and nothing else; the report uses every continuation recorded.
 
 Cost, in sampled tokens. Per episode of T turns, in turns sampled: the episode T; branch (k = 2 around 2 turns)
 ~4T; branch_all k T²/2 (every turn) or ~k m T (m scored turns); matched as much as branch; the truth R T²/2 + T/G (every turn) or ~m R T. The
@@ -79,7 +82,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import json
 import math
 import sys
 import time
@@ -87,7 +89,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks import ROOT
-from benchmarks.studies.credit.folders import Options, claim, recorded_lines, recorded_ns, weights_sha
+from benchmarks.common.records import summary_path, write_summary
+from benchmarks.studies.credit.folders import Options, claim, recorded_lines, recorded_ns, seal, weights_sha
 from benchmarks.studies.credit.report import METRICS, MODES, report
 from benchmarks.studies.credit.stages import Session, run_stages
 from conductor.stopping import stop_like_ctrl_c
@@ -98,7 +101,9 @@ from training.plot import save_figure
 from training.tasks import Task
 
 CONFIG = ROOT / "examples" / "train_audit.toml"
-WARM_START = "benchmarks/studies/credit/warm_start"  # SmolLM2 + a committed LoRA adapter: resumes anywhere
+WARM_START = (
+    "benchmarks/studies/credit/warm_start"  # SmolLM2 + a LoRA adapter named by commit: resumes anywhere
+)
 
 
 def interval(value: list[float]) -> str:
@@ -202,6 +207,7 @@ async def sample(opts: Options, cfg: TrainConfig, tasks: dict[int, list[Task]]) 
                 mine = ready[: len(tasks[n])]
                 ready = ready[len(tasks[n]) :]
                 await run_stages(mine, s, folder, replays=opts.replays, truth_turns=opts.truth_turns)
+                seal(folder)  # every stage whole: its records gzipped, to be committed once
                 print(
                     f"N={n}: stages done in {(time.monotonic() - start) / 60:.1f} min ({folder})", flush=True
                 )
@@ -263,7 +269,8 @@ def main() -> None:
     cfg = with_device_sizes(load_train_config(args.config, [*sets, *args.sets]), "auto")
     if args.episodes % cfg.group_size:
         sys.exit(f"--episodes {args.episodes} is not a multiple of the group size {cfg.group_size}")
-    records = ROOT / "benchmarks" / "results" / f"bench_credit{suffix}"
+    out = summary_path("credit", args.tag or "main")
+    records = out.parent / "records"
     opts = Options(
         args.family, args.n_items, args.episodes, args.replays, args.truth_turns, args.draws, records,
         work=ROOT / "runs" / f"bench_credit{suffix}" / "work",
@@ -281,18 +288,10 @@ def main() -> None:
     rows = tabled([r for r in scored if r is not None], ns, partial=args.partial)
     if not rows:
         sys.exit(f"no N to table under {records} for these settings")
-    results = ROOT / "benchmarks" / "results"
-    png = plot(rows, results / f"bench_credit{suffix}.png")
+    png = plot(rows, out.with_suffix(".png"))
     print("\n" + table(rows) + f"\n\nplot: {png}\nwall time now: {(time.monotonic() - start) / 60:.1f} min")
-    out = results / f"bench_credit{suffix}.json"
     settings = vars(args) | {"config": config_to_dict(cfg)}
-    out.write_text(
-        json.dumps(
-            {"rows": rows, "settings": settings, "plot": str(png.relative_to(ROOT))}, indent=2, default=str
-        )
-        + "\n",
-        encoding="utf-8",
-    )
+    write_summary(out, {"rows": rows, "settings": settings, "plot": str(png.relative_to(ROOT))})
     print(f"wrote {out}")
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common.stages import warm_start_sha
-from benchmarks.studies.credit.stages import Records
+from benchmarks.studies.credit.stages import STAGES, Records
 from training.config import TrainConfig, config_to_dict
 
 
@@ -88,7 +88,11 @@ def recorded_ns(opts: Options, cfg: TrainConfig) -> set[int]:
     ns = set()
     for folder in opts.records.glob(f"{opts.family}-n*-*"):
         n = folder.name.removeprefix(f"{opts.family}-n").split("-")[0]
-        if n.isdigit() and opts.folder(int(n), cfg)[0] == folder and (folder / "episodes.jsonl").exists():
+        if (
+            n.isdigit()
+            and opts.folder(int(n), cfg)[0] == folder
+            and Records(folder / "episodes.jsonl").exists()
+        ):
             ns.add(int(n))
     return ns
 
@@ -118,4 +122,10 @@ def claim(folder: Path, settings: dict, sha: str) -> None:
 def recorded_lines(folders: Sequence[Path]) -> int:
     """The lines recorded in the folders' stages: it grows with every process that records, so offsetting the
     sampler's seed by it keeps a resumed process from repeating an earlier one's draws (Session.draws)."""
-    return sum(len(Records(path).read()) for folder in folders for path in sorted(folder.glob("*.jsonl")))
+    return sum(len(Records(folder / f"{stage}.jsonl").read()) for folder in folders for stage in STAGES)
+
+
+def seal(folder: Path) -> None:
+    """Gzip every stage file of a folder whose stages are whole (stages.Records.seal): what is committed."""
+    for stage in STAGES:
+        Records(folder / f"{stage}.jsonl").seal()

@@ -1,9 +1,9 @@
 """Pools bench.py's results of several studies of one recipe (warm starts, splits, seeds): for every N, the
 scored turns of all of them scored again as one set, with bootstrap intervals over all their episodes.
 
-    python -m benchmarks.studies.credit.pool benchmarks/results/bench_credit.json \\
-        benchmarks/results/bench_credit_warm2.json benchmarks/results/bench_credit_warm2-dev.json
-                                                   # -> benchmarks/results/bench_credit_pooled.{json,png}
+    python -m benchmarks.studies.credit.pool benchmarks/results/credit/main/summary.json \\
+        benchmarks/results/credit/warm2/summary.json benchmarks/results/credit/warm2-dev/summary.json
+                                                   # -> benchmarks/results/credit/pooled/summary.{json,png}
 
 Each result row carries its (estimate, truth) pairs per episode and its truths with their standard errors
 (report.py), so nothing is sampled or read from the records. Counts and stage times add up; per-episode
@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 from benchmarks.studies.credit import scores as cs
 from benchmarks.studies.credit.bench import errorbars, interval, n_axis, table
 from benchmarks.studies.credit.report import METRICS, MODES
@@ -131,11 +132,9 @@ def _over_matched(row: dict, *, mode: str) -> list[float] | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", type=Path, nargs="+", help="bench_credit*.json files")
+    parser.add_argument("results", type=Path, nargs="+", help="credit runs' summary.json files")
     parser.add_argument("--draws", type=int, default=1000, help="bootstrap resamples")
-    parser.add_argument(
-        "--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_credit_pooled.json"
-    )
+    parser.add_argument("--out", type=Path, default=summary_path("credit", "pooled"))
     args = parser.parse_args()
     by_n: dict[int, list[dict]] = {}
     for path in args.results:
@@ -169,7 +168,7 @@ def main() -> None:
         str(p.resolve().relative_to(ROOT)) if p.resolve().is_relative_to(ROOT) else str(p)
         for p in args.results
     ]
-    args.out.write_text(json.dumps({"rows": rows, "sources": sources}, indent=2) + "\n", encoding="utf-8")
+    write_summary(args.out, {"rows": rows, "sources": sources})
     print(f"wrote {args.out}")
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from benchmarks.studies.credit import scores as cs
 from benchmarks.studies.credit.stages import (
+    STAGES,
     Records,
     State,
     matched_rewards,
@@ -30,7 +31,6 @@ from training.tasks import Task
 
 MODES = ("outcome", "turn", "anchor", "branch", "branch_all", "outcome_matched")
 """Every mode a row may score; outcome_matched only where its stage is recorded for every group scored."""
-STAGES = ("episodes", "branch", "branch_all", "matched", "truth")
 Pairs = dict[str, list[list[tuple[float, float]]]]
 """Per mode, each scored episode's (the mode's advantage, the true advantage) at its scored turns."""
 METRICS = {"spearman": cs.spearman, "sign": cs.sign_agreement, "pairwise": cs.pairwise_accuracy}

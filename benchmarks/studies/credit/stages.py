@@ -3,7 +3,8 @@ each stage recorded line by line so that a study cut short resumes (see bench.py
 
     await run_stages(tasks, Session(cfg, policy, tokenizer, tools, schemas), folder, replays=16, truth_turns=0)
 
-Stage files in `folder`: episodes.jsonl (a group of episodes a line), branch.jsonl and branch_all.jsonl (a
+Stage files in `folder` (each gzipped to <stage>.jsonl.gz once the study's stages of the N are whole: `seal`):
+episodes.jsonl (a group of episodes a line), branch.jsonl and branch_all.jsonl (a
 group's BranchValues and BranchStats a line), matched.jsonl (a group's more episodes' final rewards a line: outcome
 credit at branch credit's sampled tokens), truth.jsonl (a state's continuation rewards a line, and another where
 its replays were raised). Every line carries `elapsed_s`, the wall seconds since the stage's previous line
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gzip
 import json
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -24,13 +27,15 @@ from pathlib import Path
 from main_agent.policy import Policy
 from main_agent.types import Episode
 from tool_server.client import ToolClient
-from training.branching import branch_values, chosen_turns, continue_from, sampled_tokens, states, trainable
+from training.branching import branch_values, chosen_turns, continue_from, learnable, sampled_tokens, states
 from training.config import TrainConfig, with_device_sizes
 from training.data_order import seed_step
 from training.play import play
 from training.step import rewarded
 from training.tasks import Task
 
+STAGES = ("episodes", "branch", "branch_all", "matched", "truth")
+"""The stage files of one N's folder, in the order they are sampled."""
 State = tuple[int, int, int]
 """(group, episode in the group, turns replayed); the task's start, shared by the group, is (group, 0, 0)."""
 
@@ -55,16 +60,37 @@ class Session:
 
 
 class Records:
-    """One stage's JSONL: the lines so far, and appending one with the wall seconds since the previous one."""
+    """One stage's JSONL: the lines so far, and appending one with the wall seconds since the previous one.
+    Lines are appended to `path` (<stage>.jsonl) while the stage runs; `seal` folds them into <stage>.jsonl.gz,
+    the form that is committed, and lines added later (raised replays) go to a new <stage>.jsonl until the next
+    seal. `read` reads both, the gzipped lines first."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.sealed = path.with_name(path.name + ".gz")
         self.last = time.monotonic()
 
+    def exists(self) -> bool:
+        return self.path.exists() or self.sealed.exists()
+
+    def text(self) -> str:
+        sealed = gzip.decompress(self.sealed.read_bytes()).decode("utf-8") if self.sealed.exists() else ""
+        open_ = self.path.read_text(encoding="utf-8") if self.path.exists() else ""
+        return (
+            sealed if open_ and sealed.endswith(open_) else sealed + open_
+        )  # a seal cut short: sealed already
+
     def read(self) -> list[dict]:
+        return [json.loads(line) for line in self.text().splitlines() if line]
+
+    def seal(self) -> None:
+        """Gzip every line into <stage>.jsonl.gz (replaced atomically), then remove <stage>.jsonl."""
         if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines() if line]
+            return
+        tmp = self.sealed.with_name(self.sealed.name + ".tmp")
+        tmp.write_bytes(gzip.compress(self.text().encode("utf-8"), mtime=0))
+        os.replace(tmp, self.sealed)
+        self.path.unlink()
 
     def append(self, line: dict) -> dict:
         now = time.monotonic()
@@ -175,11 +201,11 @@ def matched_rewards(lines: Sequence[dict]) -> dict[int, list[float]]:
 def truth_plan(
     groups: Sequence[list[Episode]], tasks: Sequence[Task], *, turns: int, seed: int
 ) -> dict[tuple[int, int], list[int]]:
-    """The scored turns of every trainable episode of a usable group: all, or `turns` chosen at random."""
+    """The scored turns of every learnable episode of a usable group: all, or `turns` chosen at random."""
     chosen = {}
     for g, (task, group) in enumerate(zip(tasks, groups, strict=True)):
         for i, episode in enumerate(group):
-            if usable(group) and trainable(episode):
+            if usable(group) and learnable(episode):
                 rng = random.Random(f"truth/{seed}/{task.task_id}/{i}")
                 chosen[(g, i)] = chosen_turns(len(episode.turns), turns, rng)
     return chosen
@@ -270,7 +296,7 @@ async def run_stages(
     """The stages of one N into `folder`, each resumed from its records; torch reseeded per stage (and per
     process: `Session.draws`)."""
     seed_step(s.cfg, 5 * s.draws)
-    resumed = (folder / "episodes.jsonl").exists()  # a stage file is made by its first line
+    resumed = Records(folder / "episodes.jsonl").exists()  # a stage file is made by its first line
     groups = await play_stage(tasks, s, Records(folder / "episodes.jsonl"))
     if resumed:
         exact = await check_replay(groups, tasks, s, folder)

@@ -1,7 +1,7 @@
 """The long-horizon study: plate_audit at N photos per episode x credit mode, at equal sampled-token budgets.
 
     python -m benchmarks.studies.horizon.bench --sampler vllm  # N 1 4 8, 2 seeds at N = 8
-                                                               # -> results/bench_horizon.json
+                                                               # -> results/horizon/main/summary.json
     python -m benchmarks.studies.horizon.bench --recorded      # the table and plot of the stages so far
     python -m benchmarks.studies.horizon.bench --ns 1 4 --steps 3 --tag quick --sampler vllm
 
@@ -18,7 +18,7 @@ each mode really sampled per step (episodes and branches), and the plot puts per
 episodes against cumulative sampled tokens, so no mode can look better by sampling more.
 
 Each finished stage (one N, credit mode and seed: trained, then evaluated) writes a small record to
-results/bench_horizon/<stage>.json: its settings, the SHA-256 of the warm start's weights, the evaluation and the
+results/horizon/main/records/<stage>.json: its settings, the SHA-256 of the warm start's weights, the evaluation and the
 training summary. The study resumes from those records, so it can be spread over machines and clean checkouts: a
 stage with a record made under the same settings is not run again, a run cut short before its record resumes from
 its last checkpoint (`--resume`), and a record from another warm start is reported as such, not silently mixed.
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 from benchmarks.common.stages import conductor, train_to, warm_start_sha
 from conductor.stopping import stop_like_ctrl_c
 from training.checkpoint import find_latest
@@ -255,7 +256,7 @@ def main() -> None:
     stop_like_ctrl_c()  # `kill` stops the study as Ctrl-C does: its engine and commands close first
     args = parse_args()
     suffix = f"_{args.tag}" if args.tag else ""
-    results = ROOT / "benchmarks" / "results"
+    out = summary_path("horizon", args.tag or "main")
     opts = Options(
         args.policy,
         args.steps,
@@ -263,7 +264,7 @@ def main() -> None:
         args.eval_n,
         args.sampler,
         ROOT / "runs" / f"horizon{suffix}",
-        results / f"bench_horizon{suffix}",
+        out.parent / "records",
         args.recorded,
     )
     start = time.monotonic()
@@ -281,7 +282,7 @@ def main() -> None:
     rows = [r for r in (row(n, credit, list(seeds), opts) for n, credit, seeds in plan) if r is not None]
     if not rows:
         sys.exit(f"no stage recorded in {opts.records} under {opts.settings()}")
-    png = plot(rows, max(r["n"] for r in rows), results / f"bench_horizon{suffix}.png")
+    png = plot(rows, max(r["n"] for r in rows), out.with_suffix(".png"))
     print("\n" + table(rows))
     warm_starts = sorted({sha for r in rows for sha in r["warm_starts"]})
     if len(warm_starts) > 1:
@@ -290,7 +291,6 @@ def main() -> None:
         )
     total = time.monotonic() - start
     print(f"\nplot: {png}\nstudy wall time (stages run now): {total / 60:.1f} min")
-    out = results / f"bench_horizon{suffix}.json"
     report = {
         "rows": rows,
         "settings": vars(args) | opts.settings(),
@@ -298,7 +298,7 @@ def main() -> None:
         "plot": str(png.relative_to(ROOT)),
         "wall_s_now": total,
     }
-    out.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    write_summary(out, report)
     print(f"wrote {out}")
 
 

@@ -1,7 +1,7 @@
 """The power of the horizon study: what difference in per-item accuracy it can detect, at the size it ran and at
 the sizes it would need, and what those cost on the machine the records were made on.
 
-    python -m benchmarks.studies.horizon.power   # from results/bench_horizon/ and results/bench_learning/
+    python -m benchmarks.studies.horizon.power   # from results/horizon/main/ and results/learning/plates/
     python -m benchmarks.studies.horizon.power --target 0.1 --rho 0 0.3 --steps 20 --episodes 8
 
 Two credit modes are compared by their mean over S seeds of the final dev per-item accuracy. One seed's estimate
@@ -13,9 +13,9 @@ power 0.8 is MDE = (1.96 + 0.84) sqrt(2 var / S) (the usual normal approximation
 would widen it).
 
 Where the numbers come from (nothing here trains or samples):
-  p at each N: the records' mean per-item accuracy over modes and seeds (results/bench_horizon/*.json);
+  p at each N: the records' mean per-item accuracy over modes and seeds (results/horizon/main/records/*.json);
   sigma_seed: the sample standard deviation over seeds of final dev success of a credit mode in
-    results/bench_learning/*.json when some mode has two or more seeds, else that of bench_horizon's repeated
+    results/learning/plates/records/*.json when some mode has two or more seeds, else that of bench_horizon's repeated
     seeds, else 0 (then the MDE is a lower bound: evaluation noise alone);
   cost: seconds per training episode and per evaluated audit at each N, from the same records.
 The dev split caps K: its 49 photos make 49 // N disjoint audits (plate_audit bundles never share a photo), so
@@ -38,7 +38,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import ROOT
+from benchmarks.common.records import RESULTS, summary_path, write_summary
+
+HORIZON = Path("horizon", "main", "records")
+LEARNING = Path("learning", "plates", "records")
+"""The stage records the power is read from, under benchmarks/results/."""
 
 Z = 1.96 + 0.84
 """z_(1 - alpha/2) + z_power at alpha 0.05 (two-sided) and power 0.8."""
@@ -156,12 +160,10 @@ def study_hours(cells: list[Cell], audits: list[int], seeds: list[int], steps: i
 
 def report(args: argparse.Namespace, results: Path) -> dict:
     """The power as run and the size that reaches `args.target`, from the records under `results`."""
-    cells, ran = horizon_cells(results / "bench_horizon")
+    cells, ran = horizon_cells(results / HORIZON)
     if not cells:
-        sys.exit(
-            "no bench_horizon records in benchmarks/results/bench_horizon: run benchmarks/bench_horizon.py"
-        )
-    sigma, source = seed_spread(results / "bench_learning", results / "bench_horizon")
+        sys.exit(f"no horizon records in {results / HORIZON}: run python -m benchmarks.studies.horizon.bench")
+    sigma, source = seed_spread(results / LEARNING, results / HORIZON)
     achieved = [
         {
             "n": c.n,
@@ -221,10 +223,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="RL steps per run of the sized study")
     parser.add_argument("--episodes", type=int, default=8, help="episodes per step of the sized study")
     args = parser.parse_args()
-    rep = report(args, ROOT / "benchmarks" / "results")
+    rep = report(args, RESULTS)
     print(table(rep))
-    out = ROOT / "benchmarks" / "results" / "horizon_power.json"
-    out.write_text(json.dumps(rep, indent=2) + "\n", encoding="utf-8")
+    out = write_summary(summary_path("horizon", "power"), rep)
     print(f"\nwrote {out}")
 
 

@@ -1,10 +1,9 @@
 """A learning curve that rises: plate_reading from its SFT warm start, outcome vs turn credit, 3 seeds.
 
-    python -m benchmarks.studies.learning.bench --sampler vllm  # the study (vLLM env)
-                                                                # -> results/bench_learning.json, .png
+    python -m benchmarks.studies.learning.bench --sampler vllm  # the study (vLLM env) -> results/learning/plates/
     python -m benchmarks.studies.learning.bench --recipe research --cells lora-lr1e-4 --sampler vllm
-        # the same stages on the research assistant's recipe (RECIPES): the chained SFT adapter committed in
-        # research_warm_start/ on corpus_qa -> results/bench_learning_research.json, runs/learning-research-vllm/
+        # the same stages on the research assistant's recipe (RECIPES): the chained SFT adapter named by commit
+        # in research_warm_start/, on corpus_qa -> results/learning/research/, runs/learning-research-vllm/
     python -m benchmarks.studies.learning.bench --sampler vllm --recorded  # the table and plot so far
     python -m benchmarks.studies.learning.bench --steps 1 --seeds 1 --sweep-steps 1 --eval-n 2 --tag smoke \
         --cells full-lr1e-5 lora16-lr2e-4 --policy /abs/path/to/runs/sft-plates/model
@@ -41,8 +40,8 @@ they differ only in how the rewards become advantages, so their sampling budgets
 shows the sampled tokens per step each really used. The longer-horizon evaluation of the issue (train plate_audit
 N = 2, test N = 8) applies to plate_audit; this study trains plate_reading and does not run it.
 
-Records: each finished stage writes results/bench_learning/<stage>.json: its settings, the SHA-256 of the warm
-start's weights, the evaluation and the training summary. A stage with a record of the same settings and warm
+Records: each finished stage writes results/learning/<recipe>[_tag]/records/<stage>.json: its settings, the
+SHA-256 of the warm start's weights, the evaluation and the training summary. A stage with a record of the same settings and warm
 start is not run again; a run cut short resumes from its last checkpoint (`--resume`); a record from another warm
 start is reported and left out of the table (and run again unless `--recorded`). So the study spreads over
 sessions and machines: on a new machine the SFT command of examples/train_plates.toml remakes the warm start bit
@@ -66,6 +65,7 @@ from pathlib import Path
 
 from benchmarks import ROOT
 from benchmarks.common.episodes import moved, sampled_scores
+from benchmarks.common.records import summary_path, write_summary
 from benchmarks.common.stages import conductor, train_to, warm_start_sha
 from benchmarks.studies.learning.recipes import (
     CONTROL,
@@ -382,23 +382,21 @@ def main() -> None:
         parser.error(f"--cells: {sorted(unknown)} are not cells of {args.recipe} ({', '.join(recipe.sweep)})")
     name = "learning" + ("" if args.recipe == "plates" else f"-{args.recipe}")  # plates: the recorded study
     suffix = f"_{args.tag}" if args.tag else ""
-    results = ROOT / "benchmarks" / "results"
-    stem = f"bench_{name.replace('-', '_')}{suffix}"
+    out = summary_path("learning", f"{args.recipe}{suffix}")
     opts = Options(
         args.policy, args.steps, args.sweep_steps, args.eval_n, args.sampler,
-        ROOT / "runs" / f"{name}-{args.sampler}{suffix}", results / stem, args.recorded, recipe,
+        ROOT / "runs" / f"{name}-{args.sampler}{suffix}", out.parent / "records", args.recorded, recipe,
     )  # fmt: skip  # runs apart by sampler: a stage reuses or resumes only runs made as its record says
     start = time.monotonic()
     report = study(args, opts)
-    png = plot(report, results / f"{stem}.png", title=f"{recipe.task}: graded reward while training")
+    png = plot(report, out.with_suffix(".png"), title=f"{recipe.task}: graded reward while training")
     print("\n" + table(report))
     report |= {
         "settings": vars(args),
         "plot": str(png.relative_to(ROOT)),
         "wall_s_now": time.monotonic() - start,
     }
-    out = results / f"{stem}.json"
-    out.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    write_summary(out, report)
     print(
         f"\nplot: {png}\nwrote {out}\nstudy wall time (stages run now): {report['wall_s_now'] / 60:.1f} min"
     )

@@ -64,7 +64,7 @@ RECIPES = {
         "runs/sft-plates/model", 49,
     ),
     # The research assistant's recipe (examples/default_policy.toml): RL of the chained SFT adapter (v10,
-    # committed beside the study so its records resume anywhere: research_warm_start/README.md) on corpus_qa
+    # named by the commit that holds it so its records resume anywhere: research_warm_start/README.md) on corpus_qa
     # train, token F1 as the reward (the family's own: graded by nature), evaluated greedy on the first 72
     # corpus_qa dev questions under the default's rollout budgets (as benchmarks.studies.research.bench).
     "research": Recipe(

@@ -13,19 +13,19 @@ finish, so an interrupted run plays only the photos it has no episode of; a poli
 settings. Each episode becomes a record (records.py) and the records a table per policy, country and split:
 success, answered, plate-shaped answers, retried (and the share of successes that retried: the demonstrations
 SFT keeps), calls a photo, tool error rate, the label shown in a read, and the plate-shaped rule's hits where it
-was. Records and tables go to benchmarks/results/bench_plates.json. docs/plates.md: which split chose what.
+was. Records and tables go to benchmarks/results/plates/main/summary.json. docs/plates.md: which split chose what.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks import ROOT
 from benchmarks.common.chunks import claim, folder_name, play_chunks, recorded
+from benchmarks.common.records import summary_path, write_summary
 from benchmarks.studies.plates.records import country, format_table, groups, record
 from training import tasks as task_data
 from training.evaluate import load_eval_config
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], help="eval setting key=value")
     parser.add_argument("--recorded", action="store_true", help="tabulate what is recorded; play nothing")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_plates")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_plates.json")
+    parser.add_argument("--out", type=Path, default=summary_path("plates", "main"))
     args = parser.parse_args()
     tasks = [t for split in args.split or ["dev"] for t in photos(split, args.n)]
     sets = [*RECIPE_SETS, *args.sets]
@@ -84,11 +84,9 @@ def main() -> None:
         records[policy] = records_of(tasks, folder)
         rows += groups(policy, records[policy])
     table = format_table(rows)
-    command = " ".join(["python -m benchmarks.studies.plates.bench", *sys.argv[1:]])
-    found = {"family": FAMILY, "settings": sets, "command": command, "rows": rows, "table": table}
+    found = {"family": FAMILY, "settings": sets, "rows": rows, "table": table}
     print(f"\n## plate_reading by country\n{table}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(found | {"records": records}, indent=2) + "\n", encoding="utf-8")
+    write_summary(args.out, found | {"records": records})
     print(f"wrote {args.out}")
 
 

@@ -1,6 +1,6 @@
 """page_qa alone as a reader, on a tune split (rules are chosen there) and a report split (they are measured there).
 
-    python -m benchmarks.studies.reader.bench             # extract, both splits -> results/bench_reader.json
+    python -m benchmarks.studies.reader.bench             # extract, both splits -> results/reader/main/summary.json
     python -m benchmarks.studies.reader.bench --modes free align extract --n 60
     python -m benchmarks.studies.reader.bench --recorded  # the table of what is recorded, running nothing
     python -m benchmarks.studies.reader.bench --set extract.null_margin=2 --label margin  # Config fields
@@ -24,7 +24,7 @@ F1 against the gold answer, has-gold (the answer contains it), in-page (the answ
 type (who / when / where / how many / what) and by source.
 
 Every mode is set explicitly (`Config(answer_mode=...)`), whatever page_qa's default; `--set` changes other
-Config fields. Written: the rows in results/bench_reader.json (small, committed), where a row is replaced by a
+Config fields. Written: the rows in results/reader/main/summary.json (small, committed), where a row is replaced by a
 run of the same model, mode, settings and READER_VERSION and others are kept, so the table holds earlier readers
 beside today's; one JSON line per call in <work>/records/<model>/<mode>.jsonl (runs/bench_reader/ by default,
 not committed), with a fingerprint of the settings, the model and READER_VERSION (bumped when the reader's code
@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 
 from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 from benchmarks.studies.reader import items as reader_items
 from benchmarks.studies.reader.items import Item
 from conductor.models import DEFAULT_MODEL
@@ -61,7 +62,6 @@ from training.rewards import exact_match, token_f1
 from training.tasks.task import data_root
 
 MODES = ("free", "align", "extract")
-RESULTS = ROOT / "benchmarks" / "results"
 HOTPOTQA_N = 150  # HotpotQA questions per split: with ~115 MuSiQue hops, ~265 tune and ~300 report questions
 CONTENT_TYPES = {"html": "text/html", "md": "text/markdown", "txt": "text/plain"}
 # Bumped with every change to how page_qa answers (page_qa.py, spans.py) that its Config does not show, so that
@@ -364,7 +364,7 @@ def main() -> None:
         "--work", type=Path, default=ROOT / "runs" / "bench_reader", help="pages and per-question records"
     )
     parser.add_argument("--recorded", action="store_true", help="run nothing: tabulate the records")
-    parser.add_argument("--out", type=Path, default=RESULTS / "bench_reader.json")
+    parser.add_argument("--out", type=Path, default=summary_path("reader", "main"))
     args = parser.parse_args()
     todo = items(data_root(None), args.work / "pages", args.splits, n=args.n)
     overrides = config_overrides(args.overrides)
@@ -376,10 +376,8 @@ def main() -> None:
         records = asyncio.run(run(todo, configs, args.work, reader=reader, recorded=args.recorded))
         rows += [row(reader_name(reader), configs[m], args.label, records[m]) for m in args.modes]
     print("\n" + table(rows) + "\n\n" + group_table(rows, "report"))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"n": args.n, "hotpotqa_n": HOTPOTQA_N, "seed": reader_items.SEED}
-    report = {"settings": settings, "rows": merged(args.out, rows)}
-    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_summary(args.out, {"settings": settings, "rows": merged(args.out, rows)})
     print(f"wrote {args.out}")
 
 

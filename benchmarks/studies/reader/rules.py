@@ -2,7 +2,7 @@
 
     python -m benchmarks.studies.reader.rules score    # stage 1: each question's candidates and their scores
     python -m benchmarks.studies.reader.rules choose   # stage 2: the grid on tune
-                                                       # -> results/reader_rules.json
+                                                       # -> results/reader/rules/summary.json
 
 Stage 1 (the model; resumable, one JSON line a question in runs/reader_rules/<model>/<split>.jsonl, not
 committed, ~1.5 MB): for every question of both splits (reader_items), the page as page_qa reads it (the file
@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 from benchmarks.studies.reader import items as reader_items
 from benchmarks.studies.reader.bench import HOTPOTQA_N, page_text
 from conductor.models import DEFAULT_MODEL
@@ -44,7 +45,6 @@ from subagents.llm import BackendConfig
 from training.rewards import exact_match, token_f1
 from training.tasks.task import data_root
 
-RESULTS = ROOT / "benchmarks" / "results"
 SUPERSET = 96  # candidates scored per question; a rule may use the first fewer (their order is fixed)
 FEATURES_VERSION = 1  # bumped when candidates or prompts change in a way the fingerprint does not see
 PROMPTS = ("question", "page", "none")
@@ -274,7 +274,7 @@ def main() -> None:
         help="the reader's (BackendConfig)",
     )
     parser.add_argument("--work", type=Path, default=ROOT / "runs", help="bench_reader's pages live here")
-    parser.add_argument("--out", type=Path, default=RESULTS / "reader_rules.json")
+    parser.add_argument("--out", type=Path, default=summary_path("reader", "rules"))
     args = parser.parse_args()
     pages = args.work / "bench_reader" / "pages"
     folder = args.work / "reader_rules" / Path(args.model).name
@@ -317,7 +317,7 @@ def main() -> None:
         "chosen": dataclasses.asdict(chosen),
         "rows": rows,
     }
-    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_summary(args.out, report)
     print(f"wrote {args.out}")
 
 

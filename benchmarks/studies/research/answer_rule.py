@@ -1,7 +1,7 @@
 """Which read a chained question's answer comes from: answer rules scored on every expert episode, unfiltered.
 
     OMP_NUM_THREADS=1 python -m benchmarks.studies.research.answer_rule --start 240 --n 96
-        # -> results/answer_rule.json; episodes in runs/bench_research/expert-train/
+        # -> results/research/answer_rule/summary.json; episodes in runs/bench_research/expert-train/
 
 corpus_qa's chained expert (search, read the top hit, search again with what it answered, read the two best
 unread hits) plays corpus_qa **train** questions start..start+n through the real tools in this process, and every
@@ -31,6 +31,7 @@ from pathlib import Path
 
 from benchmarks import ROOT
 from benchmarks.common.chunks import EXPERT, claim, play_chunks, recorded
+from benchmarks.common.records import summary_path, write_summary
 from conductor.answers import exact_match, token_f1
 from main_agent.types import Episode, Turn
 from training import tasks as task_data
@@ -97,7 +98,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=96, help="questions from --start")
     parser.add_argument("--recorded", action="store_true", help="score what is recorded; play nothing")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_research" / "expert-train")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "answer_rule.json")
+    parser.add_argument("--out", type=Path, default=summary_path("research", "answer_rule"))
     args = parser.parse_args()
     every = task_data.load_family(FAMILY, SPLIT)
     if not (0 <= args.start and 0 < args.n and args.start + args.n <= len(every)):
@@ -126,9 +127,8 @@ def main() -> None:
         "n": len(played),
         "scores": scores,
         "table": table,
-        "command": " ".join(["python -m benchmarks.studies.research.answer_rule", *sys.argv[1:]]),
     }
-    args.out.write_text(json.dumps(found, indent=2) + "\n", encoding="utf-8")
+    write_summary(args.out, found)
     print(f"wrote {args.out}")
 
 

@@ -18,7 +18,7 @@ under NAME, after the played policies. Each episode becomes a record
 answer rate, EM, F1, calls per question, both supporting pages read, tool error rate and the categories, and for
 two or more policies the paired F1 difference of each against the first over the questions both played. Power:
 the questions a paired comparison needs to detect 0.05 F1 (summary.power). Records, tables and power go to
-benchmarks/results/bench_research.json.
+benchmarks/results/research/main/summary.json.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 
 from benchmarks import ROOT
 from benchmarks.common.chunks import claim, folder_name, play_chunks, recorded
+from benchmarks.common.records import summary_path, write_summary
 from benchmarks.studies.research.records import record, supporting_pages
 from benchmarks.studies.research.summary import format_table, paired, power, summarise
 from main_agent.types import Episode
@@ -113,7 +114,7 @@ def main() -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], help="eval setting key=value")
     parser.add_argument("--recorded", action="store_true", help="tabulate what is recorded; play nothing")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_research")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_research.json")
+    parser.add_argument("--out", type=Path, default=summary_path("research", "main"))
     args = parser.parse_args()
     if not args.policy and not args.episodes:
         parser.error("name a --policy to play or an --episodes file to tabulate")
@@ -133,10 +134,7 @@ def main() -> None:
     record_sets = [records_of(tasks, episodes, args.work / "corpus") for _, episodes in sources]
     names = [name for name, _ in sources]
     found = results(names, record_sets, n=args.n, available=len(every))
-    found |= {
-        "settings": sets,
-        "command": " ".join(["python -m benchmarks.studies.research.bench", *sys.argv[1:]]),
-    }
+    found |= {"settings": sets}
     print(f"\n## corpus_qa dev, first {args.n} questions\n{found['table']}")
     for policy, diff in found["paired_vs_first"].items():
         print(
@@ -146,7 +144,7 @@ def main() -> None:
     p = found["power"]
     print(f"power: {p['n']} questions detect d = {p['d']} (sd_diff {p['sd_diff']:.3f}, {p['sd_from']}); "
           f"the {p['available']} dev questions detect {p['detectable_with_available']:.3f}")  # fmt: skip
-    args.out.write_text(json.dumps(found, indent=2) + "\n", encoding="utf-8")
+    write_summary(args.out, found)
     print(f"wrote {args.out}")
 
 

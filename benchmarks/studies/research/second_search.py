@@ -1,6 +1,6 @@
 """Which second search finds a two-hop question's other page: the rule corpus_qa's chained expert follows.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.studies.research.second_search --n 60   # -> results/second_search.json
+    OMP_NUM_THREADS=1 python -m benchmarks.studies.research.second_search --n 60   # -> results/research/second_search/
 
 On the first n HotpotQA questions of corpus_qa **train** (the rule is chosen here; dev reports it, through the
 expert and the policies in bench.py), through the real tools in this process: search with the question, read the
@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 from pathlib import Path
 
-from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 from benchmarks.studies.research.records import supporting_pages
 from tool_server.client import ToolClient
 from tool_server.embedded import ToolAccess
@@ -94,19 +93,13 @@ def table(rows: list[dict]) -> tuple[str, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=60, help="the first n HotpotQA questions of corpus_qa train")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "second_search.json")
+    parser.add_argument("--out", type=Path, default=summary_path("research", "second_search"))
     args = parser.parse_args()
     hotpot = [t for t in task_data.load_family("corpus_qa", "train") if not t.meta.hops][: args.n]
     rows = asyncio.run(_run(hotpot))
     text, shares = table(rows)
     print(text)
-    found = {
-        "n": len(rows),
-        "shares": shares,
-        "rows": rows,
-        "command": f"python -m benchmarks.studies.research.second_search --n {args.n}",
-    }
-    args.out.write_text(json.dumps(found, indent=2) + "\n", encoding="utf-8")
+    write_summary(args.out, {"n": len(rows), "shares": shares, "rows": rows})
     print(f"wrote {args.out}")
 
 

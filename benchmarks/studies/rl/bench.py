@@ -1,9 +1,9 @@
 """Base vs SFT vs RL (outcome and turn credit) on a dev split: the whole training chain, unattended.
 
     python -m benchmarks.studies.rl.bench --families plate_reading multihop_pages --n 16
-                                                  # -> results/bench_rl_plates_multihop.json
+                                                  # -> results/rl/plates_multihop/summary.json
     python -m benchmarks.studies.rl.bench --families plate_reading --n 49 --tag g8 --sampler vllm \
-        --set group_size=8 --set steps=12         # -> results/bench_rl_plates_g8.json, runs/rl-plates-g8-*
+        --set group_size=8 --set steps=12         # -> results/rl/plates_g8/, runs/rl-plates-g8-*
 
 For each task family, through the `conductor` CLI exactly as a user would run it:
 
@@ -12,7 +12,7 @@ For each task family, through the `conductor` CLI exactly as a user would run it
   3. `conductor eval` of the base model, the SFT model and both RL models on the same first n dev tasks (greedy),
      and the scripted expert the warm start imitates on the same tasks (through the same real tools)
   4. `conductor plot` of both RL runs                               -> runs/rl-<short>-<credit>/plots/*.png
-     and both runs' training reward in one PNG                       -> results/bench_rl_<short>_reward.png
+     and both runs' training reward in one PNG                       -> results/rl/<run>/<short>_reward.png
 
 `--set` overrides the example config of the RL runs (`--set group_size=8`, `--set rollout.max_turns=6`),
 `--sampler vllm` samples training and evaluation through vLLM (passed on as `--set sampling.backend=vllm`; the
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 from benchmarks.common.stages import conductor
 from conductor.models import DEFAULT_MODEL, resolve_model
 from conductor.stopping import stop_like_ctrl_c
@@ -201,7 +202,7 @@ def bench_family(family: Family, opts: Options) -> dict:
         policies[f"rl{tag}-{credit}"] = str(find_latest(run_dir) / "model")
     evals = {"expert": run_expert_eval(family, opts)}
     evals |= {name: run_eval(name, policy, family, opts) for name, policy in policies.items()}
-    png = opts.results / f"bench_rl_{opts.label(family)}_reward.png"
+    png = opts.results / f"{opts.label(family)}_reward.png"
     return {
         "family": family.name,
         "n": opts.n,
@@ -252,11 +253,11 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="names the RL runs and results apart (e.g. g8)")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs", help="where every stage writes")
     parser.add_argument(
-        "--out", type=Path, help="JSON report (default: results/bench_rl_<families>[_tag].json)"
+        "--out", type=Path, help="JSON report (default: results/rl/<families>[_tag]/summary.json)"
     )
     args = parser.parse_args()
     shorts = "_".join(FAMILIES[name].short for name in args.families) + (f"_{args.tag}" if args.tag else "")
-    args.out = args.out or ROOT / "benchmarks" / "results" / f"bench_rl_{shorts}.json"
+    args.out = args.out or summary_path("rl", shorts)
     sets = (*args.set, *([f"steps={args.steps}"] if args.steps is not None else []))
     opts = Options(args.n, args.runs, args.out.parent, sets, args.sampler, args.tag)
     start = time.monotonic()
@@ -265,8 +266,7 @@ def main() -> None:
         print("\n" + table(result))
     total = time.monotonic() - start
     print(f"\nbenchmark wall time (stages run now): {total / 60:.1f} min")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"results": results, "wall_s": total}, indent=2) + "\n", encoding="utf-8")
+    write_summary(args.out, {"results": results, "wall_s": total})
     print(f"wrote {args.out}")
 
 

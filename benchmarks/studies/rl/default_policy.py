@@ -1,6 +1,6 @@
 """The shipped default policy against its base model, on questions its recipe never trained on.
 
-    python -m benchmarks.studies.rl.default_policy    # -> results/default_policy.json and a table
+    python -m benchmarks.studies.rl.default_policy    # -> results/default_policy/main/ and a table
     python -m benchmarks.studies.rl.default_policy --policies smollm2-135m-instruct \\
         runs/default-rl/step_8/model
     python -m benchmarks.studies.rl.default_policy --n research_corpus=36 multihop_pages=24
@@ -24,6 +24,7 @@ import subprocess
 from pathlib import Path
 
 from benchmarks import ROOT
+from benchmarks.common.records import summary_path, write_summary
 from conductor.models import DEFAULT_MODEL, DEFAULT_POLICY
 from training.evaluate import EvalReport, format_table
 
@@ -46,7 +47,7 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=[DEFAULT_MODEL, DEFAULT_POLICY])
     parser.add_argument("--n", nargs="+", default=list(DEFAULT_N), help="questions per set: family=n ...")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_default_policy")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "default_policy.json")
+    parser.add_argument("--out", type=Path, default=summary_path("default_policy", "main"))
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     sizes = {family: int(n) for family, n in (item.split("=") for item in args.n)}
@@ -58,7 +59,7 @@ def main() -> None:
             reports.append(evaluate(policy, family, sizes[family], out))
         print(f"\n## {family} ({SETS[family]}, first {sizes[family]})\n{format_table(reports)}")
         results[family] = [json.loads(r.to_json()) for r in reports]
-    args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    write_summary(args.out, results)
     print(f"\nwrote {args.out}")
 
 
