@@ -22,8 +22,8 @@ READER_URL_HELP = (
     '"extract" scores page spans, which only the in-process model can.'
 )
 READER_MODEL_HELP = (
-    "Model name served at --reader-url (default: the first it lists); without --reader-url, a built-in model "
-    "page_qa runs in process (`conductor models list`)."
+    "Model name served at --reader-url for page_qa (default: the first it lists); without --reader-url, a "
+    "built-in model every sub-agent runs in process (`conductor models list`)."
 )
 
 

@@ -269,7 +269,9 @@ def test_reader_url_names_the_model_page_qa_asks_there():
     with pytest.raises(AskError, match="without --reader-url, one of the built-in models"):
         validate(AskOptions("q", reader_model="big"))
     builtin = validate(AskOptions("q", reader_model="gemma3-270m"))
-    assert reader_settings(builtin) == ('page_qa.model.model="gemma3-270m"',)
+    assert reader_settings(builtin) == tuple(
+        f'{tool}.model.model="gemma3-270m"' for tool in ("page_qa", "video_summary", "image_ops", "search")
+    )  # the whole server on the named model: one model in memory
     nobody = f"http://127.0.0.1:{unused_port()}/v1"
     with pytest.raises(AskError, match=f"--reader-url: no OpenAI-compatible endpoint answers at {nobody}"):
         validate(AskOptions("q", reader_url=nobody))

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conductor.models import DEFAULT_READER
 from conductor.settings import ConfigError
 from subagents import SUBAGENTS
 from subagents.backends import build_llm
@@ -104,9 +105,7 @@ def test_toml_points_page_qa_at_an_openai_endpoint(
     assert QUESTION in str(received[0]["messages"])
     assert search["ok"] is True and search["hits"][0]["url"].endswith("engine.txt"), search
     assert models["page_qa"] == "openai:served-model"
-    assert {models[name] for name in ("image_ops", "video_summary", "search")} == {
-        "fake:smollm2-135m-instruct"
-    }
+    assert {models[name] for name in ("image_ops", "video_summary", "search")} == {f"fake:{DEFAULT_READER}"}
     assert [llm.prompts for llm in factory.fakes.built] == [[]]  # the in-process model answered nothing
 
 
@@ -142,7 +141,7 @@ def test_admin_hot_swap_moves_page_qa_to_the_endpoint(
     assert after["ok"] is True and after["answer"] == ENDPOINT_ANSWER and after["cached"] is False, after
     assert len(received) == 1 and QUESTION in str(received[0]["messages"])
     assert model_a.closed and len(model_a.prompts) == 1
-    assert models["page_qa"] == "openai:served-model" and models["search"] == "fake:smollm2-135m-instruct"
+    assert models["page_qa"] == "openai:served-model" and models["search"] == f"fake:{DEFAULT_READER}"
 
 
 def test_refused_endpoint_is_a_backend_error_result(tmp_path: Path, page_url: str) -> None:

@@ -327,7 +327,7 @@ async def test_swap_to_an_unknown_model_or_a_bad_path_is_422(token_cfg: ServerCo
     not a loadable checkpoint are each a 422 saying what is wrong, not a 500; the tool keeps its backend."""
 
     def real_for_swaps(cfg: BackendConfig) -> Any:  # the start-up model stays fake: no weights needed
-        return FakeFactory()(cfg) if cfg.model == BackendConfig().model else build_llm(cfg)
+        return FakeFactory()(cfg) if cfg.model == DEFAULT_READER else build_llm(cfg)
 
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -342,7 +342,7 @@ async def test_swap_to_an_unknown_model_or_a_bad_path_is_422(token_cfg: ServerCo
         assert (reply.status_code, reply.json()["error"]["kind"]) == (422, "backend_error"), reply.text
     assert "neither a built-in model" in replies[0].json()["error"]["message"]
     assert "missing" in replies[1].json()["error"]["message"]
-    assert still["model"] == "fake:smollm2-135m-instruct"
+    assert still["model"] == f"fake:{DEFAULT_READER}"
 
 
 async def test_swap_with_bad_config_keeps_old_backend(token_cfg: ServerConfig) -> None:
@@ -362,7 +362,7 @@ async def test_swap_with_bad_config_keeps_old_backend(token_cfg: ServerConfig) -
     assert (bad_field.status_code, bad_field.json()["error"]["kind"]) == (422, "invalid_args")
     assert typo.status_code == 422 and "unknown key 'modle'" in typo.json()["error"]["message"]
     assert (bad_model.status_code, bad_model.json()["error"]["kind"]) == (422, "backend_error")
-    assert still["model"] == "fake:smollm2-135m-instruct"
+    assert still["model"] == f"fake:{DEFAULT_READER}"
 
 
 # The attack's swaps: each was accepted (200) or crashed the route (500); a NaN wait then failed every call.
@@ -389,9 +389,7 @@ async def test_a_swap_is_validated_like_the_start_up_config_and_leaves_the_tool_
     factory = FakeFactory()
     async with running(app_for(token_cfg, factory), headers=AUTH) as client:
         replies = [await client.post("/admin/backends/page_qa", content=body) for body in REFUSED_SWAPS]
-        assert (
-            len(factory.built) == 2
-        )  # the start-up models only: page_qa's reader and the one the rest share
+        assert len(factory.built) == 1  # the start-up model only: the reader page_qa and video_summary share
         still = (await client.post("/v1/tools/page_qa", json={"text": "q"})).json()
         ok = await client.post("/admin/backends/page_qa", json={"model": "B", "batch_wait_ms": 0})
         health = await client.get("/health")

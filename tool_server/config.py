@@ -80,9 +80,17 @@ ToolsConfig = Mapping[str, ToolSettings[Any]]
 """Each sub-agent's settings, under its name in subagents.SUBAGENTS."""
 
 
-# The model a sub-agent runs on when its `[<tool>.model]` names none other than BackendConfig's default (SmolLM2,
-# the policy's own model): page_qa reads with the strongest frozen reader built in (docs/reader.md).
-DEFAULT_MODELS: dict[str, BackendConfig] = {"page_qa": BackendConfig(model=DEFAULT_READER)}
+# The model a sub-agent runs on when its `[<tool>.model]` names none other: the strongest frozen reader built in.
+# page_qa reads with it (docs/reader.md); video_summary writes with it, which puts the spoken sentence in its
+# answer on 11 of 12 video_qa clips against SmolLM2's 2 (tune 6 of 7 against 2, report 5 of 5 against 0;
+# benchmarks/studies/reader/video_text.py); image_ops and search ask no model, and naming the same one keeps the
+# default server at one model in memory (equal BackendConfigs share it, tool_server/host.py).
+DEFAULT_MODELS: dict[str, BackendConfig] = {
+    "page_qa": BackendConfig(model=DEFAULT_READER),
+    "video_summary": BackendConfig(model=DEFAULT_READER),
+    "image_ops": BackendConfig(model=DEFAULT_READER),
+    "search": BackendConfig(model=DEFAULT_READER),
+}
 
 
 def default_tools() -> dict[str, ToolSettings[Any]]:
@@ -244,12 +252,14 @@ def reader_overrides(url: str | None, model: str) -> tuple[str, ...]:
     `base_url`, `model` in a server TOML; page_qa's `answer_mode` "auto" then means "free" (an endpoint cannot
     score spans; an explicit "extract" is refused at start-up). `--reader-model NAME` alone: the built-in model
     NAME in process (`[page_qa.model] model = NAME`; ValueError listing them for any other name), with the
-    "extract" rule chosen for it where one was (`[page_qa.extract]`, subagents/spans.py RULES)."""
+    "extract" rule chosen for it where one was (`[page_qa.extract]`, subagents/spans.py RULES), and every other
+    sub-agent on NAME too (`DEFAULT_MODELS`), so `--reader-model smollm2-135m-instruct` is the whole server as it
+    was before the 0.5B reader, one small model in memory."""
     if url is None:
         if model not in BUILTIN_MODELS:
             raise ValueError(f"{model!r} is not a built-in model; built in: {', '.join(BUILTIN_MODELS)}")
         rule = asdict(RULES[model]) if model in RULES else {}
-        return (f"page_qa.model.model={json.dumps(model)}",) + tuple(
+        return tuple(f"{tool}.model.model={json.dumps(model)}" for tool in DEFAULT_MODELS) + tuple(
             f"page_qa.extract.{key}={json.dumps(value)}" for key, value in rule.items()
         )
     keys = {"backend": "openai", "base_url": url, "model": model}
