@@ -69,8 +69,10 @@ def settings(load: Callable[[], T], *, where: str = "CONFIG / --set") -> T:
 
 def user_errors(work: Callable[[], T]) -> T:
     """Run a command's work; what a user can fix (a missing model or checkpoint, an unreachable server, a
-    failing sampler, too many infrastructure failures) is one line and exit code 1, without a traceback."""
+    failing sampler, too many infrastructure failures, a setting the run's tasks cannot honour) is one line and
+    exit code 1, without a traceback."""
     from conductor.models import ModelNotFound
+    from conductor.settings import ConfigError
     from main_agent.policy import PolicyError
     from tool_server.client import ToolServerError
     from training.checkpoint import CheckpointError
@@ -78,6 +80,6 @@ def user_errors(work: Callable[[], T]) -> T:
 
     try:
         return work()
-    except (CheckpointError, ModelNotFound, PolicyError, InfraFailure, ToolServerError) as exc:
+    except (CheckpointError, ConfigError, ModelNotFound, PolicyError, InfraFailure, ToolServerError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc

@@ -9,7 +9,8 @@ demonstration's deliberate mistake, `Turn.trained`: the context its recovery nee
 `old_logprobs` holds the sampler's log-probs there; `advantages` holds each turn's advantage on that turn's
 completion ids. Elsewhere all three are 0. Nothing is re-tokenised. A folded episode (main_agent.types) gives
 one such sequence per segment, each starting with its own prompt; its turns keep their own advantages, so the
-segments share the episode's credit.
+segments share the episode's credit. An expert's episode mixed into a group (training/expert_mix.py) is laid out
+the same way and marked `off_policy`: no sampler drew it, so its `old_logprobs` are stand-ins the loss replaces.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ class TrainSequence:
     loss_mask: list[int]
     old_logprobs: list[float]
     advantages: list[float]
+    off_policy: bool = False
+    """No sampler of the policy drew these ids (an expert's episode, training/expert_mix.py): `old_logprobs` are
+    stand-ins, and the loss takes the trained policy's own log-probs, detached, as old (ratio 1,
+    training/update.py)."""
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -83,6 +88,7 @@ class Batch:
     loss_mask: object  # torch.FloatTensor [B, T]
     old_logprobs: object  # torch.FloatTensor [B, T]
     advantages: object  # torch.FloatTensor [B, T]
+    off_policy: object = None  # torch.BoolTensor [B]: rows whose old log-probs are stand-ins (None: none are)
 
 
 def shared_prefix_length(sequences: Sequence[TrainSequence]) -> int:
@@ -122,6 +128,7 @@ def collate(
         loss_mask=pad([s.loss_mask for s in sequences], 0, torch.float32),
         old_logprobs=pad([s.old_logprobs for s in sequences], 0.0, torch.float32),
         advantages=pad([s.advantages for s in sequences], 0.0, torch.float32),
+        off_policy=torch.tensor([s.off_policy for s in sequences], dtype=torch.bool, device=device),
     )
 
 

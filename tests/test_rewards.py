@@ -118,10 +118,8 @@ def test_turn_reward_components_and_total() -> None:
     assert parts.new_evidence == pytest.approx(0.1)
     assert parts.total == pytest.approx(0.0)
     metrics = parts.metrics()
-    assert set(metrics) == {
-        f"turn_reward/{k}"
-        for k in ("valid_call", "malformed_call", "repeated_call", "new_evidence", "recorded_item", "total")
-    }
+    names = ("valid_call", "malformed_call", "repeated_call", "new_evidence", "recorded_item", "info_gain")
+    assert set(metrics) == {f"turn_reward/{k}" for k in (*names, "total")}
     assert metrics["turn_reward/total"] == parts.total
 
 

@@ -96,7 +96,7 @@ async def test_score_fills_final_reward_and_each_turn_component() -> None:
         },
         {"valid_call": 0.0, "malformed_call": 0.0, "repeated_call": 0.0, "new_evidence": 0.0, "total": 0.0},
     ]
-    expected = [{**e, "recorded_item": 0.0} for e in expected]
+    expected = [{**e, "recorded_item": 0.0, "info_gain": 0.0} for e in expected]
     assert [p.metrics(prefix="") for p in parts] == [pytest.approx(e) for e in expected]
     assert episode.turn_rewards == pytest.approx([0.15, -0.1, 0.0])
 
@@ -443,8 +443,9 @@ def test_step_line_has_a_fixed_shape() -> None:
 # ---------------------------------------------------------------- whole runs
 
 
-def parity_score(episode: Episode, task: Task, weights, kind: str = "task") -> list:
-    """Stub reward: the share of even ids among the sampled tokens (the random policy varies on it)."""
+def parity_score(episode: Episode, task: Task, weights, kind: str = "task", **_: object) -> list:
+    """Stub reward: the share of even ids among the sampled tokens (the random policy varies on it); the keyword
+    settings of `score` (evidence_weight, ...) are ignored."""
     ids = [i for t in episode.turns for i in t.completion_ids]
     episode.reward = sum(i % 2 == 0 for i in ids) / max(len(ids), 1)
     episode.turn_rewards = [0.0] * len(episode.turns)

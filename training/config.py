@@ -10,6 +10,8 @@ declared once here.
     [sampling]                       # main_agent.policy.SamplingConfig: who samples (transformers, vllm, server)
     [tools]                          # tool_server.embedded.ToolAccess: a running tool server, or one in-process
     [horizon]                        # training.curriculum.HorizonConfig: items per item task, and its curriculum
+    [expert_mix]                     # training.expert_mix.ExpertMixConfig: expert episodes in the first steps' groups
+    [near_miss]                      # training.near_miss.NearMissConfig: continuations of near-miss prefixes join groups
     [ray]                            # conductor.cluster.RayConfig: workers, replicas, resources (`--ray`)
 
     cfg = load_train_config(Path("train.toml"), ["group_size=8", "credit.mode=turn", "rollout.max_turns=6"])
@@ -39,6 +41,8 @@ from main_agent.rollout import RolloutConfig
 from tool_server.embedded import ToolAccess
 from training.advantages import CreditConfig
 from training.curriculum import HorizonConfig
+from training.expert_mix import ExpertMixConfig
+from training.near_miss import NearMissConfig
 from training.rewards import TurnRewardWeights
 
 RESUME_KEYS = (
@@ -109,6 +113,14 @@ class TrainConfig:
     partial credit where the family's own is all-or-nothing (plate_reading, plate_audit: 1 - normalised edit
     distance per plate; `Family.graded_reward`), the family's own elsewhere. `success` is logged by the family's
     exact rule either way; evaluation always reports the family's own reward."""
+    evidence_weight: float = 0.0
+    """Weight w of evidence recall in the final reward, (1 - w) x the answer's reward + w x the share of the
+    task's supporting pages a page_qa call read (David-GRPO, arXiv 2601.21699; `rewards.evidence_recall`). Why: a
+    small policy's groups mostly score F1 0 alike and teach nothing; reading the right pages differs between
+    their episodes and is the step an answer needs first. A convex mix keeps the reward in [0, 1], which credit
+    and the logs assume. 0 (the default): today's reward, bit for bit; > 0 needs every task to have supporting
+    pages (corpus_qa, multihop_pages; a run of another family fails at its start). Recall is logged
+    (`reward/evidence_recall`) wherever tasks have supporting pages, whatever w."""
     lr: float | None = None
     """AdamW learning rate; None: 1e-5 for full fine-tuning, 1e-4 with LoRA (adapters need larger steps)."""
     warmup_steps: int = 0
@@ -139,6 +151,12 @@ class TrainConfig:
     """Importance ratios above 1 + eps_high stop pushing probability up (DAPO clip-higher)."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the starting policy; > 0 keeps a frozen reference copy of the model in memory."""
+    lld_coef: float = 0.0
+    """Weight of the likelihood-displacement guard (training/loss.py): on tokens of positive advantage, the loss
+    adds lld_coef x relu(old_logp - logp), pulling back up any whose log-prob fell below the sampler's. Why: under
+    GRPO on search tasks the likelihood of right trajectories drifts down until training collapses (Lazy
+    Likelihood Displacement, arXiv 2512.04220, whose LLDS this reads token by token). 0 (the default): off, the
+    loss (and the metrics row) bit for bit as without it; on, its term is logged as `loss/lld`."""
     max_concurrent_episodes: int | None = None
     """Episodes in flight at once; the in-process sampler batches their turns into one generate (a vLLM engine
     schedules them together). None (the default): by the trained model's device when the run starts
@@ -174,6 +192,14 @@ class TrainConfig:
     horizon: HorizonConfig = field(default_factory=HorizonConfig)
     """Item families (plate_audit, multihop_batch): items per task and the curriculum that grows them
     (`[horizon]`); other families ignore it."""
+    expert_mix: ExpertMixConfig = field(default_factory=ExpertMixConfig)
+    """The scripted expert's episodes joining the groups of the first steps, off-policy, with a weight that fades
+    to 0 (`[expert_mix]`, training/expert_mix.py; David-GRPO's expert bootstrapping). Off by default
+    (`per_group = 0`); not on Ray."""
+    near_miss: NearMissConfig = field(default_factory=NearMissConfig)
+    """Continuations resampled from the truncated prefix of a group's near miss (an episode that read a supporting
+    page or saw the answer, then failed) join the group and train on their own sampled tokens (`[near_miss]`,
+    training/near_miss.py; David-GRPO's grounded expansion). Off by default (`per_group = 0`); not on Ray."""
     ray: RayConfig = field(default_factory=RayConfig)
     """Actors and resources of a run on Ray (`[ray]`; used only with `conductor train --ray`,
     training/ray_session.py): rollout workers, data-parallel trainer workers, tool-server replicas."""
@@ -187,6 +213,15 @@ class TrainConfig:
                 self.sampling.temperature > 0
             ),
             "reward_kind task or graded": self.reward_kind in ("task", "graded"),
+            "0 <= evidence_weight <= 1": 0.0 <= self.evidence_weight <= 1.0,
+            "lld_coef >= 0": self.lld_coef >= 0.0,
+            "turn_rewards.info_gain >= 0, and 0 with a forced turn prefix (the gold must follow a header)": (
+                self.turn_rewards.info_gain >= 0.0
+                and not (
+                    self.turn_rewards.info_gain
+                    and self.rollout.first_turn_prefix + self.rollout.last_turn_prefix
+                )
+            ),
             "lora_rank >= 0": self.lora_rank >= 0,
             "micro_batch_tokens >= 1 (or unset)": (
                 self.micro_batch_tokens is None or self.micro_batch_tokens >= 1

@@ -26,13 +26,16 @@ from main_agent.tokens import TrainSequence
 from main_agent.types import Episode
 from tool_server.client import ToolClient
 from training import checkpoint as ckpt
-from training import play
+from training import expert_mix, near_miss, play
 from training.advantages import BranchValues
 from training.branching import BranchStats, branch_values
 from training.checkpoint import TrainState
 from training.config import TrainConfig, config_json
 from training.data_order import seed_step
+from training.expert_mix import ExpertMix
+from training.info_gain import group_gains
 from training.learner import Learner, load_learner, resume_learner
+from training.near_miss import NearMiss
 from training.run import Run, StepHook, open_run
 from training.sampler import Sampler, sampler_settings
 from training.step import rewarded
@@ -68,9 +71,28 @@ class LocalCollector:
             return groups, None, None
         branches, branching = await branch_values(
             groups, tasks, policy=policy, tools=self.tools, tokenizer=tokenizer, cfg=cfg, step=step,
-            reward_of=rewarded(cfg.turn_rewards, cfg.reward_kind),
+            reward_of=rewarded(cfg),
         )  # fmt: skip
         return groups, branches, branching
+
+    async def demonstrate(self, tasks: Sequence[Task], step: int) -> ExpertMix:
+        """The scripted expert's episodes of the step's tasks through this collector's tools, in the policy's
+        token format (`[expert_mix]`, training/expert_mix.py): none once its weight is 0."""
+        cfg = self.cfg
+        return await expert_mix.demonstrate(
+            tasks, mix=cfg.expert_mix, step=step, tools=self.tools, tokenizer=self.sampler.tokenizer,
+            rollout=cfg.rollout, max_concurrent=cfg.max_concurrent_episodes,
+        )  # fmt: skip
+
+    async def resample(self, tasks: Sequence[Task], groups: Sequence[list[Episode]], step: int) -> NearMiss:
+        """Continuations of the groups' near-miss prefixes, sampled by this collector's policy through its tools
+        (`[near_miss]`, training/near_miss.py): none at a step the setting is off."""
+        cfg = self.cfg
+        return await near_miss.resample(
+            groups, tasks, cfg=cfg.near_miss, step=step, policy=self.sampler.policy, tools=self.tools,
+            tokenizer=self.sampler.tokenizer, rollout=cfg.rollout, reward_kind=cfg.reward_kind,
+            max_concurrent=cfg.max_concurrent_episodes,
+        )  # fmt: skip
 
 
 @dataclass
@@ -89,6 +111,13 @@ class LocalLearner:
         if stats.skipped is None:
             t.scheduler.step()
         return stats, lr
+
+    async def info_gains(
+        self, groups: Sequence[list[Episode]], tasks: Sequence[Task]
+    ) -> list[list[list[float]]]:
+        """Each turn's information gain under the trained model (training/info_gain.py), in a worker thread."""
+        t = self.learner
+        return await asyncio.to_thread(group_gains, t.model, t.tokenizer, groups, tasks, t.cfg)
 
     async def sync(self) -> float:
         """The trained weights into the sampler, its version one up; the seconds it took."""

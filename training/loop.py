@@ -2,9 +2,12 @@
 
 Per step s = 1 .. steps:
     1. collect: the next B tasks of a seeded shuffle (the cursor is part of the checkpoint), G episodes of each,
-       all concurrent, seeded from (seed, s) (branch credit then continues exact replays of chosen turns' states)
+       all concurrent, seeded from (seed, s) (branch credit then continues exact replays of chosen turns' states;
+       under `[near_miss]` the policy continues near misses' truncated prefixes: training/near_miss.py; under
+       `[expert_mix]` the scripted expert then plays each task once: training/expert_mix.py)
     2. drop stale: groups sampled by weights more than `max_staleness` versions older than the trained ones
-    3. score: filter groups with infrastructure failures, final and turn rewards, advantages onto the tokens
+    3. score: filter groups with infrastructure failures, final and turn rewards (with `turn_rewards.info_gain`,
+       each turn's information gain under the trained model: training/info_gain.py), advantages onto the tokens
        (training/step.py)
     4. update: one optimizer step of the clipped token-level loss over micro-batches (training/update.py)
     5. sync weights: the trained weights to the sampler, its policy version one up
@@ -43,6 +46,8 @@ from training.branching import BranchStats
 from training.checkpoint import TrainState
 from training.config import TrainConfig
 from training.data_order import cursor_for, next_tasks
+from training.expert_mix import ExpertMix
+from training.near_miss import NearMiss
 from training.run import Run, StepHook, record_step, steps_left
 from training.step import Collected, branches_of, drop_stale, score_groups, step_row
 from training.tasks import Task
@@ -59,11 +64,21 @@ class Collector(Protocol):
         self, tasks: Sequence[Task], step: int
     ) -> tuple[list[list[Episode]], list[list[list[BranchValues]]] | None, BranchStats | None]: ...
 
+    async def demonstrate(self, tasks: Sequence[Task], step: int) -> ExpertMix: ...
+
+    async def resample(
+        self, tasks: Sequence[Task], groups: Sequence[list[Episode]], step: int
+    ) -> NearMiss: ...
+
 
 class Learner(Protocol):
     """Steps the trained policy, pushes its weights to the collector, checkpoints (LocalLearner, RayLearner)."""
 
     async def update(self, sequences: Sequence[TrainSequence]) -> tuple[UpdateStats, float]: ...
+
+    async def info_gains(
+        self, groups: Sequence[list[Episode]], tasks: Sequence[Task]
+    ) -> list[list[list[float]]]: ...
 
     async def sync(self) -> float: ...
 
@@ -85,7 +100,12 @@ async def train_loop(run: Run, collector: Collector, learner: Learner, *, overla
             fresh, stale = drop_stale(
                 batch.groups, version=collector.version, max_staleness=cfg.max_staleness
             )
-            scored = score_groups(fresh, batch.tasks, cfg, branches_of(batch.groups, batch.branches, fresh))
+            # the turns' information gains, by the trained model before it steps (training/info_gain.py)
+            gains = await learner.info_gains(fresh, batch.tasks) if cfg.turn_rewards.info_gain else None
+            branches = branches_of(batch.groups, batch.branches, fresh)
+            scored = score_groups(
+                fresh, batch.tasks, cfg, branches, gains, experts=batch.experts, near_miss=batch.near_miss
+            )
             stats, lr = await learner.update(scored.sequences)
             train_s = time.monotonic() - t1
             await asyncio.wait({pending})  # weights never change under a running episode
@@ -109,14 +129,31 @@ def start_collection(
     """Step `step`'s tasks from where `previous` left the cursor (a raised horizon starts its own tasks), played
     by `collector` in a task of its own."""
     tasks, state = next_tasks(run.tasks, cursor_for(run.state, previous), run.cfg)
-    return asyncio.ensure_future(collect(collector, step, tasks, state))
+    mix = run.cfg.expert_mix.per_group > 0
+    near = run.cfg.near_miss.per_group > 0
+    return asyncio.ensure_future(collect(collector, step, tasks, state, experts=mix, near_miss=near))
 
 
-async def collect(collector: Collector, step: int, tasks: list[Task], state: TrainState) -> Collected:
-    """`tasks` played by `collector` as step `step`, timed; `state` is the cursor after them."""
+async def collect(
+    collector: Collector,
+    step: int,
+    tasks: list[Task],
+    state: TrainState,
+    *,
+    experts: bool = False,
+    near_miss: bool = False,
+) -> Collected:
+    """`tasks` played by `collector` as step `step`; then, with `near_miss`, continuations of the groups' near-miss
+    prefixes; then, with `experts`, the scripted expert (after the policy, so it changes nothing the policy
+    samples); timed together; `state` is the cursor after them."""
     start = time.monotonic()
     groups, branches, branching = await collector.collect(tasks, step)
-    return Collected(step, tasks, state, groups, time.monotonic() - start, branches, branching)
+    resampled = await collector.resample(tasks, groups, step) if near_miss else None
+    mix = await collector.demonstrate(tasks, step) if experts else None
+    return Collected(
+        step, tasks, state, groups, time.monotonic() - start, branches, branching, experts=mix,
+        near_miss=resampled,
+    )  # fmt: skip
 
 
 def train(

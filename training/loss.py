@@ -5,7 +5,8 @@ For every token with mask 1 (the policy's sampled tokens; prompt, observation an
     ratio_t   = exp(logp_t - old_logp_t)                      importance ratio to the policy that sampled it
     pg_t      = -min(ratio_t A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) A_t)       PPO's clipped surrogate
     kl_t      = exp(ref_t - logp_t) - (ref_t - logp_t) - 1    the k3 estimator of KL(policy || reference), >= 0
-    loss      = sum_t (pg_t + kl_coef kl_t) / N
+    lld_t     = relu(old_logp_t - logp_t) where A_t > 0, else 0              the likelihood-displacement guard
+    loss      = sum_t (pg_t + kl_coef kl_t + lld_coef lld_t) / N
 
 N is the number of masked-in tokens in the whole batch (or the `normalizer` given), so every token weighs the
 same whatever the length of its episode: DAPO's token-level normalisation. Plain GRPO first averages within each
@@ -13,6 +14,18 @@ sequence, which lets long (often wrong) answers dilute their per-token penalty; 
 instead of N, which we do not do. Clipping is asymmetric by default (DAPO's "clip-higher", eps_high 0.28 >
 eps_low 0.2): an unlikely token with positive advantage may gain more probability per step than any token may
 lose, which counters the collapse of exploration (entropy) that symmetric clipping causes.
+
+No 1/T: nothing here, in training/advantages.py or in main_agent/tokens.py divides an episode's advantage or loss
+by its number of turns, so an episode of 4 like turns weighs twice one of 2 (a per-turn 1/T would pay for ending
+early, Dr. MAMR's "serial collapse"; tests/test_recipe_rewards.py pins it).
+
+The guard lld (off at lld_coef 0) answers Lazy Likelihood Displacement (arXiv 2512.04220): under GRPO on search
+tasks the log-likelihood of right trajectories falls until training collapses. That paper's LLDS penalises a fall
+of likelihood on actions of non-negative advantage, gated per action (a turn) and applied to the tokens that fell;
+ours is our reading of it, token by token and ungated: a positive-advantage token whose log-prob fell below the
+sampler's is pulled back up, any other token is untouched. Positive, not non-negative: tokens of advantage 0 are
+not run at all (training/update.py `with_signal`). With one optimizer step per batch the trainer's log-probs start
+at the sampler's, so the guard acts where they disagree: a stale batch (overlap) or the sampler's own numerics.
 """
 
 from __future__ import annotations
@@ -32,7 +45,7 @@ class LossOutput:
     """The loss to backpropagate and what to log about it (logged values are detached scalars)."""
 
     loss: Tensor
-    """Scalar with grad: pg_loss + kl_coef * kl."""
+    """Scalar with grad: pg_loss + kl_coef * kl + lld_coef * lld."""
     pg_loss: Tensor
     """The clipped policy-gradient term alone."""
     kl: Tensor
@@ -41,6 +54,8 @@ class LossOutput:
     """Share of masked-in tokens whose gradient the clip removed (ratio beyond the bound in the advantage's direction)."""
     ratio_mean: Tensor
     """Mean importance ratio over masked-in tokens; far from 1 means the sampler and trainer disagree."""
+    lld: Tensor
+    """The likelihood-displacement term sum_t lld_t / N, computed whatever lld_coef (0 where nothing fell)."""
     n_tokens: int
     """Masked-in tokens in this batch."""
 
@@ -55,6 +70,7 @@ def policy_loss(
     clip_eps_high: float = 0.28,
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
+    lld_coef: float = 0.0,
     normalizer: float | None = None,
 ) -> LossOutput:
     """Token-level clipped policy-gradient loss (see the module docstring). All tensors are [B, T].
@@ -64,6 +80,8 @@ def policy_loss(
     An all-zero mask gives a loss of exactly 0 that still has a (zero) gradient.
     """
     _check_args(logprobs, old_logprobs, advantages, mask, ref_logprobs, kl_coef, clip_eps_low, clip_eps_high)
+    if lld_coef < 0.0:
+        raise ValueError(f"lld_coef must be >= 0, got {lld_coef}")
     mask = mask.bool()
     n_tokens = int(mask.sum())
     denom = float(normalizer) if normalizer is not None else float(max(n_tokens, 1))
@@ -76,6 +94,8 @@ def policy_loss(
     pg_loss = -surrogate.sum() / denom
     kl = _k3_kl(logprobs, ref_logprobs, mask).sum() / denom
     loss = pg_loss + kl_coef * kl if kl_coef > 0.0 else pg_loss
+    lld = _displacement(log_ratio, adv).sum() / denom
+    loss = loss + lld_coef * lld if lld_coef > 0.0 else loss  # at 0 the graph and the loss are as without it
     clipped = mask & (
         ((adv > 0) & (ratio > 1.0 + clip_eps_high)) | ((adv < 0) & (ratio < 1.0 - clip_eps_low))
     )
@@ -86,8 +106,15 @@ def policy_loss(
         kl=kl.detach(),
         clip_frac=(clipped.sum() / count).detach(),
         ratio_mean=(torch.where(mask, ratio, 0.0).sum() / count).detach(),
+        lld=lld.detach(),
         n_tokens=n_tokens,
     )
+
+
+def _displacement(log_ratio: Tensor, adv: Tensor) -> Tensor:
+    """Per-token lld_t = relu(old_logp - logp) where the advantage is positive, else 0 (masked-out positions
+    have log-ratio and advantage 0 already). [B, T]"""
+    return torch.where(adv > 0, torch.relu(-log_ratio), 0.0)
 
 
 def _k3_kl(logprobs: Tensor, ref_logprobs: Tensor | None, mask: Tensor) -> Tensor:

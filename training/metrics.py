@@ -4,7 +4,13 @@ Keys of a metrics row (`metrics.jsonl`, one row per step):
 
     step, policy_version
     reward/final, reward/turn, reward/turn/<component>, success       over the scored (valid) episodes
+                                                                       (reward/turn/info_gain: the weighted
+                                                                       information gain per turn, 0 when off)
+    reward/evidence_recall                                             share of supporting pages read, over the
+                                                                       scored episodes of tasks that have them
     loss/pg, loss/kl, clip_frac, ratio_mean, grad_norm, update/tokens, update/skipped   the optimizer step
+    loss/lld                                                           the likelihood-displacement guard's term
+                                                                       (training/loss.py), when lld_coef > 0
     update/tokens_skipped                                              tokens whose advantage is all 0: not run
     groups/total, groups/zero_variance, groups/zero_advantage          scored groups; those with all rewards
                                                                        equal; those with every advantage 0
@@ -22,6 +28,17 @@ Keys of a metrics row (`metrics.jsonl`, one row per step):
     tokens/sampled                                                     sampled tokens of the step's episodes
     branch/continuations, branch/sampled_tokens, branch/cache_hit_rate,  branch credit: what its continuations
     branch/infra_failed, time/branch                                     cost (time/rollout includes them)
+    expert_mix/weight, expert_mix/played, expert_mix/dropped,          [expert_mix] only: the step's weight w_s, the
+    expert_mix/episodes, expert_mix/success, time/expert_mix           tasks the expert played, those not worth
+                                                                       imitating, expert episodes that joined a
+                                                                       group, its success rate, its time (included
+                                                                       in time/rollout; training/expert_mix.py)
+    near_miss/prefixes, near_miss/continuations, near_miss/joined,    [near_miss] only: groups whose near miss was
+    near_miss/success, near_miss/infra_failed, time/near_miss          continued, continuations played through and
+                                                                       those that joined a scored group, their
+                                                                       success rate, those dropped for infra
+                                                                       failures, their time (included in
+                                                                       time/rollout; training/near_miss.py)
     time/weight_sync                                                   pushing the weights to the sampler
     perf/rss_gb, perf/peak_rss_gb                                      the training process's resident memory
                                                                        now and at its peak (sampler processes
@@ -93,7 +110,8 @@ def reward_metrics(
         "success": mean([float(s) for s in successes]),
         "reward/turn": mean([p.total for p in turn_parts]),
     }
-    for name in ("valid_call", "malformed_call", "repeated_call", "new_evidence", "recorded_item"):
+    parts = ("valid_call", "malformed_call", "repeated_call", "new_evidence", "recorded_item", "info_gain")
+    for name in parts:
         row[f"reward/turn/{name}"] = mean([getattr(p, name) for p in turn_parts])
     if ledgers:
         row["items/recorded"] = mean([recorded for recorded, _ in ledgers])

@@ -21,9 +21,11 @@ The run opens as in this process (training.run.open_run); what this module adds 
   (tool_server/ray_serve.py) with `[ray] tool_replicas` replicas, prepared for the tasks exactly like the
   in-process one (training.play.tool_session); its replicas share the result cache through `run_dir/tool_cache/`.
 
-Not on Ray yet: branch credit (its continuations replay episodes on the driver's sampler); `sampling.backend =
-"server"` (every rollout worker is its own sampler). Both are refused with a ConfigError (`check_supported`, the
-one place Ray's refusals are made: `conductor train --ray` asks it before starting a cluster).
+Not on Ray yet: branch credit (its continuations replay episodes on the driver's sampler); `[expert_mix]` (the
+scripted expert plays on the collector of the run in this process); `[near_miss]` (its continuations replay
+near misses on the collector of the run in this process); `sampling.backend = "server"` (every rollout
+worker is its own sampler). All are refused with a ConfigError (`check_supported`, the one place Ray's refusals
+are made: `conductor train --ray` asks it before starting a cluster).
 
 Exactness: with 1 rollout worker and 1 trainer worker the run equals the run in this process for the same seed
 (tests/test_ray_train.py: losses, sampled tasks). More rollout workers draw other (seeded) samples; more trainer
@@ -47,6 +49,8 @@ from main_agent.types import Episode
 from training import play
 from training.checkpoint import TrainState
 from training.config import TrainConfig, config_json
+from training.expert_mix import ExpertMix
+from training.near_miss import NearMiss
 from training.ray_rollout import RolloutGroup
 from training.ray_trainer import TrainerGroup
 from training.run import Run, StepHook, open_run
@@ -60,6 +64,16 @@ def check_supported(cfg: TrainConfig) -> None:
     """ConfigError for what the Ray run does not do (module docstring)."""
     if cfg.credit.mode == "branch":
         raise ConfigError("credit.mode = 'branch' does not run on Ray yet: train it without --ray")
+    if cfg.expert_mix.per_group > 0:
+        raise ConfigError(
+            "[expert_mix] per_group > 0 does not run on Ray yet (the expert plays on the collector of the run in "
+            "this process): train it without --ray"
+        )
+    if cfg.near_miss.per_group > 0:
+        raise ConfigError(
+            "[near_miss] per_group > 0 does not run on Ray yet (its continuations replay near misses on the "
+            "collector of the run in this process): train it without --ray"
+        )
     if chosen_backend(cfg.sampling) == "server":
         raise ConfigError(
             "sampling.backend = 'server' does not run on Ray: every rollout worker samples itself"
@@ -92,6 +106,14 @@ class RayCollector:
         """The step's groups, one per task in order (no branch credit on Ray)."""
         return await self.rollouts.collect(tasks, step), None, None
 
+    async def demonstrate(self, tasks: Sequence[Task], step: int) -> ExpertMix:
+        """Never called: `check_supported` refuses `[expert_mix]` on Ray."""
+        raise ConfigError("[expert_mix] does not run on Ray yet")
+
+    async def resample(self, tasks: Sequence[Task], groups: Sequence[list[Episode]], step: int) -> NearMiss:
+        """Never called: `check_supported` refuses `[near_miss]` on Ray."""
+        raise ConfigError("[near_miss] does not run on Ray yet")
+
 
 @dataclass
 class RayLearner:
@@ -105,6 +127,12 @@ class RayLearner:
         """One optimizer step on every trainer worker (they move their schedules); the stats and the learning
         rate the step used."""
         return await asyncio.to_thread(self.trainers.update, sequences)
+
+    async def info_gains(
+        self, groups: Sequence[list[Episode]], tasks: Sequence[Task]
+    ) -> list[list[list[float]]]:
+        """Each turn's information gain under the trained model, scored by trainer rank 0."""
+        return await asyncio.to_thread(self.trainers.info_gains, groups, tasks)
 
     async def sync(self) -> float:
         """Every rollout worker takes the trainer's new weights, one version up; the seconds it took. Through the

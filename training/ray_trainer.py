@@ -46,11 +46,14 @@ import torch
 
 from conductor.cluster import RayConfig, actor_threads, free_port, require_ray
 from main_agent.tokens import TrainSequence
+from main_agent.types import Episode
 from training import checkpoint as ckpt
 from training.checkpoint import TrainState
 from training.config import TrainConfig
+from training.info_gain import group_gains
 from training.learner import load_learner, resume_learner
 from training.sampler import sampler_state
+from training.tasks import Task
 from training.update import DataParallel, UpdateStats, accumulate_gradients, update
 
 logger = logging.getLogger(__name__)
@@ -108,6 +111,11 @@ class TrainerWorker:
         if stats.skipped is None:
             learner.scheduler.step()
         return stats, lr
+
+    def info_gains(self, groups: list[list[Episode]], tasks: list[Task]) -> list[list[list[float]]]:
+        """Each turn's information gain under this replica (training/info_gain.py): no gradient, no collective."""
+        learner = self.learner
+        return group_gains(learner.model, learner.tokenizer, groups, tasks, learner.cfg)
 
     def gradients(self, sequences: list[TrainSequence]) -> dict[str, torch.Tensor]:
         """The step's gradient (summed over the ranks) by parameter name, without stepping; then cleared. A test
@@ -211,6 +219,10 @@ class TrainerGroup:
         ray = require_ray()
         batch = ray.put(list(sequences))  # once into the object store, read by every worker
         return gather([w.update.remote(batch) for w in self.workers])[0]
+
+    def info_gains(self, groups: Sequence[list[Episode]], tasks: Sequence[Task]) -> list[list[list[float]]]:
+        """Rank 0 scores each turn's information gain (the replicas are identical)."""
+        return gather([self.workers[0].info_gains.remote(list(groups), list(tasks))])[0]
 
     def sampler_weights(self):
         """An ObjectRef of rank 0's weights for the samplers (training.sampler.sampler_state); a rollout worker

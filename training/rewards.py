@@ -2,7 +2,12 @@
 
 Final rewards lie in [0, 1]: `exact_match` and `token_f1` (SQuAD-style answer normalisation, conductor/answers.py) for text answers,
 `plate_match` for licence plates and `plate_similarity`, its graded form (1 - normalised edit distance). Turn rewards are small shaping terms (a few hundredths per turn) for well-formed
-calls, malformed or repeated calls, and newly found evidence; `turn_reward` reports each part and their total.
+calls, malformed or repeated calls, and newly found evidence, and (off by default) the turn's information gain
+(IGPO, computed by the trained model in training/info_gain.py); `turn_reward` reports each part and their total.
+
+Evidence recall (David-GRPO, arXiv 2601.21699): the share of a task's supporting pages that a page_qa call of the
+episode read and came back ok (`evidence_recall`, None for a task with no supporting pages: photos, clips), and
+`with_evidence`, the convex mix (1 - w) answer + w recall that `TrainConfig.evidence_weight` trains on.
 
 Nothing here catches exceptions: a reward that cannot be computed is a bug, never a silent 0.0.
 """
@@ -10,14 +15,19 @@ Nothing here catches exceptions: a reward that cannot be computed is a bug, neve
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 # the answer comparisons every task's reward uses, defined once below every package
 from conductor.answers import exact_match as exact_match
 from conductor.answers import normalize_answer as normalize_answer
 from conductor.answers import token_f1 as token_f1
 from conductor.plates import normalize_plate as normalize_plate
+from main_agent.types import Episode
+
+if TYPE_CHECKING:  # training.tasks imports this module (its families' rewards): a runtime import would cycle
+    from training.tasks.task import Task
 
 
 def plate_match(pred: str, gold: str) -> float:
@@ -84,6 +94,55 @@ def contains_evidence(observation: str, gold: str) -> bool:
     return f" {needle} " in f" {normalize_answer(observation)} "
 
 
+# ---------------------------------------------------------------- evidence: the supporting pages read
+
+
+def supporting_pages(task: Task) -> list[str]:
+    """The file names of the task's supporting pages, hop 1 first: the pages of MuSiQue's decomposed hops in hop
+    order, else HotpotQA's supporting titles in the order its supporting facts name them; empty for a task that
+    marks none (photos, clips, research_corpus's one unmarked source)."""
+    names = [path.rsplit("/", 1)[-1] for path in task.meta.page_paths]
+    if task.meta.hops:
+        return [names[page] for _, page in task.meta.hops]
+    by_title = dict(zip(task.meta.page_titles, names, strict=True))
+    return [by_title[title] for title in task.meta.supporting_titles if title in by_title]
+
+
+def ending_with(urls: Sequence[str], pages: Sequence[str]) -> set[str]:
+    """The pages of `pages` (file names) that some URL ends with, as "/<file name>" (so "XAnswer.md" is not
+    "Answer.md")."""
+    return {page for page in pages if any(url.endswith("/" + page) for url in urls)}
+
+
+def pages_read(episode: Episode, pages: Sequence[str]) -> set[str]:
+    """The pages of `pages` that a page_qa call of the episode opened and came back ok on (a failed read read
+    nothing), matched by the URL the tool reports it opened."""
+    results = (r for turn in episode.turns for r in turn.results if r.name == "page_qa" and r.ok)
+    return ending_with([str((r.payload or {}).get("url", "")) for r in results], pages)
+
+
+def evidence_recall(task: Task, episode: Episode) -> float | None:
+    """The share of the task's supporting pages the episode read (`pages_read`), in [0, 1]; None when the task
+    has no supporting page (its family cannot say what evidence is). A page two hops share counts once."""
+    support = list(dict.fromkeys(supporting_pages(task)))
+    if not support:
+        return None
+    return len(pages_read(episode, support)) / len(support)
+
+
+def with_evidence(answer: float, recall: float | None, weight: float) -> float:
+    """(1 - weight) answer + weight recall: the final reward with evidence recall mixed in, in [0, 1] as both
+    parts are. Weight 0 returns `answer` itself (bit for bit, whatever `recall`); a weight > 0 with no recall
+    (a task without supporting pages) is an error, not a silent fall-back to the answer alone."""
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"evidence weight must be in [0, 1], got {weight}")
+    if weight == 0.0:
+        return answer
+    if recall is None:
+        raise ValueError(f"evidence weight {weight} needs a task with supporting pages")
+    return (1.0 - weight) * answer + weight * recall
+
+
 @dataclass(frozen=True)
 class TurnRewardWeights:
     """Per-turn shaping weights. Kept to a few hundredths so that over a handful of turns their sum stays well
@@ -102,6 +161,14 @@ class TurnRewardWeights:
     """Item tasks: paid when an item is first recorded, times its item score, divided by the number of items (a
     whole ledger recorded right earns this much in all). The per-item progress of a long episode, paid at the
     turn that earned it; the final reward pays the whole ledger again at the end."""
+    info_gain: float = 0.0
+    """Times the turn's information gain (IGPO, training/info_gain.py): how much the turn raised the policy's own
+    teacher-forced probability of the gold answer, P(answer | context after the turn's observation) - P(answer |
+    context before the turn), each P the per-token geometric mean, so r_t lies in [-1, 1] and the gains of an
+    episode telescope. Why: dense, ground-truth-aware credit for a small policy whose groups mostly score alike;
+    the gain needs no extra model, only forwards of the trained one (up to T + 1 forwards of an episode of T
+    turns past its prompt, no backward). 1.0 is the paper's unscaled form; 0 (the default): off, nothing
+    computed, turn rewards bit for bit as without it."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +186,8 @@ class TurnFacts:
     recorded_score: float = 0.0
     """Item tasks: the summed item scores of the items this turn recorded for the first time, divided by the
     number of items (in [0, 1])."""
+    info_gain: float = 0.0
+    """The turn's information gain r_t in [-1, 1] (training/info_gain.py); 0 when not computed."""
 
     def __post_init__(self) -> None:
         counts = (self.n_valid_calls, self.n_malformed, self.n_repeated)
@@ -135,6 +204,7 @@ class TurnRewardParts:
     repeated_call: float
     new_evidence: float
     recorded_item: float = 0.0
+    info_gain: float = 0.0
 
     @property
     def total(self) -> float:
@@ -144,6 +214,7 @@ class TurnRewardParts:
             + self.repeated_call
             + self.new_evidence
             + self.recorded_item
+            + self.info_gain
         )
 
     def metrics(self, prefix: str = "turn_reward/") -> dict[str, float]:
@@ -154,6 +225,7 @@ class TurnRewardParts:
             "repeated_call": self.repeated_call,
             "new_evidence": self.new_evidence,
             "recorded_item": self.recorded_item,
+            "info_gain": self.info_gain,
             "total": self.total,
         }
         return {prefix + name: value for name, value in parts.items()}
@@ -161,11 +233,12 @@ class TurnRewardParts:
 
 def turn_reward(facts: TurnFacts, w: TurnRewardWeights) -> TurnRewardParts:
     """Score one turn: once-per-turn bonus for a valid new call, per-call penalties, bonus for new evidence,
-    progress on recorded items."""
+    progress on recorded items, the information gain (its weight 0: exactly 0.0, whatever the fact)."""
     return TurnRewardParts(
         valid_call=w.valid_call if facts.n_valid_calls > 0 else 0.0,
         malformed_call=w.malformed_call * facts.n_malformed,
         repeated_call=w.repeated_call * facts.n_repeated,
         new_evidence=w.new_evidence if facts.new_evidence else 0.0,
         recorded_item=w.recorded_item * facts.recorded_score,
+        info_gain=w.info_gain * facts.info_gain if w.info_gain else 0.0,
     )

@@ -34,7 +34,7 @@ from training.config import RESUME_KEYS, TrainConfig, config_to_dict
 from training.data_order import load_tasks, next_horizon
 from training.metrics import MetricsLog, save_rollouts, trim_metrics
 from training.play import tool_session
-from training.step import Collected
+from training.step import Collected, check_evidence
 from training.tasks import Task
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ async def open_run(
     cfg, latest = resume_point(cfg, resume=resume, force=force)
     async with start_learner(cfg, latest) as (learner, cfg, state):
         tasks = load_tasks(cfg)
+        check_evidence(tasks, cfg.evidence_weight)  # a setting that cannot apply fails before any rollout
         state = state if state is not None else first_state(cfg, tasks)
         with open_log(cfg, state) as log:
             session = tool_session(

@@ -2,16 +2,23 @@
 
     collected = Collected(step, tasks, state, groups, rollout_s)    # what a collector played (training/loop.py)
     fresh, stale = drop_stale(collected.groups, version=..., max_staleness=cfg.max_staleness)
-    scored = score_groups(fresh, collected.tasks, cfg, branches_of(collected.groups, collected.branches, fresh))
+    gains = group_gains(model, tokenizer, fresh, collected.tasks, cfg)   # only with turn_rewards.info_gain
+    branches = branches_of(collected.groups, collected.branches, fresh)
+    scored = score_groups(fresh, collected.tasks, cfg, branches, gains)
     stats = update(model, optimizer, scored.sequences, cfg)        # training/update.py
     row = step_row(version, collected, scored, stats, seconds=(train_s, sync_s), stale_dropped=stale)
 
 - collect: groups of episodes (training/play.py), then branch credit's continuations (training/branching.py,
-  valued by `rewarded`)
+  valued by `rewarded`), then under `[near_miss]` continuations of near-miss prefixes (training/near_miss.py),
+  then under `[expert_mix]` the scripted expert's episodes (training/expert_mix.py)
 - score: `filter_groups` drops groups with an infrastructure failure (and fails the step when too many failed);
-  `score` fills the task's final reward and the turn rewards; `group_credit` gives the group's advantages
-  (outcome, turn or branch credit) and `lay` puts them onto each episode's tokens; groups whose rewards are all
-  equal, and those whose every advantage is 0 (trained on no token), are counted
+  `score` fills the task's final reward (evidence recall mixed in at `evidence_weight`) and the turn rewards
+  (each turn's information gain, computed by the learner's model beforehand, training/info_gain.py);
+  `group_credit` gives the group's advantages (outcome, turn or branch credit) and `lay` puts them onto each
+  episode's tokens; an expert episode that beats every policy episode of its group joins its credit and trains
+  off-policy (`joining`); a near miss's continuations join their group's credit and train their own sampled
+  turns (`resampled`); groups whose rewards are all equal, and those whose every advantage is 0 (trained on no
+  token), are counted
 - drop stale: an overlapped collection runs one step behind the weights; groups older than `max_staleness`
   versions are dropped (`drop_stale`)
 - the metrics row of the step (`step_row`; keys in training/metrics.py)
@@ -23,6 +30,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from conductor.settings import ConfigError
 from main_agent.tokens import TrainSequence, to_sequences
 from main_agent.types import Episode, Turn
 from training import tasks as task_data
@@ -30,14 +38,19 @@ from training.advantages import BranchValues, EpisodeCredit, TurnCredit, branch_
 from training.branching import BranchStats, learnable
 from training.checkpoint import TrainState
 from training.config import TrainConfig
+from training.expert_mix import ExpertMix, expert_sequences, joins
 from training.metrics import memory_metrics, reward_metrics, rollout_metrics
+from training.near_miss import NearMiss
 from training.rewards import (
     TurnFacts,
     TurnRewardParts,
     TurnRewardWeights,
     call_key,
     contains_evidence,
+    evidence_recall,
+    supporting_pages,
     turn_reward,
+    with_evidence,
 )
 from training.tasks import Task
 from training.update import UpdateStats
@@ -54,13 +67,38 @@ class InfraFailure(RuntimeError):
 # ---------------------------------------------------------------- scoring and credit
 
 
-def score(episode: Episode, task: Task, weights: TurnRewardWeights, kind: str) -> list[TurnRewardParts]:
-    """Fill `episode.reward` (the task's final reward of `kind`, TrainConfig.reward_kind) and
-    `episode.turn_rewards`; return each turn's parts."""
-    parts = [turn_reward(facts, weights) for facts in turn_facts(episode, task)]
-    episode.reward = task_data.reward_for(task, episode.answer, kind=kind)
+def score(
+    episode: Episode,
+    task: Task,
+    weights: TurnRewardWeights,
+    kind: str,
+    *,
+    evidence_weight: float = 0.0,
+    gains: Sequence[float] | None = None,
+) -> list[TurnRewardParts]:
+    """Fill `episode.reward` (the task's final reward of `kind`, TrainConfig.reward_kind, mixed with evidence
+    recall at `evidence_weight`: rewards.with_evidence) and `episode.turn_rewards`; return each turn's parts.
+    `gains`: each turn's information gain (training/info_gain.py), None for none."""
+    facts = turn_facts(episode, task)
+    if gains is not None:
+        facts = [dataclasses.replace(f, info_gain=g) for f, g in zip(facts, gains, strict=True)]
+    parts = [turn_reward(f, weights) for f in facts]
+    answer = task_data.reward_for(task, episode.answer, kind=kind)
+    recall = evidence_recall(task, episode) if evidence_weight > 0.0 else None
+    episode.reward = with_evidence(answer, recall, evidence_weight)
     episode.turn_rewards = [p.total for p in parts]
     return parts
+
+
+def check_evidence(tasks: Sequence[Task], evidence_weight: float) -> None:
+    """ConfigError, before any episode is played, when evidence recall is trained on (`evidence_weight` > 0) and
+    a task has no supporting page to read (a family without pages): the setting would otherwise do nothing."""
+    bare = [t for t in tasks if not supporting_pages(t)] if evidence_weight > 0.0 else []
+    if bare:
+        raise ConfigError(
+            f"evidence_weight={evidence_weight} needs tasks with supporting pages; {len(bare)} of {len(tasks)} "
+            f"have none (first: {bare[0].task_id} of {bare[0].family})"
+        )
 
 
 def turn_facts(episode: Episode, task: Task) -> list[TurnFacts]:
@@ -174,12 +212,22 @@ class Scored:
     zero_advantage: int = 0
     """Groups whose every advantage is 0 (the update runs none of their tokens, training/update.py); under
     outcome credit the same as `zero_variance`, under turn credit turn rewards may still tell turns apart."""
+    recalls: list[float] = dataclasses.field(default_factory=list)
+    """Per episode whose task has supporting pages: the share of them it read (`rewards.evidence_recall`)."""
+    experts: int = 0
+    """Expert episodes that joined the groups (`[expert_mix]`, training/expert_mix.py); `zero_variance` and
+    `zero_advantage` count the groups with them in."""
+    near_miss: int = 0
+    """Near-miss continuations that joined the groups (`[near_miss]`, training/near_miss.py); `zero_variance`
+    and `zero_advantage` count the groups with them in."""
 
     def metrics(self) -> dict[str, float]:
+        recall = {"reward/evidence_recall": sum(self.recalls) / len(self.recalls)} if self.recalls else {}
         return {
             "groups/total": len(self.groups),
             "groups/zero_variance": self.zero_variance,
             "groups/zero_advantage": self.zero_advantage,
+            **recall,
         }
 
 
@@ -195,20 +243,80 @@ def score_groups(
     tasks: Sequence[Task],
     cfg: TrainConfig,
     branches: Sequence[list[list[BranchValues]] | None] | None = None,
+    gains: Sequence[list[list[float]]] | None = None,
+    experts: ExpertMix | None = None,
+    near_miss: NearMiss | None = None,
 ) -> Scored:
     """filter_groups, then score every episode and build the training sequences (`branches[g]`: group g's
-    continuation values under branch credit)."""
+    continuation values under branch credit; `gains[g][i]`: the information gain of each turn of group g's
+    episode i, training/info_gain.py, needed when `turn_rewards.info_gain` is not 0; `experts`: the step's expert
+    episodes, which join their groups' credit and train off-policy, training/expert_mix.py; `near_miss`: the step's
+    continuations of near-miss prefixes, which join their groups' credit and train their sampled turns,
+    training/near_miss.py)."""
+    assert gains is not None or not cfg.turn_rewards.info_gain, (
+        "turn_rewards.info_gain needs the turns' gains"
+    )
     by_id = {t.task_id: t for t in tasks}
     kept = filter_groups(groups, cfg)
+    gains_of = dict(zip(map(id, groups), gains, strict=True)) if gains is not None else {}
     parts: list[TurnRewardParts] = []
-    for e in (e for g in kept for e in g):
-        parts += score(e, by_id[e.task_id], cfg.turn_rewards, cfg.reward_kind)
+    for g in kept:
+        for e, ge in zip(g, gains_of.get(id(g), [None] * len(g)), strict=True):
+            parts += score(
+                e, by_id[e.task_id], cfg.turn_rewards, cfg.reward_kind, evidence_weight=cfg.evidence_weight,
+                gains=ge,
+            )  # fmt: skip
     successes = [task_data.success(by_id[e.task_id], e.answer) for g in kept for e in g]
-    credit = [group_credit(g, cfg, b) for g, b in zip(kept, branches_of(groups, branches, kept), strict=True)]
-    sequences = [s for g, a in zip(kept, credit, strict=True) for s in lay(g, a)]
+    joined = [joining(g, by_id[g[0].task_id], experts=experts, cfg=cfg) for g in kept]  # [] without experts
+    more = resampled(kept, by_id, near_miss=near_miss, cfg=cfg)  # [] without near misses
+    mixed = [g + x + c for g, x, c in zip(kept, joined, more, strict=True)]
+    # an expert episode or a near miss's continuation has no branch values: the outcome advantage on every turn
+    values = branches_of(groups, branches, kept)
+    values = [
+        b if b is None else b + [[] for _ in x + c] for b, x, c in zip(values, joined, more, strict=True)
+    ]
+    credit = [group_credit(m, cfg, b) for m, b in zip(mixed, values, strict=True)]
+    weight = experts.weight if experts is not None else 0.0
+    sequences = [
+        s
+        for g, x, c, a in zip(kept, joined, more, credit, strict=True)
+        for s in lay(g, a[: len(g)])
+        + expert_sequences(x, a[len(g) : len(g) + len(x)], weight=weight)
+        + lay(c, a[len(g) + len(x) :])
+    ]
     ledgers = [ledger_scores(e, by_id[e.task_id]) for g in kept for e in g if by_id[e.task_id].items]
-    equal = sum(len({e.reward for e in g}) == 1 for g in kept)
-    return Scored(kept, sequences, successes, parts, ledgers, equal, sum(map(flat, credit)))
+    recalls = [r for g in kept for e in g if (r := evidence_recall(by_id[e.task_id], e)) is not None]
+    equal = sum(len({e.reward for e in m}) == 1 for m in mixed)
+    return Scored(
+        kept, sequences, successes, parts, ledgers, equal, sum(map(flat, credit)), recalls=recalls,
+        experts=sum(map(len, joined)), near_miss=sum(map(len, more)),
+    )  # fmt: skip
+
+
+def joining(
+    group: Sequence[Episode], task: Task, *, experts: ExpertMix | None, cfg: TrainConfig
+) -> list[Episode]:
+    """The expert episodes of `task` that join the scored `group` (training/expert_mix.py): scored as the step
+    scores (`rewarded`; no information gain), kept where they beat every policy episode (`joins`)."""
+    mine = experts.episodes.get(task.task_id, []) if experts is not None else []
+    reward_of = rewarded(cfg)
+    for e in mine:
+        reward_of(task, e)
+    return [e for e in mine if joins(e, group)]
+
+
+def resampled(
+    kept: Sequence[list[Episode]], by_id: dict[str, Task], *, near_miss: NearMiss | None, cfg: TrainConfig
+) -> list[list[Episode]]:
+    """Each scored group's near-miss continuations (training/near_miss.py), scored as the step scores
+    (`rewarded`; no information gain); none per group without them. Their replayed turns are untrained, so `lay`
+    puts only their sampled turns into the loss."""
+    if near_miss is None:
+        return [[] for _ in kept]
+    more, reward_of = near_miss.of(kept), rewarded(cfg)
+    for e in (e for c in more for e in c):
+        reward_of(by_id[e.task_id], e)
+    return more
 
 
 # ---------------------------------------------------------------- collect
@@ -227,14 +335,18 @@ class Collected:
     branches: list[list[list[BranchValues]]] | None = None
     """Branch credit's continuation values of each group, sampled with the groups (None for other modes)."""
     branching: BranchStats | None = None
+    experts: ExpertMix | None = None
+    """The scripted expert's episodes of the step's tasks (`[expert_mix]`, training/expert_mix.py); None when off."""
+    near_miss: NearMiss | None = None
+    """Continuations of the groups' near-miss prefixes (`[near_miss]`, training/near_miss.py); None when off."""
 
 
-def rewarded(weights: TurnRewardWeights, kind: str) -> Callable[[Task, Episode], float]:
-    """An episode's final reward, scored as the step scores it: what branch credit's continuations are worth
-    (training/branching.py)."""
+def rewarded(cfg: TrainConfig) -> Callable[[Task, Episode], float]:
+    """An episode's final reward, scored as the step scores it under `cfg` (turn rewards, reward kind, evidence
+    weight): what branch credit's continuations are worth (training/branching.py)."""
 
     def reward_of(task: Task, episode: Episode) -> float:
-        score(episode, task, weights, kind)
+        score(episode, task, cfg.turn_rewards, cfg.reward_kind, evidence_weight=cfg.evidence_weight)
         assert episode.reward is not None
         return episode.reward
 
@@ -293,5 +405,7 @@ def step_row(
         "time/train": seconds[0],
         "time/weight_sync": seconds[1],
         **(batch.branching.metrics() if batch.branching is not None else {}),
+        **(batch.experts.metrics(joined=scored.experts) if batch.experts is not None else {}),
+        **(batch.near_miss.metrics(joined=scored.near_miss) if batch.near_miss is not None else {}),
         **memory_metrics(),
     }

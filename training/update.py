@@ -8,7 +8,8 @@ or whose turn advantages all cancel) has no gradient: its clipped surrogate is 0
 sequences are left out of the forward and backward (`with_signal`) but still count in the loss's normaliser, so
 the loss and the gradient are the whole step's; a step with no other sequence skips the optimizer step (no
 momentum-only move of the weights, no weight push). The step's freed activations go back to the system after it
-(conductor/heap.py: glibc would keep them, and a run grew ~3 GB a step).
+(conductor/heap.py: glibc would keep them, and a run grew ~3 GB a step). An off-policy sequence (an expert's
+episode, training/expert_mix.py) trains at ratio 1: its old log-probs are the trained policy's own (`old_logprobs`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -46,6 +47,9 @@ class UpdateStats:
     tokens_skipped: int = 0
     """Masked-in tokens of the sequences left out of the forward and backward (every advantage 0)."""
     skipped: str | None = None
+    lld: float | None = None
+    """The likelihood-displacement term (training/loss.py) of a step with `lld_coef` > 0; None when the guard is
+    off or the step was skipped, and then not logged (a run without it logs what it always did)."""
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -57,6 +61,7 @@ class UpdateStats:
             "update/tokens": self.n_tokens,
             "update/tokens_skipped": self.tokens_skipped,
             "update/skipped": float(self.skipped is not None),
+            **({"loss/lld": self.lld} if self.lld is not None else {}),
         }
 
 
@@ -131,7 +136,10 @@ def _step(
         return _skip("non-finite gradient")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return UpdateStats(sums["pg"], sums["kl"], sums["clip"], sums["ratio"], grad_norm, n_tokens, idle)
+    lld = sums["lld"] if cfg.lld_coef > 0 else None
+    return UpdateStats(
+        sums["pg"], sums["kl"], sums["clip"], sums["ratio"], grad_norm, n_tokens, idle, lld=lld
+    )
 
 
 def with_signal(sequences: Sequence[TrainSequence], cfg: TrainConfig) -> list[TrainSequence]:
@@ -160,7 +168,7 @@ def accumulate_gradients(
 ) -> dict[str, float] | None:
     """Backward over the step's micro-batches (with `dp`: this rank's share, then the gradients summed over the
     ranks), leaving the gradient of the step's loss in each trainable parameter's `.grad`. Returns the logged
-    sums (pg, kl, clip, ratio; clip and ratio as means over `sequences`' tokens), or None when a loss was not
+    sums (pg, kl, lld, clip, ratio; clip and ratio as means over `sequences`' tokens), or None when a loss was not
     finite (on any rank): its gradients are partial.
 
     Every rank normalises by the whole step's token count (`normalizer`: the step's, when `sequences` leave out
@@ -170,7 +178,7 @@ def accumulate_gradients(
     assert trained > 0, f"no trained tokens in {len(sequences)} sequences"
     n_tokens = normalizer if normalizer is not None else trained
     model.train()
-    sums = {"pg": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0}
+    sums = {"pg": 0.0, "kl": 0.0, "lld": 0.0, "clip": 0.0, "ratio": 0.0}
     device = str(next(model.parameters()).device)
     # A run's learner set the size (training/learner.py); a direct call with it unset gets its model's device's.
     tokens = cfg.micro_batch_tokens or device_sizes(device).micro_batch_tokens
@@ -186,6 +194,7 @@ def accumulate_gradients(
         share = out.n_tokens / trained
         sums["pg"] += out.pg_loss.item()
         sums["kl"] += out.kl.item()
+        sums["lld"] += out.lld.item()
         sums["clip"] += out.clip_frac.item() * share
         sums["ratio"] += out.ratio_mean.item() * share
     if dp is not None:
@@ -235,15 +244,27 @@ def micro_batch_loss(
                 ref = batch_logprobs(ref_model, batch, temperature=cfg.sampling.temperature)
     return policy_loss(
         logprobs,
-        batch.old_logprobs,
+        old_logprobs(logprobs, batch),
         batch.advantages,
         batch.loss_mask,
         clip_eps_low=cfg.clip_eps_low,
         clip_eps_high=cfg.clip_eps_high,
         ref_logprobs=ref,
         kl_coef=cfg.kl_coef,
+        lld_coef=cfg.lld_coef,
         normalizer=n_tokens,
     )
+
+
+def old_logprobs(logprobs: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """The micro-batch's old log-probs [B, T]: the sampler's, but on an off-policy row (an expert's episode,
+    training/expert_mix.py) the trained policy's own, detached: ratio 1 on every token of it (one optimizer step a
+    batch), so the clip never applies and its gradient is A grad log p."""
+    old = cast(torch.Tensor, batch.old_logprobs)  # [B, T]
+    off = cast("torch.Tensor | None", batch.off_policy)  # [B]
+    if off is None or not bool(off.any()):
+        return old
+    return torch.where(off[:, None], logprobs.detach(), old)
 
 
 def _skip(reason: str, *, tokens_skipped: int = 0) -> UpdateStats:

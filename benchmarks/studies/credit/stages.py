@@ -149,7 +149,7 @@ async def branch_stage(
         mine = None if scored is None else {(0, i): turns for (h, i), turns in scored.items() if h == g}
         values, stats = await branch_values(
             [group], [task], policy=s.policy, tools=s.tools, tokenizer=s.tokenizer, cfg=cfg, step=g,
-            reward_of=rewarded(cfg.turn_rewards, cfg.reward_kind), chosen=mine,
+            reward_of=rewarded(cfg), chosen=mine,
         )  # fmt: skip
         episodes = [[dataclasses.asdict(v) for v in per_episode] for per_episode in values[0]]
         records.append({"group": g, "values": episodes, "stats": dataclasses.asdict(stats)})
@@ -171,7 +171,7 @@ async def matched_stage(
     rewards a line. Only the rewards are kept (outcome credit reads nothing else); episodes that failed as
     infrastructure are counted, not scored, and drawn again on the next run, as the truth's are."""
     have = {g: len(rewards) for g, rewards in matched_rewards(records.read()).items()}
-    reward_of = rewarded(s.cfg.turn_rewards, s.cfg.reward_kind)
+    reward_of = rewarded(s.cfg)
     for line in sorted(branch.read(), key=lambda r: r["group"]):
         g = line["group"]
         need = matched_episodes(groups[g], line["stats"]["sampled_tokens"]) - have.get(g, 0)
@@ -233,7 +233,7 @@ async def truth_stage(
     recorded with fewer gets the rest (a line of its own), so a study raises its replays without redoing any.
     Each state recorded prints a line: how far the stage is, and its sampling rate (a study runs for hours)."""
     have = replayed_so_far(records.read())
-    reward_of = rewarded(s.cfg.turn_rewards, s.cfg.reward_kind)
+    reward_of = rewarded(s.cfg)
     at_once = asyncio.Semaphore(max(1, s.cfg.max_concurrent_episodes // replays))
     needed = truth_states(groups, chosen)
     done = sum(have.get(st, 0) >= replays for st in needed)

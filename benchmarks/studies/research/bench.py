@@ -32,12 +32,13 @@ from pathlib import Path
 from benchmarks import ROOT
 from benchmarks.common.chunks import claim, folder_name, play_chunks, recorded
 from benchmarks.common.records import summary_path, write_summary
-from benchmarks.studies.research.records import record, supporting_pages
+from benchmarks.studies.research.records import record
 from benchmarks.studies.research.summary import format_table, paired, power, summarise
 from main_agent.types import Episode
 from training import tasks as task_data
 from training.evaluate import load_eval_config
 from training.metrics import load_episodes
+from training.rewards import supporting_pages
 from training.tasks import Task
 from training.tasks.corpus_qa import write_corpus
 

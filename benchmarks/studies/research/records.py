@@ -5,9 +5,10 @@ where it went wrong. Pure: a task, its episode and the text of its supporting pa
 
 Hop 1 and hop 2 are the question's two supporting pages: the pages of MuSiQue's decomposed hops in hop order,
 else HotpotQA's supporting titles in the order its supporting facts name them (for a bridge question usually,
-not always, the bridge page first). A page counts as read when a page_qa call came back ok with the page's file
-at the end of the URL it opened (as `training.evaluate.evidence_read`), and as shown when a search that came
-back ok listed it among its hits. The answer pages are the supporting pages whose text holds the gold answer
+not always, the bridge page first): `training.rewards.supporting_pages`. A page counts as read when a page_qa
+call came back ok with the page's file at the end of the URL it opened (`training.rewards.pages_read`, what
+training's evidence-recall reward counts), and as shown when a search that came back ok listed it among its
+hits. The answer pages are the supporting pages whose text holds the gold answer
 (`training.rewards.contains_evidence`); when none does (yes/no, or a gold worded otherwise than its page) both
 supporting pages are, and then both must be read.
 
@@ -36,13 +37,13 @@ greedy policy that repeats itself runs out of turns).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from conductor.answers import exact_match, token_f1
 from main_agent.types import Episode, ToolResult
 from subagents.page_qa import NOT_FOUND
 from training.evaluate import CALL_ERRORS
-from training.rewards import contains_evidence
+from training.rewards import contains_evidence, ending_with, pages_read, supporting_pages
 from training.step import turn_facts
 from training.tasks import Task
 
@@ -59,22 +60,8 @@ CATEGORIES = (
 """Every category, in the order they are checked (see the module docstring)."""
 
 
-def supporting_pages(task: Task) -> list[str]:
-    """The corpus file names of the supporting pages, hop 1 first (see the module docstring)."""
-    names = [path.rsplit("/", 1)[-1] for path in task.meta.page_paths]
-    if task.meta.hops:
-        return [names[page] for _, page in task.meta.hops]
-    by_title = dict(zip(task.meta.page_titles, names, strict=True))
-    return [by_title[title] for title in task.meta.supporting_titles if title in by_title]
-
-
 def _ok(episode: Episode, tool: str) -> list[ToolResult]:
     return [r for turn in episode.turns for r in turn.results if r.name == tool and r.ok]
-
-
-def _names(urls: Sequence[str], pages: Sequence[str]) -> set[str]:
-    """The pages of `pages` that some URL ends with (as "/<file name>")."""
-    return {page for page in pages if any(url.endswith("/" + page) for url in urls)}
 
 
 def _read_answers(episode: Episode) -> list[str]:
@@ -107,9 +94,8 @@ def record(task: Task, episode: Episode, *, pages: Mapping[str, str]) -> dict:
     """The record of `episode` played on `task`; `pages` maps each supporting page's file name to its text."""
     assert episode.task_id == task.task_id, f"episode of {episode.task_id} given task {task.task_id}"
     support = supporting_pages(task)
-    read_urls = [str((r.payload or {}).get("url", "")) for r in _ok(episode, "page_qa")]
     hits = [hit for r in _ok(episode, "search") for hit in (r.payload or {}).get("hits") or []]
-    read, shown = _names(read_urls, support), _names([str(h.get("url", "")) for h in hits], support)
+    read, shown = pages_read(episode, support), ending_with([str(h.get("url", "")) for h in hits], support)
     answer, gold = episode.answer, task.reference
     holding = [page for page in support if contains_evidence(pages[page], gold)]
     facts = {

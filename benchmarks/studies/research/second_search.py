@@ -25,11 +25,11 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common.records import summary_path, write_summary
-from benchmarks.studies.research.records import supporting_pages
 from tool_server.client import ToolClient
 from tool_server.embedded import ToolAccess
 from training import tasks as task_data
 from training.play import tool_session
+from training.rewards import supporting_pages
 from training.tasks import Task
 
 QUERIES = ("answer", "question+answer", "quote", "question+quote")
