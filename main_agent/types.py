@@ -108,7 +108,8 @@ class Turn:
     policy_s: float  # seconds spent generating this turn
     tools_s: float  # seconds spent waiting for this turn's tool calls
     exact: bool = True  # False: the sampler returned re-tokenised ids or lacked log-probs; never trained on
-    # False: a demonstration's deliberate mistake (training/sft.py): in the context, never a target
+    # False: in the context, never a target: a demonstration's deliberate mistake (training/sft.py), a near
+    # miss's replayed prefix (training/near_miss.py)
     trained: bool = True
     records: list[Record] = field(default_factory=list)  # items this turn recorded, in the order written
     prompt_ids: list[int] = field(
