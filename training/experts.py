@@ -26,6 +26,7 @@ from tool_server.client import ToolClient
 from training import tasks as task_data
 from training.play import play
 from training.tasks import Task
+from training.tasks.family import OracleReply
 
 
 class OraclePolicy:
@@ -39,7 +40,8 @@ class OraclePolicy:
     there, refused or leading nowhere), it makes that mistake with this probability (drawn from the task id, the
     turn and `seed`, so a rerun makes the same ones); the turn is marked untrained (`Sample.trained`): the
     demonstration shows the recovery from it, and never teaches the mistake. `chain=False` plays the family's
-    other plan where it has one (`Family.unchained_reply`, corpus_qa's; `SFTConfig.chain`).
+    other plan where it has one (`Family.unchained_reply`, corpus_qa's; `SFTConfig.chain`); `reply`, a plan a
+    study plays instead of the family's (corpus_qa.full_chain_reply for the answer-rule study).
     """
 
     def __init__(
@@ -51,10 +53,11 @@ class OraclePolicy:
         mistakes: float = 0.0,
         seed: int = 0,
         chain: bool = True,
+        reply: OracleReply | None = None,
     ) -> None:
         self.family = task_data.family_of(task)
         other = self.family.unchained_reply
-        self.reply = self.family.oracle_reply if chain or other is None else other
+        self.reply = reply or (self.family.oracle_reply if chain or other is None else other)
         self.task = task
         self.tokenizer = tokenizer
         self.trust_reference = trust_reference
@@ -105,12 +108,19 @@ async def play_experts(
     mistakes: float = 0.0,
     seed: int = 0,
     chain: bool = True,
+    reply: OracleReply | None = None,
 ) -> list[Episode]:
     """The oracle's episode of each task, in task order, whatever its outcome: one expert per task, watching its
-    own turns, at most `max_concurrent` in flight; `mistakes`, `seed` and `chain` as in `OraclePolicy`."""
+    own turns, at most `max_concurrent` in flight; `mistakes`, `seed`, `chain` and `reply` as in `OraclePolicy`."""
     experts = {
         t.task_id: OraclePolicy(
-            t, tokenizer, trust_reference=trust_reference, mistakes=mistakes, seed=seed, chain=chain
+            t,
+            tokenizer,
+            trust_reference=trust_reference,
+            mistakes=mistakes,
+            seed=seed,
+            chain=chain,
+            reply=reply,
         )
         for t in tasks
     }

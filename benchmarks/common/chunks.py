@@ -34,6 +34,7 @@ from training.experts import play_experts
 from training.metrics import load_episodes, mean, save_rollouts
 from training.play import tool_session
 from training.tasks import Task
+from training.tasks.family import OracleReply
 
 EXPERT = "expert"
 """The policy name that plays the scripted expert of each task's family: what its demonstrations reach on tasks
@@ -68,13 +69,22 @@ def claim(folder: Path, policy: str, sets: Sequence[str]) -> None:
     path.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
 
 
-def play_chunks(chunks: Sequence[tuple[str, list[Task]]], folder: Path, *, cfg: EvalConfig) -> None:
-    """Play every chunk in one tool session (`cfg.tools`), writing each as it finishes (the module docstring)."""
+def play_chunks(
+    chunks: Sequence[tuple[str, list[Task]]],
+    folder: Path,
+    *,
+    cfg: EvalConfig,
+    plan: OracleReply | None = None,
+) -> None:
+    """Play every chunk in one tool session (`cfg.tools`), writing each as it finishes (the module docstring);
+    `plan`: the plan the EXPERT plays instead of each family's own (`training.experts.OraclePolicy`)."""
     if chunks:
-        asyncio.run(_play(chunks, folder, cfg=cfg))
+        asyncio.run(_play(chunks, folder, cfg=cfg, plan=plan))
 
 
-async def _play(chunks: Sequence[tuple[str, list[Task]]], folder: Path, *, cfg: EvalConfig) -> None:
+async def _play(
+    chunks: Sequence[tuple[str, list[Task]]], folder: Path, *, cfg: EvalConfig, plan: OracleReply | None
+) -> None:
     pending = [t for _, c in chunks for t in c]
     with tempfile.TemporaryDirectory(prefix="bench-chunks-") as work:
         session = tool_session(pending, work_dir=Path(work), access=cfg.tools, data_dir=cfg.run.data_dir)
@@ -82,7 +92,8 @@ async def _play(chunks: Sequence[tuple[str, list[Task]]], folder: Path, *, cfg: 
             by_id = {t.task_id: t for t in ready}
             for name, tasks in chunks:
                 start, partial = time.monotonic(), folder / f"{name}.partial"
-                success, reward = await play_chunk([by_id[t.task_id] for t in tasks], tools, cfg, partial)
+                played = [by_id[t.task_id] for t in tasks]
+                success, reward = await play_chunk(played, tools, cfg, partial, plan=plan)
                 partial.replace(folder / f"{name}.episodes.jsonl")  # a chunk counts once all of it is on disk
                 took = time.monotonic() - start
                 print(
@@ -91,14 +102,16 @@ async def _play(chunks: Sequence[tuple[str, list[Task]]], folder: Path, *, cfg: 
                 )
 
 
-async def play_chunk(tasks: list[Task], tools: ToolClient, cfg: EvalConfig, out: Path) -> tuple[float, float]:
-    """Play `tasks` (the policy `cfg.run.policy`, or the scripted experts for EXPERT) into `out`; their success
-    rate and mean reward by each family's own scoring."""
+async def play_chunk(
+    tasks: list[Task], tools: ToolClient, cfg: EvalConfig, out: Path, *, plan: OracleReply | None = None
+) -> tuple[float, float]:
+    """Play `tasks` (the policy `cfg.run.policy`, or the scripted experts for EXPERT, playing `plan` where given)
+    into `out`; their success rate and mean reward by each family's own scoring."""
     if cfg.run.policy != EXPERT:
         report = await evaluate(tasks, tools=tools, cfg=cfg, episodes_out=out)
         return report.success_rate, report.mean_reward
     episodes = await play_experts(
-        tasks, tools, _tokenizer(), rollout=cfg.rollout, max_concurrent=EXPERT_CONCURRENCY
+        tasks, tools, _tokenizer(), rollout=cfg.rollout, max_concurrent=EXPERT_CONCURRENCY, reply=plan
     )
     save_rollouts(out, episodes)
     played = list(zip(tasks, episodes, strict=True))

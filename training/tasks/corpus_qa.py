@@ -189,6 +189,27 @@ def _chained(task: Task, turns: list[Turn], trust_reference: bool) -> str:
     return answer_text(task.reference if trust_reference else _first_useful(turns))
 
 
+def full_chain_reply(task: Task, turns: list[Turn], *, trust_reference: bool) -> str:
+    """The chain before v25, for the answer-rule study (benchmarks/studies/research/answer_rule.py), which scores
+    every rule on the same reads: search(q) -> page_qa(top hit, q) -> search(q + that answer) -> page_qa(the two
+    best unread hits, q) -> answer (`_first_useful`), whatever the first read said. Not a demonstration plan: by
+    `_first_useful` its answers are `oracle_reply`'s, with more calls."""
+    if task.meta.hops or len(task.meta.supporting_titles) < 2:
+        return oracle_reply(task, turns, trust_reference=trust_reference)
+    question, n = task.question, len(turns)
+    if n == 0:
+        return call_text("search", query=question)
+    if n == 2:
+        first = _read_answer(turns[1])
+        return call_text("search", query=question if first == NO_ANSWER else f"{question} {first}")
+    if n in (1, 3):
+        hits = [handle for handle, _ in _hits(turns[-1]) if handle not in _read_handles(turns)]
+        pages = hits[:1] if n == 1 else hits[:CHAIN_READS]
+        if pages:
+            return "\n".join(call_text("page_qa", url=page, question=question) for page in pages)
+    return answer_text(task.reference if trust_reference else _first_useful(turns))
+
+
 def _read_handles(turns: list[Turn]) -> set[str]:
     """The handles page_qa was called on so far."""
     return {str(call.arguments.get("url")) for turn in turns for call in turn.calls if call.name == "page_qa"}

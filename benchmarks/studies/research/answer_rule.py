@@ -1,10 +1,10 @@
 """Which read a chained question's answer comes from: answer rules scored on every expert episode, unfiltered.
 
     OMP_NUM_THREADS=1 python -m benchmarks.studies.research.answer_rule --start 240 --n 96
-        # -> results/research/answer_rule/summary.json; episodes in runs/bench_research/expert-train/
+        # -> results/research/answer_rule/summary.json; episodes in runs/bench_research/expert-train-full-chain/
 
-corpus_qa's chained expert (search, read the top hit, search again with what it answered, read the two best
-unread hits) plays corpus_qa **train** questions start..start+n through the real tools in this process, and every
+corpus_qa's chained expert as it was before v25 (`corpus_qa.full_chain_reply`: search, read the top hit, search
+again with what it answered, read the two best unread hits, whatever the first read said) plays corpus_qa **train** questions start..start+n through the real tools in this process, and every
 episode is kept, right or wrong: the rule is chosen here, and dev reports it through the policies (bench.py).
 Demonstrations are a biased sample for this choice: SFT keeps only the questions the expert got right, so their
 reads show the gold far more often than a policy's will. Questions 0-239 are the recipe's demonstrations
@@ -36,6 +36,7 @@ from conductor.answers import exact_match, token_f1
 from main_agent.types import Episode, Turn
 from training import tasks as task_data
 from training.evaluate import load_eval_config
+from training.tasks import corpus_qa
 from training.tasks.task import NO_ANSWER, payload_field
 
 FAMILY, SPLIT = "corpus_qa", "train"
@@ -97,7 +98,9 @@ def main() -> None:
     )
     parser.add_argument("--n", type=int, default=96, help="questions from --start")
     parser.add_argument("--recorded", action="store_true", help="score what is recorded; play nothing")
-    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_research" / "expert-train")
+    parser.add_argument(
+        "--work", type=Path, default=ROOT / "runs" / "bench_research" / "expert-train-full-chain"
+    )
     parser.add_argument("--out", type=Path, default=summary_path("research", "answer_rule"))
     args = parser.parse_args()
     every = task_data.load_family(FAMILY, SPLIT)
@@ -112,7 +115,8 @@ def main() -> None:
         cfg = load_eval_config(
             None, [f"policy={json.dumps(EXPERT)}", f"task={FAMILY}", f"split={SPLIT}", *SETS]
         )
-        play_chunks([(f"q{p[0][0]:04d}+{len(p)}", [t for _, t in p]) for p in parts], args.work, cfg=cfg)
+        named = [(f"q{p[0][0]:04d}+{len(p)}", [t for _, t in p]) for p in parts]
+        play_chunks(named, args.work, cfg=cfg, plan=corpus_qa.full_chain_reply)
     episodes = recorded(args.work)
     played = [(t.reference, episodes[t.task_id]) for t in tasks if t.task_id in episodes]
     scores = score(played)
