@@ -40,8 +40,10 @@ class Pool:
 
 
 POOLS: dict[Kind, Pool] = {
-    # Extracting a page's text (HTML, PDF): up to a few seconds for a large page, bounded by documents.py.
-    "documents": Pool(threads=2, queue=4),
+    # Extracting a page's text (HTML, PDF): up to a few seconds for a large page, bounded by documents.py. Room for
+    # every page_qa call the server admits at once (its max_concurrency, 8) and two more: with a queue of 4, an
+    # evaluation of 8 episodes reading two hits a turn had page_qa calls refused `overloaded` under normal load.
+    "documents": Pool(threads=2, queue=8),
     # Decoding, transforming, finding and reading text in images: tens to hundreds of ms each, bounded by the pixel
     # caps; a plate episode makes several a turn, so more may wait.
     "images": Pool(threads=2, queue=8),

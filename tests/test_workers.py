@@ -95,3 +95,13 @@ async def test_a_call_cancelled_while_queued_never_runs(small_pool: threading.Ev
     small_pool.set()
     assert await running
     assert ran == [] and queued.cancelled()
+
+
+def test_the_documents_pool_holds_every_page_qa_call_the_server_admits():
+    """Normal load is never refused: the page_qa calls the server admits at once (its default max_concurrency)
+    fit the documents pool's threads and queue, so `overloaded` means more than the server itself lets in."""
+    from subagents.workers import POOLS
+    from tool_server.config import default_tools
+
+    pool = POOLS["documents"]
+    assert default_tools()["page_qa"].limits.max_concurrency <= pool.threads + pool.queue
