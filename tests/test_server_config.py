@@ -17,23 +17,23 @@ from tool_server.config import ServerConfig, ToolLimits, load_config, parse_conf
 
 
 def test_no_file_means_defaults() -> None:
-    """Without a file page_qa reads with the default reader, every other sub-agent gets the built-in SmolLM2, and
-    the server binds loopback."""
+    """Without a file every sub-agent runs on the default reader (one model in memory), and the server binds
+    loopback."""
     cfg = load_config(None)
     assert cfg == ServerConfig()
     assert cfg.host == "127.0.0.1"
     assert cfg.tools["page_qa"].model == BackendConfig(model=DEFAULT_READER)
-    assert {cfg.tools[n].model.model for n in SUBAGENTS if n != "page_qa"} == {"smollm2-135m-instruct"}
+    assert {cfg.tools[n].model.model for n in SUBAGENTS} == {DEFAULT_READER}
 
 
 def test_a_page_qa_model_table_starts_from_the_default_reader(tmp_path: Path) -> None:
     """`[page_qa.model]` keys change what they name and keep the rest of the default reader's settings (its
-    model); another tool's table starts from BackendConfig's defaults."""
+    model); so does another tool's table, from that tool's default (the same reader)."""
     path = tmp_path / "server.toml"
     path.write_text("[page_qa.model]\nmax_new_tokens = 32\n[video_summary.model]\nmax_new_tokens = 64\n")
     cfg = load_config(path)
     assert cfg.tools["page_qa"].model == BackendConfig(model=DEFAULT_READER, max_new_tokens=32)
-    assert cfg.tools["video_summary"].model == BackendConfig(max_new_tokens=64)
+    assert cfg.tools["video_summary"].model == BackendConfig(model=DEFAULT_READER, max_new_tokens=64)
 
 
 def test_toml_sections_fill_typed_fields(tmp_path: Path) -> None:
@@ -54,7 +54,7 @@ def test_toml_sections_fill_typed_fields(tmp_path: Path) -> None:
     assert (cfg.tools["page_qa"].model.backend, cfg.tools["page_qa"].model.model) == ("openai", "served")
     assert cfg.tools["page_qa"].limits == ToolLimits(max_concurrency=2, queue_timeout_s=5.0)
     assert cfg.tools["search"].config.corpus_dir == "docs"
-    assert cfg.tools["image_ops"].model == BackendConfig()
+    assert cfg.tools["image_ops"].model == BackendConfig(model=DEFAULT_READER)
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from mcp.types import TextContent
 from PIL import Image
 from pydantic import BaseModel, Field
 
-from conductor.models import DEFAULT_MODEL, DEFAULT_READER
+from conductor.models import DEFAULT_READER
 from main_agent.rollout import RolloutConfig, RolloutTask, rollout
 from subagents import SUBAGENTS
 from subagents.common import Files
@@ -109,7 +109,7 @@ async def test_call_returns_response_and_observation() -> None:
     body = reply.json()
     assert reply.status_code == 200
     assert (body["ok"], body["echo"], body["session"]) == (True, "hi", "ep7")
-    assert body["observation"] == "hi (by fake:smollm2-135m-instruct)"
+    assert body["observation"] == f"hi (by fake:{DEFAULT_READER})"
     assert body["latency_ms"] > 0
 
 
@@ -250,7 +250,7 @@ async def test_metrics_reflect_counts_errors_and_cache_hits() -> None:
         page_qa["latency_ms"]["window"] == 4 and page_qa["latency_ms"]["p95"] >= page_qa["latency_ms"]["p50"]
     )
     assert (page_qa["queue_depth"], page_qa["in_flight"]) == (0, 0)
-    assert health["status"] == "ok" and health["models"]["search"] == "fake:smollm2-135m-instruct"
+    assert health["status"] == "ok" and health["models"]["search"] == f"fake:{DEFAULT_READER}"
 
 
 async def test_unknown_image_is_404() -> None:
@@ -260,14 +260,12 @@ async def test_unknown_image_is_404() -> None:
 
 
 async def test_shared_backend_config_builds_one_model() -> None:
-    """Tools with equal BackendConfigs share one LLM (one model in memory): by default page_qa's reader and one
-    model every other tool shares; each is closed at shutdown."""
+    """Tools with equal BackendConfigs share one LLM (one model in memory): by default every tool names the
+    default reader, so one model is built; it is closed at shutdown."""
     factory = FakeFactory()
     app = create_app(make_config(), subagents=fake_subagents(Counter()), llm_factory=factory)
     async with running(app):
-        assert sorted(llm.model_id for llm in factory.built) == sorted(
-            [f"fake:{DEFAULT_READER}", f"fake:{DEFAULT_MODEL}"]
-        )
+        assert [llm.model_id for llm in factory.built] == [f"fake:{DEFAULT_READER}"]
         assert not any(llm.closed for llm in factory.built)
     assert all(llm.closed for llm in factory.built)
 
